@@ -1,0 +1,5 @@
+import sys
+
+from fa_verify.cli.main import main
+
+sys.exit(main())

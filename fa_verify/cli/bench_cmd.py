@@ -1,0 +1,37 @@
+"""`fa_verify bench oracle`: print timing ratios measured in one run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks, as ratios against a baseline in the same run",
+                           description="Benchmarks. Every figure is a ratio against a baseline "
+                                       "timed in the same run (shared machines are noisy).")
+    targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
+    oracle = targets.add_parser(
+        "oracle", help="certified reference vs plain float64 numpy attention",
+        description="Times the certified reference against plain float64 numpy attention "
+                    "(B=H=1, D=128, fp16 inputs), prints the ratio and the largest certified "
+                    "bound relative to the row scale, and the pure-mpmath time at a small N. "
+                    "Exits 1 if the ratio exceeds 3 or a bound exceeds 1e-12.")
+    oracle.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096], metavar="N",
+                        help="sequence lengths (Nq = Nk) to time (default: 1024 4096)")
+    oracle.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    oracle.add_argument("--repeats", type=int, default=3, help="best of this many runs (default 3)")
+    oracle.add_argument("--mpmath-n", type=int, default=64,
+                        help="N for the pure-mpmath timing (default 64)")
+    oracle.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    oracle.set_defaults(handler=_run_oracle)
+
+
+def _run_oracle(args) -> int:
+    from fa_verify.bench import oracle
+
+    result = oracle.run(sizes=args.sizes, head_dim=args.head_dim, repeats=args.repeats,
+                        mpmath_n=args.mpmath_n,
+                        progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(json.dumps(result, indent=2) if args.json else oracle.format_text(result))
+    return 0 if result["meets_target"] else 1
