@@ -1,0 +1,133 @@
+"""The backend protocol: what every attention implementation under test looks like to fa_verify.
+
+A backend has a name, the dtypes it runs, the precision model it claims per dtype, whether it
+can run here (and why not), whether it can run a given problem (and why not), and
+`run(problem) -> (out, lse | None)`. `Backend.run` checks availability and support, calls the
+subclass's `_run`, and validates what came back, so no backend skips the output checks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
+from fa_verify.errors import (
+    BackendOutputError,
+    BackendUnavailableError,
+    InvalidArgumentError,
+)
+from fa_verify.precision import PrecisionModel
+from fa_verify.problem import AttentionProblem
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run on this machine; `reason` says why not (empty when it can)."""
+
+    available: bool
+    reason: str = ""
+
+
+AVAILABLE = Availability(True)
+
+
+class Backend(ABC):
+    """An attention implementation: metadata plus `run(problem) -> (out, lse | None)`."""
+
+    #: Unique name, used on the command line and in records.
+    name: str
+    #: Problem dtypes it runs, a subset of DTYPE_NAMES.
+    dtypes: tuple[str, ...] = DTYPE_NAMES
+    #: Known deviations from its precision model or from fa_verify's conventions, for the table.
+    notes: str = ""
+
+    @abstractmethod
+    def precision(self, dtype) -> PrecisionModel:
+        """The precision model this backend claims for inputs of `dtype`."""
+
+    def availability(self) -> Availability:
+        return AVAILABLE
+
+    def supports(self, problem: AttentionProblem) -> str | None:
+        """None if the backend can run `problem`, else the reason it cannot."""
+        if problem.dtype not in self.dtypes:
+            return f"{self.name} does not run dtype={problem.dtype} (it runs {', '.join(self.dtypes)})"
+        return None
+
+    def run(self, problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray | None]:
+        """out [B,H,Nq,D] in the precision model's output dtype, and LSE float32 [B,H,Nq] or None."""
+        availability = self.availability()
+        if not availability.available:
+            raise BackendUnavailableError(f"backend {self.name!r} is unavailable: {availability.reason}")
+        reason = self.supports(problem)
+        if reason is not None:
+            raise InvalidArgumentError(
+                f"backend {self.name!r} cannot run {problem.describe()}: {reason}")
+        out, lse = self._run(problem)
+        check_output(self.name, problem, out, lse, self.precision(problem.dtype).output)
+        return out, lse
+
+    @abstractmethod
+    def _run(self, problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray | None]:
+        """Compute (out, lse | None); `run` has checked availability and support."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+def check_output(name: str, problem: AttentionProblem, out, lse, out_dtype,
+                 layout: str = "bhsd") -> None:
+    """Raise BackendOutputError unless out / lse have the shapes and dtypes the protocol fixes.
+
+    `layout` only changes the expected shape of `out` ("bshd": [B, Nq, H, D]); LSE is always
+    [B, H, Nq] float32. Values are not checked: NaN or wrong numbers are findings, not misuse.
+    """
+    B, H, Nq, D = problem.out_shape
+    out_shape = (B, Nq, H, D) if layout == "bshd" else (B, H, Nq, D)
+    out_dtype = numpy_dtype(out_dtype)
+    if not isinstance(out, np.ndarray):
+        raise BackendOutputError(
+            f"backend {name!r} returned out of type {type(out).__name__}; expected a numpy array")
+    if out.shape != out_shape or out.dtype != out_dtype:
+        raise BackendOutputError(
+            f"backend {name!r} returned out with shape={out.shape} dtype={_dtype_label(out.dtype)}; "
+            f"expected shape={out_shape} ([{','.join(layout.upper())}]) dtype={dtype_name(out_dtype)} "
+            f"for {problem.describe()}")
+    if lse is None:
+        return
+    if not isinstance(lse, np.ndarray):
+        raise BackendOutputError(
+            f"backend {name!r} returned lse of type {type(lse).__name__}; expected a numpy array or None")
+    if lse.shape != (B, H, Nq) or lse.dtype != np.float32:
+        raise BackendOutputError(
+            f"backend {name!r} returned lse with shape={lse.shape} dtype={_dtype_label(lse.dtype)}; "
+            f"expected shape={(B, H, Nq)} ([B,H,Nq]) dtype=fp32 for {problem.describe()}")
+
+
+def _dtype_label(dtype: np.dtype) -> str:
+    try:
+        return dtype_name(dtype)
+    except InvalidArgumentError:
+        return str(dtype)
+
+
+def parse_precision(spec: str, dtype) -> PrecisionModel:
+    """PrecisionModel.parse, with errors that name the `precision` argument."""
+    try:
+        return PrecisionModel.parse(spec, dtype)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"precision={spec!r}: {exc}") from None
+
+
+def grouped(problem: AttentionProblem, work: np.dtype):
+    """q as [B, Hkv, G, Nq, D] and k, v as [B, Hkv, 1, Nk, D] in the float dtype `work`.
+
+    Query head h = kv_head * G + g reads kv head h // G; broadcasting over the G axis gives
+    GQA without copying k and v. Reshape results [B, Hkv, G, ...] back to [B, H, ...].
+    """
+    B, H, Nq, D = problem.q.shape
+    q = problem.q.astype(work).reshape(B, problem.kv_heads, problem.group_size, Nq, D)
+    return q, problem.k.astype(work)[:, :, None], problem.v.astype(work)[:, :, None]

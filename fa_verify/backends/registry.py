@@ -1,0 +1,46 @@
+"""The built-in backends by name, and the table `fa_verify backends` prints."""
+
+from __future__ import annotations
+
+from fa_verify.backends.base import Backend
+from fa_verify.backends.naive import NaiveBackend
+from fa_verify.backends.numpy_tiled import NumpyTiledBackend
+from fa_verify.backends.torch_sdpa import TorchSdpaBackend
+from fa_verify.errors import InvalidArgumentError
+
+#: One factory per built-in backend, listed whether or not it can run here; add a line to add one.
+_BUILTINS = (
+    NumpyTiledBackend,
+    lambda: NaiveBackend("same-precision"),
+    lambda: NaiveBackend("fp32"),
+    lambda: TorchSdpaBackend("math"),
+    lambda: TorchSdpaBackend("flash-cpu"),
+)
+
+
+def builtin_backends() -> list[Backend]:
+    """Every built-in backend, available or not (check `availability()` before running one)."""
+    return [make() for make in _BUILTINS]
+
+
+def get_backend(name: str) -> Backend:
+    backends = {backend.name: backend for backend in builtin_backends()}
+    if name not in backends:
+        raise InvalidArgumentError(f"backend={name!r} is unknown; built-in backends: {', '.join(backends)}")
+    return backends[name]
+
+
+def backend_table() -> list[dict]:
+    """One JSON-ready row per built-in backend: availability, dtypes, precision per dtype, notes."""
+    rows = []
+    for backend in builtin_backends():
+        availability = backend.availability()
+        rows.append({
+            "name": backend.name,
+            "available": availability.available,
+            "reason": availability.reason,
+            "dtypes": list(backend.dtypes),
+            "precision": {dtype: backend.precision(dtype).as_dict() for dtype in backend.dtypes},
+            "notes": backend.notes,
+        })
+    return rows

@@ -1,0 +1,233 @@
+"""Problem shapes: `Shape` and the `shapes()` strategy.
+
+Shapes are built *within* their bounds rather than filtered: each dimension is drawn with a
+cap that leaves room for the ones still to come, so that B*H*Nq*Nk*D <= max_work always holds
+and no example is thrown away. The dimensions are drawn in a random order (head dim, sequence
+lengths and heads; batch last) so that no one of them is always squeezed by the work bound.
+
+Interesting values are favoured: for sequence lengths 1, small primes and tile boundaries
+t-1, t, t+1 (t = 16, 32, ..., 1024), with Nq == Nk, Nq < Nk and Nq > Nk; for heads MHA, GQA
+and MQA; for head dims the common ones (64, 128, ...) and odd ones (1, 3, 31, 33, 63, 127, ...).
+An arbitrary in-bounds integer is always possible too, so nothing in range is unreachable.
+Everything shrinks towards B = H = Hkv = Nq = Nk = D = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from fa_verify.errors import InvalidArgumentError
+from fa_verify.strategies._validation import check_bool, check_int
+
+#: Default bound on B*H*Nq*Nk*D: small enough for an mpmath oracle and a slow backend.
+DEFAULT_MAX_WORK = 200_000
+
+#: Small primes favoured as sequence lengths (filtered by the bounds).
+SMALL_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61,
+                67, 97, 127, 131, 251, 257, 509, 521, 1021)
+
+#: Tile sizes whose boundaries t-1, t, t+1 are favoured as sequence lengths.
+TILE_SIZES = (16, 32, 64, 128, 256, 512, 1024)
+
+#: Head dims favoured: the common ones and odd ones around them (filtered by the bounds).
+COMMON_HEAD_DIMS = (1, 3, 8, 16, 31, 32, 33, 63, 64, 80, 96, 127, 128, 160, 192, 255, 256)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The shape of an attention problem: q [B, H, Nq, D], k and v [B, Hkv, Nk, D]."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    nq: int
+    nk: int
+    head_dim: int
+
+    def __post_init__(self):
+        for field in ("batch", "heads", "kv_heads", "nq", "nk", "head_dim"):
+            object.__setattr__(self, field, check_int(f"Shape.{field}", getattr(self, field)))
+        if self.heads % self.kv_heads:
+            raise InvalidArgumentError(
+                f"Shape.heads={self.heads!r} must be divisible by Shape.kv_heads={self.kv_heads!r} "
+                "(MHA: equal, GQA: a multiple, MQA: kv_heads=1)"
+            )
+
+    @classmethod
+    def coerce(cls, value) -> "Shape":
+        """A Shape, or a 6-tuple (batch, heads, kv_heads, nq, nk, head_dim)."""
+        if isinstance(value, cls):
+            return value
+        try:
+            fields = tuple(value)
+        except TypeError:
+            fields = ()
+        if len(fields) != 6:
+            raise InvalidArgumentError(
+                f"shape={value!r} must be a Shape or a tuple (batch, heads, kv_heads, nq, nk, head_dim)"
+            )
+        return cls(*fields)
+
+    @classmethod
+    def of(cls, problem) -> "Shape":
+        """The shape of an AttentionProblem."""
+        return cls(problem.batch, problem.heads, problem.kv_heads, problem.nq, problem.nk,
+                   problem.head_dim)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (1: MHA; heads: MQA)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def q_shape(self) -> tuple:
+        return (self.batch, self.heads, self.nq, self.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple:
+        return (self.batch, self.kv_heads, self.nk, self.head_dim)
+
+    @property
+    def work(self) -> int:
+        """B*H*Nq*Nk*D: the multiply-adds of one of the two products q·kᵀ and P·v."""
+        return self.batch * self.heads * self.nq * self.nk * self.head_dim
+
+    def __str__(self) -> str:
+        return (f"B={self.batch} H={self.heads} Hkv={self.kv_heads} "
+                f"Nq={self.nq} Nk={self.nk} D={self.head_dim}")
+
+
+def favoured_seq_lengths(cap: int) -> tuple:
+    """The favoured sequence lengths <= cap: 1, tile boundaries, small primes, and cap itself."""
+    return tuple(sorted({v for v in (1, cap, *_TILE_EDGES, *SMALL_PRIMES) if 1 <= v <= cap}))
+
+
+_TILE_EDGES = tuple(sorted({n for t in TILE_SIZES for n in (t - 1, t, t + 1)}))
+
+# How the draws below stay shrinkable: every cap depends on dimensions drawn earlier. A strategy
+# whose *structure* follows the cap (sampled_from a list that shrinks to one element, one_of
+# losing a branch) changes how many choices are read, so shrinking an earlier dimension would
+# misalign the later ones and the shrinker stalls. So each draw reads the same choices whatever
+# the cap: integers whose bounds move (one choice either way), and indices into fixed lists,
+# mapped monotonically into range (choice 0 is always the smallest value, so everything still
+# shrinks towards 1).
+
+
+def _favoured(draw, values: tuple, cap: int) -> int:
+    """One of the sorted `values` (values[0] <= cap); one above cap becomes the largest <= cap."""
+    v = values[draw(st.integers(0, len(values) - 1))]
+    return v if v <= cap else max(x for x in values if x <= cap)
+
+
+def _seq_len(draw, cap: int) -> int:
+    """A sequence length in [1, cap]: 1, a tile edge, a small prime, any, or cap itself."""
+    kind = draw(st.integers(0, 4))
+    if kind == 0:
+        return 1
+    if kind == 1:
+        return _favoured(draw, (1, *_TILE_EDGES), cap)
+    if kind == 2:
+        return _favoured(draw, (1, *SMALL_PRIMES), cap)
+    if kind == 3:
+        return draw(st.integers(1, cap))
+    return cap
+
+
+def _head_dim(draw, cap: int, head_dims) -> int:
+    if head_dims is not None:
+        return _favoured(draw, head_dims, cap)
+    if draw(st.booleans()):
+        return draw(st.integers(1, cap))
+    return _favoured(draw, COMMON_HEAD_DIMS, cap)
+
+
+def _seq_lengths(draw, cap: int, max_seq: int) -> tuple:
+    """(nq, nk) with nq*nk <= cap: equal, or one drawn first and the other within what is left."""
+    how = draw(st.sampled_from(("equal", "q_first", "k_first")))
+    if how == "equal":
+        n = _seq_len(draw, min(max_seq, math.isqrt(cap)))
+        return n, n
+    first = _seq_len(draw, min(max_seq, cap))
+    second = _seq_len(draw, min(max_seq, cap // first))
+    return (first, second) if how == "q_first" else (second, first)
+
+
+def _heads(draw, cap: int, gqa: bool) -> tuple:
+    """(heads, kv_heads) with heads <= cap: MHA, and with gqa also MQA (Hkv=1) and GQA
+    (1 < Hkv < H); a kind that does not fit under cap falls back to the next simpler one."""
+    kind = draw(st.sampled_from(("mha", "mqa", "gqa"))) if gqa else "mha"
+    if kind == "gqa":
+        kv_choice, group_choice = draw(st.integers(0, cap)), draw(st.integers(0, cap))
+        if cap >= 4:
+            kv = 2 + kv_choice % (cap // 2 - 1)
+            return kv * (2 + group_choice % (cap // kv - 1)), kv
+        kind = "mqa"
+    h = draw(st.integers(1, cap))
+    if kind == "mqa" and cap >= 2:
+        return max(h, 2), 1
+    return h, h
+
+
+@st.composite
+def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, max_work):
+    got = {}
+    min_d = head_dims[0] if head_dims is not None else 1
+
+    def left() -> int:
+        """The cap for the next dimension: the work left, keeping room for the smallest D."""
+        reserve = 1 if "d" in got else min_d
+        return max_work // (math.prod(got.values()) * reserve)
+
+    for group in draw(st.permutations(("head_dim", "seq", "heads"))):
+        if group == "head_dim":
+            cap = min(max_head_dim, max_work // math.prod(got.values()))
+            got["d"] = _head_dim(draw, cap, head_dims)
+        elif group == "seq":
+            got["nq"], got["nk"] = _seq_lengths(draw, left(), max_seq)
+        else:
+            got["h"], kv_heads = _heads(draw, min(max_heads, left()), gqa)
+    batch = draw(st.integers(1, min(max_batch, left())))
+    return Shape(batch, got["h"], kv_heads, got["nq"], got["nk"], got["d"])
+
+
+def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_dim: int = 128,
+           head_dims=None, gqa: bool = True, max_work: int = DEFAULT_MAX_WORK):
+    """Strategy for `Shape` with every bound respected by construction.
+
+    max_batch, max_heads, max_seq, max_head_dim: upper bounds of B, H (query heads), Nq and Nk,
+        and D. All >= 1.
+    head_dims: if given, D is drawn from these values only (each must be <= max_head_dim and
+        <= max_work); otherwise D favours COMMON_HEAD_DIMS and may be any integer in range.
+    gqa: if True, H is a multiple of Hkv (MHA, GQA, MQA); if False, Hkv == H (MHA only).
+    max_work: bound on B*H*Nq*Nk*D, the size of one attention product. The default (2e5) keeps
+        an mpmath oracle and slow backends at around a second per example; raise it together
+        with max_seq for longer sequences.
+    """
+    max_batch = check_int("max_batch", max_batch)
+    max_heads = check_int("max_heads", max_heads)
+    max_seq = check_int("max_seq", max_seq)
+    max_head_dim = check_int("max_head_dim", max_head_dim)
+    gqa = check_bool("gqa", gqa)
+    max_work = check_int("max_work", max_work)
+    if head_dims is not None:
+        if isinstance(head_dims, int) and not isinstance(head_dims, bool):
+            head_dims = (head_dims,)
+        try:
+            head_dims = tuple(head_dims)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"head_dims={head_dims!r} must be None or a sequence of integers >= 1"
+            ) from None
+        if not head_dims:
+            raise InvalidArgumentError(f"head_dims={head_dims!r} must hold at least one head dim, or be None")
+        head_dims = tuple(sorted({check_int("head_dims[...]", d) for d in head_dims}))
+        too_big = [d for d in head_dims if d > min(max_head_dim, max_work)]
+        if too_big:
+            raise InvalidArgumentError(
+                f"head_dims={head_dims!r} holds {too_big!r} > max_head_dim={max_head_dim!r} "
+                f"or max_work={max_work!r}; raise max_head_dim (and max_work) or drop them"
+            )
+    return _shapes(max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, max_work)
