@@ -61,8 +61,9 @@ def finfo(dtype):
 
 
 def round_to(x, dtype) -> np.ndarray:
-    """Round float64 values to `dtype` (nearest-even) and return them in that dtype."""
-    return np.asarray(x, dtype=np.float64).astype(numpy_dtype(dtype))
+    """Round float64 values to `dtype` (nearest-even; beyond the range, inf, as on the GPU)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, dtype=np.float64).astype(numpy_dtype(dtype))
 
 
 def round_trip(x, dtype) -> np.ndarray:

@@ -33,7 +33,8 @@ def naive_attention(problem: AttentionProblem, precision: PrecisionModel) -> tup
     work = np.dtype(np.float64 if "fp64" in stages else np.float32)
 
     def rounded(x, stage):
-        return x.astype(numpy_dtype(stage)).astype(work, copy=False)
+        with np.errstate(over="ignore"):  # overflow to inf is what a 16-bit stage does
+            return x.astype(numpy_dtype(stage)).astype(work, copy=False)
 
     score = precision.score_accumulation
     q, k, v = grouped(problem, work)

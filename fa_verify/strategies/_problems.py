@@ -56,7 +56,8 @@ def causal_modes(non_causal: bool = True, alignments=CAUSAL_ALIGNMENTS):
     non-causal, then bottom-right (FlashAttention >= 2.1) before top-left (torch SDPA).
     """
     non_causal = check_bool("non_causal", non_causal)
-    alignments = check_names("alignments", alignments, CAUSAL_ALIGNMENTS, "causal alignment")
+    alignments = check_names("alignments", alignments, CAUSAL_ALIGNMENTS, "causal alignment",
+                             allow_empty=non_causal)
     modes = ([(False, "bottom-right")] if non_causal else []) + [(True, a) for a in alignments]
     return st.sampled_from(modes)
 

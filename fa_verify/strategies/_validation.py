@@ -52,8 +52,9 @@ def check_dtype(name: str, value) -> str:
     return canonical
 
 
-def check_names(name: str, values, known, what: str) -> tuple:
-    """A non-empty sequence of names drawn from `known`, duplicates removed, order kept."""
+def check_names(name: str, values, known, what: str, allow_empty: bool = False) -> tuple:
+    """A sequence of names drawn from `known` (non-empty unless allowed), duplicates removed,
+    order kept."""
     if isinstance(values, str):
         values = (values,)
     try:
@@ -62,7 +63,7 @@ def check_names(name: str, values, known, what: str) -> tuple:
         raise InvalidArgumentError(
             f"{name}={values!r} must be a sequence of {what} names from {tuple(known)}"
         ) from None
-    if not values:
+    if not values and not allow_empty:
         raise InvalidArgumentError(f"{name}={values!r} must name at least one {what}")
     unknown = [v for v in values if v not in known]
     if unknown:

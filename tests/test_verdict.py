@@ -1,0 +1,361 @@
+"""Verdicts on real outputs: correct kernels pass, seeded bugs fail and the message names the
+rule; shape, finite, masked-row and baseline rules; message and record formats."""
+
+import json
+import re
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from fa_verify import AttentionMismatch, AttentionProblem, InvalidArgumentError, PrecisionModel
+from fa_verify.backends import naive_attention, tiled_attention
+from fa_verify.dtypes import numpy_dtype, round_to
+from fa_verify.oracle import reference
+from fa_verify.verdict import (
+    DEFAULT_BASELINE_FACTOR,
+    RULES,
+    Verdict,
+    assert_attention_close,
+    check_attention,
+)
+
+DTYPES = ("fp16", "bf16", "fp32")
+
+
+def _inputs(kind, rng, shape_q, shape_kv):
+    if kind == "normal":
+        return rng.standard_normal(shape_q), rng.standard_normal(shape_kv), rng.standard_normal(shape_kv)
+    if kind == "fa3_outliers":  # N(0,1) + N(0,100) * Bernoulli(0.001)
+        def draw(s):
+            return rng.standard_normal(s) + rng.normal(0, 10, s) * (rng.random(s) < 1e-3)
+        return draw(shape_q), draw(shape_kv), draw(shape_kv)
+    if kind == "large_logits":
+        return 4 * rng.standard_normal(shape_q), 4 * rng.standard_normal(shape_kv), rng.standard_normal(shape_kv)
+    raise ValueError(kind)
+
+
+@lru_cache(maxsize=None)
+def _case(kind, dtype, causal, n=128, heads=2, seed=0):
+    rng = np.random.default_rng(seed)
+    problem = AttentionProblem.from_float(*_inputs(kind, rng, (1, heads, n, 64), (1, heads, n, 64)),
+                                          dtype, causal=causal)
+    return problem, reference(problem)
+
+
+# --- a FlashAttention-2 model with seeded bugs (mutants) ---------------------------------------
+
+def _fa2(problem, bug=None, block=64):
+    """FA2's forward pass in numpy (fp32 state, P stored in the input dtype), with one bug."""
+    f32 = np.float32
+    store = numpy_dtype(problem.dtype)
+    q = problem.q.astype(f32)
+    k, v = (np.repeat(x.astype(f32), problem.group_size, axis=1) for x in (problem.k, problem.v))
+    scale = f32(problem.scale_value * (1.03 if bug == "scale_3pct" else 1.0))
+    limit = problem.key_limit()
+    if bug == "mask_sees_next_key":
+        limit = np.minimum(limit + 1, problem.nk)
+    if bug == "mask_misses_diagonal":
+        limit = limit - 1
+    if bug == "drop_last_key":
+        limit = np.minimum(limit, problem.nk - 1)
+    # fp16 accumulator: rounded after every 16-key mma step (bf16 for bf16 inputs)
+    acc_dtype = (np.float16 if problem.dtype != "bf16" else store) if bug == "lowp_accumulator" else f32
+    m = np.full(q.shape[:-1], -np.inf, f32)
+    l = np.zeros(q.shape[:-1], f32)
+    acc = np.zeros(q.shape, f32)
+    for k0 in range(0, problem.nk, block):
+        s = (q @ np.swapaxes(k[..., k0:k0 + block, :], -1, -2)) * scale
+        s = np.where(np.arange(k0, k0 + s.shape[-1]) < limit[:, None], s, f32(-np.inf))
+        m_new = np.maximum(m, s.max(axis=-1))
+        shift = np.where(m_new == -np.inf, f32(0), m_new)
+        alpha = np.exp(m - shift)
+        p = np.exp(s - shift[..., None])
+        l = alpha * l + p.sum(axis=-1, dtype=f32)
+        pv = p.astype(store).astype(f32)
+        if bug != "no_rescale":
+            acc = alpha[..., None] * acc
+        if bug == "lowp_accumulator":
+            for j in range(0, pv.shape[-1], 16):
+                acc = (acc + pv[..., j:j + 16] @ v[..., k0 + j:k0 + j + 16, :]).astype(acc_dtype).astype(f32)
+        else:
+            acc = acc + pv @ v[..., k0:k0 + block, :]
+        m = m_new
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if bug == "masked_rows_nan":
+            out = acc / l[..., None]
+        else:
+            out = acc / np.where(l > 0, l, f32(1))[..., None]
+        lse = np.where(l > 0, m + (np.log2(l) if bug == "lse_log2" else np.log(l)), f32(-np.inf))
+    return out.astype(store), lse.astype(f32)
+
+
+def _torch_flash(problem):
+    pytest.importorskip("torch")
+    from fa_verify.backends import TorchSdpaBackend
+    return TorchSdpaBackend("flash-cpu").run(problem)
+
+
+def _torch_math(problem):
+    """The math path through F.scaled_dot_product_attention with sdpa_kernel(MATH)."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from fa_verify.backends.torch_arrays import to_numpy, to_torch
+    q, k, v = (to_torch(x) for x in (problem.q, problem.k, problem.v))
+    k, v = (x.repeat_interleave(problem.group_size, dim=1) for x in (k, v))
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=problem.causal, scale=problem.scale_value)
+    return to_numpy(out), None
+
+
+# --- correct kernels pass --------------------------------------------------------------------
+
+CORRECT = {
+    "torch-flash-cpu": _torch_flash,
+    "torch-math": _torch_math,
+    "numpy-fa2": lambda p: tiled_attention(p, PrecisionModel.flash(p.dtype)),
+    "fa2-mutant-harness-without-bug": _fa2,
+    "float64-rounded": lambda p: (round_to(reference(p).out, p.dtype), None),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kind", ["normal", "fa3_outliers", "large_logits"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CORRECT))
+def test_correct_kernels_pass_with_margin(name, dtype, kind, causal, record_property):
+    problem, ref = _case(kind, dtype, causal)
+    out, lse = CORRECT[name](problem)
+    verdict = assert_attention_close(out, problem, lse=lse, reference=ref)
+    record_property("bound_ratio", verdict.bound_ratio)
+    record_property("baseline_ratio", verdict.baseline_ratio)
+    assert verdict.passed and verdict.rule is None
+    assert verdict.bound_ratio <= 0.75, verdict.message()
+    assert verdict.baseline_ratio <= 0.5, verdict.message()
+    assert verdict.lse_bound_ratio is None or verdict.lse_bound_ratio <= 0.75
+
+
+# --- seeded bugs fail, naming the rule ---------------------------------------------------------
+
+BUGS = {
+    # bug: (rule it must break, inputs where it shows)
+    "scale_3pct": ("error_bound", ("normal", "fa3_outliers", "large_logits")),
+    "no_rescale": ("error_bound", ("normal", "fa3_outliers", "large_logits")),
+    "lse_log2": ("lse_bound", ("normal", "fa3_outliers", "large_logits")),
+}
+
+
+@pytest.mark.parametrize("kind", ["normal", "fa3_outliers", "large_logits"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_seeded_bugs_fail(bug, dtype, kind, record_property):
+    rule, kinds = BUGS[bug]
+    problem, ref = _case(kind, dtype, True)
+    out, lse = _fa2(problem, bug)
+    verdict = check_attention(out, problem, lse=lse, reference=ref)
+    record_property("bound_ratio", verdict.bound_ratio)
+    assert not verdict.passed and verdict.rule == rule, verdict.message()
+    assert f"failed rule {rule!r}" in verdict.message()
+    with pytest.raises(AttentionMismatch) as info:
+        assert_attention_close(out, problem, lse=lse, reference=ref)
+    assert info.value.verdict.rule == rule
+
+
+@pytest.mark.parametrize("kind", ["normal", "fa3_outliers", "large_logits"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bug", ["mask_sees_next_key", "mask_misses_diagonal"])
+def test_causal_mask_off_by_one_fails(bug, dtype, kind):
+    problem, ref = _case(kind, dtype, True)
+    out, lse = _fa2(problem, bug)
+    verdict = check_attention(out, problem, reference=ref)
+    assert verdict.rule == "error_bound" and verdict.bound_ratio > 5, verdict.message()
+    with_lse = check_attention(out, problem, lse=lse, reference=ref)
+    # Missing the diagonal leaves row 0 without keys: LSE -inf where the reference is finite.
+    assert with_lse.rule == ("finite" if bug == "mask_misses_diagonal" else "error_bound")
+
+
+@pytest.mark.parametrize("kind", ["normal", "fa3_outliers", "large_logits"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropping_the_last_key_fails(dtype, kind):
+    problem, ref = _case(kind, dtype, False)
+    out, lse = _fa2(problem, "drop_last_key")
+    verdict = check_attention(out, problem, lse=lse, reference=ref)
+    assert verdict.rule == "error_bound", verdict.message()
+
+
+@pytest.mark.parametrize("kind", ["normal", "fa3_outliers", "large_logits"])
+def test_fp16_accumulation_claimed_fp32_fails_for_fp32_inputs(kind):
+    problem, ref = _case(kind, "fp32", False, n=256)
+    out, lse = _fa2(problem, "lowp_accumulator")
+    verdict = check_attention(out, problem, lse=lse, reference=ref)
+    assert verdict.rule == "error_bound" and verdict.bound_ratio > 2, verdict.message()
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_16bit_accumulation_of_16bit_inputs_fails_on_long_outlier_rows(dtype):
+    """With 16-bit inputs the accumulator's rounding (u |acc| per 16 keys) is of the size of the
+    P rounding the flash model allows (u D per key): at N = 128 on normal inputs the mutant
+    stays within 0.6-0.9 of the bound (not caught). It shows on long rows and outliers."""
+    problem, ref = _case("fa3_outliers", dtype, False, n=1024, heads=1)
+    out, lse = _fa2(problem, "lowp_accumulator")
+    verdict = check_attention(out, problem, lse=lse, reference=ref, baseline_factor=None)
+    assert verdict.rule == "error_bound" and verdict.bound_ratio > 1.3, verdict.message()
+
+
+def test_claimed_precision_matters():
+    """FA2 rounds P to fp16: correct under `flash`, a violation when fp32 P is claimed."""
+    problem, ref = _case("normal", "fp16", False)
+    out, lse = tiled_attention(problem, PrecisionModel.flash("fp16"))
+    assert check_attention(out, problem, lse=lse, reference=ref).passed
+    strict = check_attention(out, problem, lse=lse, reference=ref, precision="fp32-accumulate")
+    assert strict.rule == "error_bound"
+    assert "p=fp32" in strict.message()
+
+
+# --- the other rules ---------------------------------------------------------------------------
+
+def test_shape_rule():
+    problem, ref = _case("normal", "fp16", False)
+    out, lse = _fa2(problem)
+    verdict = check_attention(out[:, :, :-1], problem, lse=lse, reference=ref)
+    assert verdict.rule == "shape" and not verdict.passed
+    assert "out.shape=(1, 2, 127, 64)" in verdict.message()
+    verdict = check_attention(out, problem, lse=lse[..., None], reference=ref)
+    assert verdict.rule == "shape" and "lse.shape" in verdict.detail
+
+
+def test_finite_rule_names_the_first_bad_element():
+    problem, ref = _case("normal", "bf16", False)
+    out, lse = _fa2(problem)
+    out = out.copy()
+    out[0, 1, 5, 7] = np.nan
+    verdict = check_attention(out, problem, lse=lse, reference=ref)
+    assert verdict.rule == "finite"
+    assert "first nan at [0, 1, 5, 7]" in verdict.message()
+    assert verdict.worst_index == (0, 1, 5, 7) and verdict.bound_ratio == np.inf
+    lse = lse.copy()
+    lse[0, 0, 3] = np.inf
+    out, _ = _fa2(problem)
+    verdict = check_attention(out, problem, lse=lse, reference=ref)
+    assert verdict.rule == "finite" and "[0, 0, 3]" in verdict.detail
+
+
+def _masked_problem(dtype="fp16"):
+    rng = np.random.default_rng(3)
+    # bottom-right causal with Nq > Nk: the first Nq - Nk = 8 query rows attend no key
+    return AttentionProblem.from_float(rng.standard_normal((1, 2, 40, 32)), rng.standard_normal((1, 2, 32, 32)),
+                                       rng.standard_normal((1, 2, 32, 32)), dtype, causal=True)
+
+
+def test_masked_rows_must_be_zero_and_minus_inf():
+    problem = _masked_problem()
+    ref = reference(problem)
+    out, lse = _fa2(problem)
+    assert check_attention(out, problem, lse=lse, reference=ref).passed
+    bad = out.copy()
+    bad[0, 0, 2, 3] = 1e-3
+    verdict = check_attention(bad, problem, lse=lse, reference=ref)
+    assert verdict.rule == "masked_rows" and "not 0" in verdict.detail
+    zero_lse = np.where(np.isfinite(lse), lse, np.float32(0))  # torch's CPU flash convention
+    verdict = check_attention(out, problem, lse=zero_lse, reference=ref)
+    assert verdict.rule == "masked_rows" and "not -inf" in verdict.detail
+    # NaN (0/0) in fully masked rows: the finite rule comes first
+    out_nan, lse_nan = _fa2(problem, "masked_rows_nan")
+    assert check_attention(out_nan, problem, lse=lse_nan, reference=ref).rule == "finite"
+
+
+def test_torch_flash_cpu_masked_row_lse_convention_is_reported():
+    pytest.importorskip("torch")
+    problem = _masked_problem()
+    out, lse = _torch_flash(problem)
+    verdict = check_attention(out, problem, lse=lse)
+    assert verdict.rule == "masked_rows"   # LSE 0 where fa_verify's convention says -inf
+    assert check_attention(out, problem).passed  # the output itself is right
+
+
+def test_baseline_rule_catches_what_the_loose_fp32_bound_admits():
+    """fp32: an error 20x the naive fp32 baseline's stays inside the worst-case bound (which is
+    10-100x looser than real fp32 errors) but fails the baseline rule."""
+    problem, ref = _case("normal", "fp32", False)
+    naive, _ = naive_attention(problem, PrecisionModel.same_precision("fp32"))
+    base = np.max(np.abs(naive.astype(np.float64) - ref.out) / ref.row_scale)
+    rng = np.random.default_rng(0)
+    out = (ref.out + 20 * base * ref.row_scale * rng.choice([-1.0, 1.0], ref.out.shape)).astype(np.float32)
+    verdict = check_attention(out, problem, reference=ref, baseline_out=naive)
+    assert verdict.bound_ratio < 1 and verdict.rule == "baseline", verdict.message()
+    assert verdict.baseline_ratio > 1 and verdict.baseline_factor == DEFAULT_BASELINE_FACTOR
+    assert "naive same-precision" in verdict.message()
+    skipped = check_attention(out, problem, reference=ref, baseline_factor=None)
+    assert skipped.passed and skipped.baseline_ratio is None
+    assert check_attention(out, problem, reference=ref, baseline_out=naive, baseline_factor=50).passed
+
+
+# --- message and record formats ---------------------------------------------------------------
+
+MISMATCH = re.compile(
+    r"Mismatched elements: (\d+) / (\d+) \((\d+\.\d|[\d.e-]+)%\) exceed the error-model bound; "
+    r"worst at \[(\d+), (\d+), (\d+), (\d+)\]: got \S+, reference \S+ ± \S+, "
+    r"error \S+ = (\S+) × bound \S+ \(dominant term: (\w+)\)")
+
+
+def test_message_reads_like_torch_testing():
+    problem, ref = _case("normal", "fp16", False)
+    out, lse = _fa2(problem, "scale_3pct")
+    verdict = check_attention(out, problem, lse=lse, reference=ref)
+    text = verdict.message()
+    first, second = text.splitlines()[:2]
+    assert first.startswith("attention output failed rule 'error_bound' (B=1 H=2")
+    match = MISMATCH.search(second)
+    assert match, second
+    assert int(match.group(1)) == verdict.over_count and int(match.group(2)) == verdict.total
+    assert tuple(int(match.group(i)) for i in range(4, 8)) == verdict.worst_index
+    assert float(match.group(8)) == pytest.approx(verdict.bound_ratio, rel=1e-2)
+    assert match.group(9) == verdict.dominant_term
+    assert "LSE:" in text and "Baseline:" in text and "Errors: normalised max" in text
+    assert 0 < verdict.share_over <= 1
+
+
+def test_verdict_as_dict_is_json_ready():
+    problem, ref = _case("normal", "bf16", True)
+    out, lse = _fa2(problem)
+    verdict = check_attention(out, problem, lse=lse, reference=ref)
+    record = verdict.as_dict()
+    assert record["passed"] is True and record["rule"] is None
+    assert record["summary"]["normalised"]["count"] == out.size
+    assert set(RULES) >= {"shape", "finite", "masked_rows", "error_bound", "lse_bound", "baseline"}
+    json.loads(json.dumps(record))
+    assert isinstance(verdict, Verdict)
+
+
+def test_torch_tensors_and_precision_strings_are_accepted():
+    torch = pytest.importorskip("torch")
+    from fa_verify.backends.torch_arrays import to_torch
+    problem, ref = _case("normal", "bf16", False)
+    out, lse = _fa2(problem)
+    verdict = check_attention(to_torch(out), problem, lse=torch.from_numpy(lse), reference=ref,
+                              precision="flash")
+    assert verdict.passed and verdict.summary.dtype == "bf16"
+
+
+def test_a_precision_too_coarse_to_bound_is_reported_not_hidden():
+    """bf16 score accumulation: gamma_64(2^-8) = 1/3, no first-order bound exists."""
+    problem, ref = _case("normal", "bf16", False)
+    precision = PrecisionModel.same_precision("bf16")
+    out, lse = naive_attention(problem, precision)
+    verdict = check_attention(out, problem, lse=lse, precision=precision, reference=ref)
+    assert verdict.passed and verdict.unbounded_count == verdict.total
+    assert verdict.message().startswith("attention output passes the rules that could judge it")
+    assert "No finite bound for" in verdict.message()
+    assert verdict.baseline_ratio < 1  # the baseline rule still judges
+
+
+def test_bad_arguments():
+    problem, ref = _case("normal", "fp16", False)
+    out, _ = _fa2(problem)
+    with pytest.raises(InvalidArgumentError, match="baseline_factor"):
+        check_attention(out, problem, reference=ref, baseline_factor=-1)
+    with pytest.raises(InvalidArgumentError, match="precision"):
+        check_attention(out, problem, reference=ref, precision=3)
+    with pytest.raises(InvalidArgumentError, match="AttentionProblem"):
+        check_attention(out, "problem")
