@@ -7,6 +7,7 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
+from implementations import torch_math_public
 
 from fa_verify import AttentionMismatch, AttentionProblem, InvalidArgumentError, PrecisionModel
 from fa_verify.backends import naive_attention, tiled_attention
@@ -97,16 +98,7 @@ def _torch_flash(problem):
 
 
 def _torch_math(problem):
-    """The math path through F.scaled_dot_product_attention with sdpa_kernel(MATH)."""
-    torch = pytest.importorskip("torch")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from fa_verify.backends.torch_arrays import to_numpy, to_torch
-    q, k, v = (to_torch(x) for x in (problem.q, problem.k, problem.v))
-    k, v = (x.repeat_interleave(problem.group_size, dim=1) for x in (k, v))
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=problem.causal, scale=problem.scale_value)
-    return to_numpy(out), None
+    return torch_math_public(problem)
 
 
 # --- correct kernels pass --------------------------------------------------------------------
