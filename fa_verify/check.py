@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import seed as hypothesis_seed
 
 from fa_verify import strategies as fst
@@ -19,6 +19,25 @@ from fa_verify.backends import Backend
 from fa_verify.errors import AttentionMismatch, BackendOutputError, FaVerifyError
 from fa_verify.problem import CAUSAL_ALIGNMENTS, AttentionProblem
 from fa_verify.verdict import check_attention
+
+
+#: Edge cases run before the random search, so that the classes of bug they expose are always
+#: looked for: (batch, heads, kv_heads, Nq, Nk, D) and a value distribution.
+EDGE_CASES = (
+    ((1, 1, 1, 1, 1, 8), "normal"),               # a single query and key
+    ((1, 2, 1, 5, 2, 16), "normal"),              # Nq > Nk: fully masked rows under bottom-right
+    ((1, 2, 2, 3, 17, 16), "normal"),             # Nq < Nk
+    ((2, 4, 2, 65, 63, 32), "fa3_outliers"),      # tile +- 1, GQA, outliers
+    ((1, 3, 1, 13, 31, 96), "large_logits"),      # primes, MQA, D = 96, logits in the hundreds
+)
+
+
+def edge_problems(dtypes, causal) -> list[AttentionProblem]:
+    """The edge cases for each dtype and causal mode selected."""
+    modes = [(False, "bottom-right")] * (False in causal) + \
+        [(True, a) for a in CAUSAL_ALIGNMENTS] * (True in causal)
+    return [fst.make_problem(dist, shape, dtype, seed=0, causal=c, causal_alignment=a)
+            for shape, dist in EDGE_CASES for dtype in dtypes for c, a in modes]
 
 
 class _Abort(Exception):
@@ -60,7 +79,9 @@ def reproducer(backend_name: str, problem: AttentionProblem) -> str:
 def check_backend(backend: Backend, *, dtypes=("fp16", "bf16", "fp32"), causal=(False, True),
                   max_examples: int = 100, seed: int = 0, max_seq: int = 64,
                   progress=None) -> CheckOutcome:
-    """Run oracle agreement over up to `max_examples` problems; never raises on a mismatch."""
+    """Run oracle agreement over the edge cases and `max_examples` generated problems.
+
+    A mismatch is reported in the outcome; setup errors (FaVerifyError) are raised."""
     outcome = CheckOutcome(backend=backend.name)
     last_failure: list = []
     setup_error: list = []
@@ -69,10 +90,16 @@ def check_backend(backend: Backend, *, dtypes=("fp16", "bf16", "fp32"), causal=(
     strategy = fst.problems(shapes=fst.shapes(max_seq=max_seq), dtypes=fst.dtypes(dtypes),
                             causal=causal_strategy)
 
+    def with_edge_cases(test):
+        for problem in edge_problems(dtypes, causal):
+            test = example(problem)(test)
+        return test
+
     @hypothesis_seed(seed)
     @settings(max_examples=max_examples, deadline=None, database=None, print_blob=False,
               report_multiple_bugs=False,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    @with_edge_cases
     @given(strategy)
     def agreement(problem):
         if backend.supports(problem) is not None:

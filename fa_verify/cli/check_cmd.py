@@ -25,8 +25,8 @@ def add_parser(sub) -> None:
                      help="dtype to check (repeatable; default: every dtype the target runs)")
     cmd.add_argument("--causal", choices=tuple(_CAUSAL), default="both",
                      help="causal problems, non-causal ones, or both (default)")
-    cmd.add_argument("--max-examples", type=int, default=60,
-                     help="Hypothesis examples per target (default 60)")
+    cmd.add_argument("--max-examples", type=int, default=100,
+                     help="generated examples per target, after the fixed edge cases (default 100)")
     cmd.add_argument("--max-seq", type=int, default=64, help="largest Nq or Nk generated (default 64)")
     cmd.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
     cmd.add_argument("--json", action="store_true", help="print one JSON document")
