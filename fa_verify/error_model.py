@@ -81,6 +81,7 @@ import numpy as np
 
 from fa_verify.dtypes import finfo, ulp, unit_roundoff
 from fa_verify.errors import InvalidArgumentError
+from fa_verify.oracle.bounds import gamma as worst_case_gamma
 from fa_verify.oracle.result import Reference
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import AttentionProblem
@@ -154,12 +155,10 @@ def gamma(n, unit: float, mode: str = "worst-case", lam: float = DEFAULT_LAMBDA)
     worst case where that is smaller (n < lam^2 or so).
     """
     n = np.asarray(n, dtype=np.float64)
+    worst = worst_case_gamma(n, unit)
     if mode == "worst-case":
-        nu = n * unit
-        with np.errstate(divide="ignore"):
-            return np.where(nu < 1, nu / np.where(nu < 1, 1 - nu, 1.0), np.inf)
+        return worst
     # Never looser than the worst case, which always holds.
-    worst = gamma(n, unit, "worst-case")
     return np.minimum(worst, np.expm1(lam * np.sqrt(n) * unit + n * unit * unit / (1 - unit)))
 
 

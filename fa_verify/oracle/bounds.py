@@ -9,9 +9,11 @@ U64 = 2.0 ** -53
 
 
 def gamma(n, unit: float = U64):
-    """gamma_n = n u / (1 - n u): the classic bound on n accumulated relative roundings."""
+    """gamma_n = n u / (1 - n u): the classic bound on n accumulated relative roundings;
+    inf once n u >= 1, where no such bound exists."""
     nu = np.asarray(n, dtype=np.float64) * unit
-    return nu / (1 - nu)
+    with np.errstate(divide="ignore"):
+        return np.where(nu < 1, nu / np.where(nu < 1, 1 - nu, 1.0), np.inf)
 
 
 def softmax_output_coefficient(r, n_rounded, unit: float):
