@@ -27,7 +27,9 @@ order. K = 4 (DEFAULT_BASELINE_FACTOR) keeps 2.7x headroom and still fails fp32 
 error the loose bound would admit. The floor, FLOOR_ROUNDINGS u_out in normalised units, is
 two output roundings: rounding the exact output alone gives normalised errors up to u_out, so a
 baseline that happens to be exact cannot demand the impossible (flash-attention's atol is
-likewise twice the rounding noise of its reference).
+likewise twice the rounding noise of its reference). Where outputs are subnormal, relative
+resolution is gone, so the floor gains an absolute part: (Nk + 2) subnormal spacings of the
+P·V accumulation dtype (each accumulated rounding may cost one).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fa_verify.dtypes import unit_roundoff
+from fa_verify.dtypes import finfo, unit_roundoff
 from fa_verify.error_model import DEFAULT_LAMBDA, Bound, error_bound
 from fa_verify.errors import AttentionMismatch, InvalidArgumentError
 from fa_verify.metrics import ErrorSummary, OutputErrors, lse_errors, measure
@@ -320,10 +322,14 @@ def check_attention(out, problem: AttentionProblem, lse=None, precision=None, re
         base = OutputErrors.compute(baseline_out, reference.out, reference.row_scale, precision.output)
         base_err = float(base.normalised.max(initial=0.0))
         floor = FLOOR_ROUNDINGS * unit_roundoff(precision.output)
-        allowed = baseline_factor * base_err + floor
+        # Below the normal range, relative resolution is lost: every accumulated rounding may
+        # cost a subnormal spacing, whatever the row scale, so the floor also has an absolute part.
+        absolute_floor = (problem.nk + 2) * float(finfo(precision.pv_accumulation).smallest_subnormal)
+        allowed = (baseline_factor * base_err + floor) * reference.row_scale + absolute_floor
         fields.update(baseline_factor=float(baseline_factor), baseline_floor=floor,
-                      baseline_error=base_err, baseline_ratio=fields["normalised_error"] / allowed)
-        if fields["normalised_error"] > allowed:
+                      baseline_error=base_err,
+                      baseline_ratio=float(np.max(_ratio(errors.abs, allowed), initial=0.0)))
+        if fields["baseline_ratio"] > 1:
             failures.append(("baseline", ""))
 
     order = {name: n for n, name in enumerate(RULES)}
