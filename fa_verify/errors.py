@@ -29,3 +29,40 @@ class AttentionMismatch(FaVerifyError, AssertionError):
     def __init__(self, message: str, verdict=None):
         super().__init__(message)
         self.verdict = verdict
+
+
+class KernelBuildError(FaVerifyError, RuntimeError):
+    """A kernel source did not compile; the message carries the compiler's full output."""
+
+    def __init__(self, message: str, *, log: str = "", command: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.log = log
+        self.command = command
+
+
+class KernelUnsupportedError(KernelBuildError):
+    """A kernel uses a construct that the CUDA-on-CPU runner cannot emulate (inline PTX, ...)."""
+
+
+class KernelRunError(FaVerifyError, RuntimeError):
+    """A launched kernel failed; `detail` holds what the runner saw (a sanitizer report, ...)."""
+
+    def __init__(self, message: str, *, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
+
+
+class KernelCrashError(KernelRunError):
+    """The kernel crashed its process ("kernel crashed: SIGSEGV") or trapped."""
+
+
+class KernelTimeoutError(KernelRunError):
+    """The kernel did not finish within the time limit ("kernel timed out after N s")."""
+
+
+class KernelSanitizerError(KernelRunError):
+    """AddressSanitizer reported an invalid memory access (out of bounds, ...)."""
+
+
+class KernelDeadlockError(KernelRunError):
+    """The CPU runner found threads that can never leave their barriers."""

@@ -1,0 +1,58 @@
+"""Run CUDA C kernels on a machine without a GPU.
+
+The same ``.cu`` source that nvcc/PyCUDA compile is built with the host g++ against a shim
+(``include/``) and run by a fiber scheduler (``runtime/``): one fiber per CUDA thread, blocks in
+order, deterministic. Launches run in a worker process, so crashes, hangs and AddressSanitizer
+reports become exceptions::
+
+    from fa_verify.cuda_cpu import CpuKernelModule
+    mod = CpuKernelModule("kernels/fa2.cu", {"fa2_fp16_d64": ["ptr"] * 5 + ["int"] * 5 + ["float", "int", "int"]})
+    mod.launch("fa2_fp16_d64", grid=(nq_tiles, H, B), block=128, shared_bytes=smem, args=[q, k, v, o, lse, ...])
+
+Modules: _build (compile + cache), _rewrite (__shared__ and unsupported constructs),
+_trampolines (typed launchers), _diagnostics (build-error hints), _module (CpuKernelModule),
+_process (the worker's parent side), _worker / _exec (the worker's side).
+"""
+
+from fa_verify.cuda_cpu._build import SHIM_DIR, BuildResult, build, default_cache_dir
+from fa_verify.cuda_cpu._module import ORDERS, CpuKernelModule
+from fa_verify.cuda_cpu._process import shutdown_workers
+
+#: What a kernel may use on the CPU runner. Anything else fails the build, naming the construct.
+SUPPORTED = (
+    "__global__/__device__/__host__/__forceinline__/__noinline__/__launch_bounds__/__align__/__restrict__",
+    "threadIdx, blockIdx, blockDim, gridDim, warpSize; dim3, uint3 and the CUDA vector types (float4, int2, ...)",
+    "static __shared__ (per block; NaN-filled at block start outside sanitizer builds) and extern __shared__ arrays",
+    "__syncthreads, __syncthreads_count/_and/_or, __syncwarp, __threadfence*, __nanosleep (yields)",
+    "__shfl_sync, __shfl_up_sync, __shfl_down_sync, __shfl_xor_sync (with width), __ballot_sync, "
+    "__any_sync, __all_sync, __activemask",
+    "cuda_fp16.h / cuda_bf16.h: __half, __half2, __nv_bfloat16, __nv_bfloat162, conversions (_rn/_rz/_rd/_ru, "
+    "bit-exact, NaN -> 0x7FFF), operators, __hadd/__hmul/__hfma/__hmax/..., hexp/hlog/hsqrt/...",
+    "mma.h: nvcuda::wmma fragments m16n16k16/m32n8k16/m8n32k16, __half/__nv_bfloat16 inputs, float/__half "
+    "accumulators, fill_fragment, load_matrix_sync, mma_sync, store_matrix_sync (whole tile per thread)",
+    "libm float/double math (expf, exp2f, logf, fmaxf, rsqrtf, ...); __expf, __logf, __powf, __fdividef "
+    "as the GPU's approximation formulas; min/max overloads; __float_as_int and friends; __popc, __clz, __ffs, __brev",
+    "atomicAdd/Sub/Exch/Min/Max/And/Or/Xor/Inc/Dec/CAS on int, unsigned, unsigned long long (and float/double add)",
+    "__ldg/__ldcg/__ldcs/... and __stcg/__stcs/... (plain memory), printf, assert, __trap, clock64 (a counter)",
+    "math_constants.h (CUDART_*), cuda_runtime.h (no host API)",
+)
+
+#: Refused with a clear build error.
+UNSUPPORTED = (
+    "inline assembly (asm / PTX), __managed__ memory",
+    "cooperative_groups, cuda_pipeline / cp.async, cuda_awbarrier, cuda_fp8",
+    "wmma with tf32, integer or sub-byte types; atomics on __half/__nv_bfloat16",
+    "texture and surface objects, dynamic parallelism, host runtime API calls inside the source",
+)
+
+__all__ = [
+    "SHIM_DIR",
+    "SUPPORTED",
+    "UNSUPPORTED",
+    "ORDERS",
+    "BuildResult",
+    "CpuKernelModule",
+    "build",
+    "default_cache_dir",
+    "shutdown_workers",
+]

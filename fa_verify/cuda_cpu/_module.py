@@ -1,0 +1,276 @@
+"""CpuKernelModule: a CUDA C source built for the CPU runner, launched like a GPU module.
+
+Arrays behave as device buffers that are copied in before and out after each launch: the kernel
+sees each numpy array as a contiguous buffer of exactly its size, and what it writes lands back in
+the same array. The launch itself runs in a worker process (see _process), so a crash, a hang or
+a sanitizer report becomes an exception here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import sys
+from collections.abc import Mapping, Sequence
+from numbers import Integral, Real
+
+import numpy as np
+
+from fa_verify.cuda_cpu import _build, _exec, _process
+from fa_verify.cuda_cpu._trampolines import KINDS
+from fa_verify.errors import (
+    InvalidArgumentError,
+    KernelCrashError,
+    KernelDeadlockError,
+    KernelRunError,
+)
+
+ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
+DEFAULT_TIMEOUT = 60.0
+_IDENTIFIER = re.compile(r"^[A-Za-z_]\w*$")
+
+
+class CpuKernelModule:
+    """Build `source_path` for the CPU and launch its ``extern "C" __global__`` entry points.
+
+    entries: {name: signature}, a signature listing 'ptr' | 'int' | 'float' per parameter (the
+    build checks it against the kernel's parameter types). defines: ``"NAME"``/``"NAME=VALUE"``
+    strings or a {name: value} mapping. sanitize: build with AddressSanitizer and report
+    out-of-bounds accesses to arrays and shared memory. timeout: seconds a launch may take.
+    isolated=False runs in this process (faster, but a crash kills it; not with sanitize).
+    arch sets __CUDA_ARCH__ (80 -> 800); stack_kib is each emulated thread's stack.
+    """
+
+    def __init__(
+        self,
+        source_path: str | os.PathLike,
+        entries: Mapping[str, Sequence[str]],
+        include_dirs: Sequence[str | os.PathLike] = (),
+        defines: Sequence[str] | Mapping[str, object] = (),
+        sanitize: bool = False,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        isolated: bool = True,
+        arch: int = 80,
+        stack_kib: int = 256,
+        cache_dir: str | os.PathLike | None = None,
+    ):
+        if not os.path.isfile(source_path):
+            raise InvalidArgumentError(f"source_path={str(source_path)!r} is not a file")
+        self.entries = _check_entries(entries)
+        if sanitize and not isolated:
+            raise InvalidArgumentError("sanitize=True needs isolated=True: AddressSanitizer runs in a worker process")
+        _check_positive("timeout", timeout)
+        _check_positive("stack_kib", stack_kib)
+        self.source_path = os.fspath(source_path)
+        self.sanitize = bool(sanitize)
+        self.isolated = bool(isolated)
+        self.timeout = float(timeout)
+        self.stack_bytes = int(stack_kib) * 1024
+        self.last_output = ""  # what the last launch printed (device printf)
+        self.build = _build.build(
+            source_path,
+            self.entries,
+            include_dirs=tuple(include_dirs),
+            defines=_normalise_defines(defines),
+            sanitize=self.sanitize,
+            arch=arch,
+            cache_dir=cache_dir,
+        )
+
+    @property
+    def library_path(self) -> str:
+        return str(self.build.library)
+
+    def launch(
+        self,
+        name: str,
+        grid,
+        block,
+        shared_bytes: int = 0,
+        args: Sequence[object] = (),
+        *,
+        timeout: float | None = None,
+        order: str = "forward",
+        seed: int = 0,
+    ) -> None:
+        """Run kernel `name` over `grid` x `block` with `shared_bytes` of dynamic shared memory.
+
+        args follow the entry's signature: numpy arrays (or None, a null pointer) for 'ptr',
+        Python/numpy integers for 'int', reals for 'float'. Arrays the kernel writes are updated
+        in place. order: "forward" | "reverse" | "shuffle" (with seed) is the order in which the
+        threads of a block run between synchronisation points; a race that one order hides,
+        another shows. Raises KernelCrashError, KernelTimeoutError, KernelSanitizerError,
+        KernelDeadlockError, InvalidArgumentError.
+        """
+        if name not in self.entries:
+            raise InvalidArgumentError(f"name={name!r} is not an entry of this module; entries: {sorted(self.entries)}")
+        signature = self.entries[name]
+        if len(args) != len(signature):
+            raise InvalidArgumentError(
+                f"args has {len(args)} values but kernel {name} takes {len(signature)}: {list(signature)}"
+            )
+        if order not in ORDERS:
+            raise InvalidArgumentError(f"order={order!r} must be one of {sorted(ORDERS)}")
+        timeout = self.timeout if timeout is None else timeout
+        _check_positive("timeout", timeout)
+        config = {
+            "grid": _dims("grid", grid),
+            "block": _dims("block", block),
+            "shared_bytes": _nonnegative("shared_bytes", shared_bytes),
+            "order": ORDERS[order],
+            "seed": int(seed),
+            "stack_bytes": self.stack_bytes,
+        }
+        slots, itemsizes, arrays, pointers = _flatten(name, signature, args)
+        what = f"{name} in {os.path.basename(self.source_path)}, grid {config['grid']}, block {config['block']}"
+        if self.isolated:
+            result, self.last_output = self._run_in_worker(
+                name, config, slots, itemsizes, arrays, pointers, timeout, what
+            )
+        else:
+            result, self.last_output = self._run_here(name, config, slots, itemsizes, arrays, pointers), ""
+        if self.last_output:
+            sys.stdout.write(self.last_output)
+        _raise_for_status(result["status"], result["message"], name, args)
+
+    def _run_in_worker(self, name, config, slots, itemsizes, arrays, pointers, timeout, what):
+        buffers = [np.ascontiguousarray(a).tobytes() for a, _ in arrays]
+        request = {
+            "library": self.library_path,
+            "name": name,
+            "config": config,
+            "slots": slots,
+            "pointers": pointers,
+            "buffers": buffers,
+            "itemsizes": itemsizes,
+        }
+        names = [f"argument {positions[0]} ({a.dtype}{list(a.shape)}, {a.nbytes} bytes)" for a, positions in arrays]
+        worker = _process.worker(self.sanitize)
+        result, output = worker.run(request, timeout, what, names)
+        for index, data in result["changed"].items():
+            array, positions = arrays[index]
+            if not array.flags.writeable:
+                raise InvalidArgumentError(f"kernel {name} wrote to argument {positions[0]}, a read-only array")
+            np.copyto(array, np.frombuffer(data, dtype=array.dtype).reshape(array.shape))
+        return result, output
+
+    def _run_here(self, name, config, slots, itemsizes, arrays, pointers):
+        contiguous = [np.ascontiguousarray(a) for a, _ in arrays]
+        slots = list(slots)
+        for slot, index in pointers.items():
+            slots[slot] = 0 if index is None else contiguous[index].ctypes.data
+        status, message = _exec.launch(self.library_path, name, config, slots, itemsizes)
+        for (array, _), buffer in zip(arrays, contiguous):
+            if buffer is not array and array.flags.writeable:
+                np.copyto(array, buffer)
+        return {"status": status, "message": message}
+
+
+def _flatten(name, signature, args):
+    """Slots (int64 / double bits / pointer placeholders), element sizes, distinct arrays, pointers."""
+    slots: list[int] = []
+    itemsizes: list[int] = []
+    arrays: list[tuple[np.ndarray, list[int]]] = []
+    pointers: dict[int, int | None] = {}
+    seen: dict[int, int] = {}
+    for position, (kind, value) in enumerate(zip(signature, args)):
+        if kind == "ptr":
+            slots.append(0)
+            if value is None:
+                pointers[position] = None
+                itemsizes.append(0)
+                continue
+            if not isinstance(value, np.ndarray):
+                raise InvalidArgumentError(
+                    f"argument {position} of {name} is a pointer: pass a numpy array or None, not {type(value).__name__}"
+                )
+            index = seen.get(id(value))
+            if index is None:  # the same array passed twice is one buffer, as on the GPU
+                index = seen[id(value)] = len(arrays)
+                arrays.append((value, []))
+            arrays[index][1].append(position)
+            pointers[position] = index
+            itemsizes.append(value.dtype.itemsize)
+        elif kind == "int":
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
+                raise InvalidArgumentError(f"argument {position} of {name} is an 'int', got {value!r}")
+            value = int(value)
+            if not -(2**63) <= value < 2**63:
+                raise InvalidArgumentError(f"argument {position} of {name}={value} does not fit in 64 bits")
+            slots.append(value & 0xFFFFFFFFFFFFFFFF)
+            itemsizes.append(0)
+        else:
+            if not isinstance(value, Real):
+                raise InvalidArgumentError(f"argument {position} of {name} is a 'float', got {value!r}")
+            slots.append(struct.unpack("<Q", struct.pack("<d", float(value)))[0])
+            itemsizes.append(0)
+    return slots, itemsizes, arrays, pointers
+
+
+def _raise_for_status(status: int, message: str, name: str, args) -> None:
+    if status == _exec.STATUS_OK:
+        return
+    if status == _exec.STATUS_BAD_ARGUMENT:
+        found = re.match(r"argument (\d+)", message)
+        if found and isinstance(args[int(found.group(1))], np.ndarray):
+            message += f" (dtype {args[int(found.group(1))].dtype})"
+        raise InvalidArgumentError(f"kernel {name}: {message}")
+    if status == _exec.STATUS_BAD_LAUNCH:
+        raise InvalidArgumentError(f"launch of {name}: {message}")
+    if status == _exec.STATUS_DEADLOCK:
+        raise KernelDeadlockError(f"{name}: {message}", detail=message)
+    if status == _exec.STATUS_TRAP:
+        raise KernelCrashError(f"kernel trapped: {message} ({name})", detail=message)
+    raise KernelRunError(f"kernel {name} failed with status {status}: {message}", detail=message)
+
+
+def _check_entries(entries) -> dict[str, tuple[str, ...]]:
+    if not isinstance(entries, Mapping) or not entries:
+        raise InvalidArgumentError(
+            f"entries={entries!r} must be a non-empty mapping {{kernel name: ['ptr' | 'int' | 'float', ...]}}"
+        )
+    checked = {}
+    for name, signature in entries.items():
+        if not isinstance(name, str) or not _IDENTIFIER.match(name):
+            raise InvalidArgumentError(f"entry name {name!r} is not a C identifier")
+        if isinstance(signature, str):
+            raise InvalidArgumentError(f"signature of {name}={signature!r} must be a sequence such as ['ptr', 'int']")
+        signature = tuple(signature)
+        bad = [k for k in signature if k not in KINDS]
+        if bad:
+            raise InvalidArgumentError(f"signature of {name} has {bad!r}; each parameter is one of {sorted(KINDS)}")
+        checked[name] = signature
+    return checked
+
+
+def _normalise_defines(defines) -> tuple[str, ...]:
+    if isinstance(defines, Mapping):
+        items = [f"{k}={v}" if v is not None else str(k) for k, v in defines.items()]
+    elif isinstance(defines, str):
+        raise InvalidArgumentError(f"defines={defines!r} must be a sequence of 'NAME' or 'NAME=VALUE' strings")
+    else:
+        items = [f"{d[0]}={d[1]}" if isinstance(d, tuple) else str(d) for d in defines]
+    for item in items:
+        if not _IDENTIFIER.match(item.split("=", 1)[0]):
+            raise InvalidArgumentError(f"define {item!r} does not start with a macro name")
+    return tuple(items)
+
+
+def _dims(label: str, value) -> list[int]:
+    dims = [value] if isinstance(value, Integral) else list(value)
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, Integral) and d >= 1 for d in dims):
+        raise InvalidArgumentError(f"{label}={value!r} must be 1 to 3 positive integers")
+    return [int(d) for d in dims] + [1] * (3 - len(dims))
+
+
+def _nonnegative(label: str, value) -> int:
+    if not isinstance(value, Integral) or value < 0:
+        raise InvalidArgumentError(f"{label}={value!r} must be a non-negative integer")
+    return int(value)
+
+
+def _check_positive(label: str, value) -> None:
+    if not isinstance(value, Real) or not value > 0:
+        raise InvalidArgumentError(f"{label}={value!r} must be a positive number")

@@ -1,0 +1,124 @@
+"""What the builder changes in a preprocessed kernel before g++ compiles it, and what it refuses.
+
+Why rewrite after preprocessing rather than with a macro: ``__shared__`` must give static storage
+to ``__shared__ float tile[64];`` (so every emulated thread of a block sees one array) while
+``extern __shared__ unsigned char smem[];`` must stay an extern declaration that names the block's
+dynamic shared memory. No macro can do both (``#define __shared__ static`` turns the second into
+``extern static``). On the preprocessed text, which still carries the ``__shared__`` token from
+every header and macro, the two cases are told apart by the preceding ``extern``:
+
+* ``extern __shared__ SPECS name[];`` -> ``typedef SPECS alias[]; alias& name = *(alias*)
+  fa_cpu_dynamic_smem;`` — every such array is a reference to the one buffer the runtime defines,
+  as on the GPU. (An asm label on the extern declaration would be simpler, but g++ ignores asm
+  labels on block-scope externs inside templates.) The typedef repeats the declaration's own
+  specifiers, so the element type, qualifiers and attributes stay what the kernel wrote;
+* any other ``__shared__`` -> ``static`` (function-local statics are per block because blocks run
+  one after another), placed in a section the runtime fills with NaN at each block start. In the
+  sanitizer build the section is left out: AddressSanitizer only guards variables in default
+  sections, and a read past a ``__shared__`` array must be reported.
+
+Line structure is kept, so the preprocessor's line markers still point compiler errors at the
+user's files.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from fa_verify.errors import KernelUnsupportedError
+
+DYNAMIC_SHARED_SYMBOL = "fa_cpu_dynamic_smem"
+STATIC_SHARED_SECTION = "fa_cpu_shared"
+
+_LINE_MARKER = re.compile(r'^#\s*(\d+)\s+"((?:[^"\\]|\\.)*)"([\d ]*)$')
+_STRING_OR_CHAR = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')
+_ASM = re.compile(r"\b(asm|__asm__|__asm)\b")
+_UNSUPPORTED_WORDS = re.compile(r"\b(__managed__)\b")
+_EXTERN_SHARED = re.compile(r"\bextern\s+__shared__\b")
+_STATIC_SHARED = re.compile(r"\bstatic\s+__shared__\b|\b__shared__\s+static\b")
+_SHARED = re.compile(r"\b__shared__\b")
+_UNKNOWN_BOUND_ARRAY = re.compile(r"([A-Za-z_]\w*)\s*\[\s*\]\s*(__attribute__\s*\(\(.*\)\))?\s*$", re.S)
+
+
+def check_supported(text: str, shim_dir: Path) -> None:
+    """Raise KernelUnsupportedError for inline assembly (or __managed__) in the user's code.
+
+    System headers and the shim may use ``__asm__`` (glibc does); only lines whose line marker
+    names another file are the kernel author's.
+    """
+    shim_prefix = str(shim_dir.resolve())
+    path, line, user = "<unknown>", 0, False
+    for raw in text.split("\n"):
+        marker = _LINE_MARKER.match(raw)
+        if marker:
+            line = int(marker.group(1))
+            path = marker.group(2)
+            flags = marker.group(3).split()
+            user = not ("3" in flags or path.startswith("<") or path.startswith(shim_prefix))
+            continue
+        if user and ("asm" in raw or "__managed__" in raw):
+            code = _STRING_OR_CHAR.sub('""', raw)
+            found = _ASM.search(code)
+            if found:
+                raise KernelUnsupportedError(
+                    f"{path}:{line}: inline assembly (`{found.group(1)}`) cannot run on the CPU: the "
+                    "CUDA-on-CPU runner emulates CUDA C, not PTX or SASS; use the CUDA C intrinsic "
+                    "(e.g. __shfl_xor_sync, nvcuda::wmma) instead"
+                )
+            found = _UNSUPPORTED_WORDS.search(code)
+            if found:
+                raise KernelUnsupportedError(
+                    f"{path}:{line}: `{found.group(1)}` memory is not supported by the CUDA-on-CPU runner"
+                )
+        line += 1
+
+
+def rewrite_shared(text: str, *, sanitize: bool) -> str:
+    """Give ``__shared__`` its meaning on the CPU (see the module docstring)."""
+    text = _rewrite_extern_shared(text)
+    text = _STATIC_SHARED.sub("__shared__", text)
+    storage = "static" if sanitize else f'static __attribute__((section("{STATIC_SHARED_SECTION}")))'
+    return _SHARED.sub(storage, text)
+
+
+def _rewrite_extern_shared(text: str) -> str:
+    out: list[str] = []
+    pos = 0
+    for count, match in enumerate(_EXTERN_SHARED.finditer(text)):
+        if match.start() < pos:
+            continue
+        end = text.find(";", match.end())
+        if end < 0:
+            raise KernelUnsupportedError("an `extern __shared__` declaration has no terminating `;`")
+        declaration = text[match.end() : end]
+        declarator = _UNKNOWN_BOUND_ARRAY.search(declaration)
+        if declarator is None or _top_level_comma(declaration):
+            raise KernelUnsupportedError(
+                f"`extern __shared__ {' '.join(declaration.split())};`: the CUDA-on-CPU runner supports "
+                "dynamic shared memory declared as one array of unknown size per declaration, e.g. "
+                "`extern __shared__ __align__(16) unsigned char smem[];`"
+            )
+        name, tail = declarator.group(1), declarator.group(2) or ""
+        alias = f"__fa_cpu_dynamic_shared_t{count}"
+        specifiers = declaration[: declarator.start(1)]
+        out.append(text[pos : match.start()])
+        out.append(
+            f"typedef{specifiers}{alias}[]{tail}; "
+            f"{alias}& {name} = *reinterpret_cast<{alias}*>(::{DYNAMIC_SHARED_SYMBOL})"
+        )
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _top_level_comma(declaration: str) -> bool:
+    depth = 0
+    for ch in declaration:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return True
+    return False

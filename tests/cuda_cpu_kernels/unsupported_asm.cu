@@ -1,0 +1,6 @@
+// unsupported_asm.cu: inline PTX, which the CPU runner must refuse at build time.
+extern "C" __global__ void lane_id(int* out) {
+    unsigned int lane;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+    out[threadIdx.x] = lane;
+}
