@@ -367,8 +367,11 @@ def test_torch_math_keeps_fp32_when_reduced_precision_is_allowed():
 
 def test_registry():
     names = [backend.name for backend in builtin_backends()]
-    assert names == ["numpy-tiled", "naive-same-precision", "naive-fp32", "torch-sdpa-math",
-                     "torch-sdpa-flash-cpu"]
+    assert names[:5] == ["numpy-tiled", "naive-same-precision", "naive-fp32", "torch-sdpa-math",
+                         "torch-sdpa-flash-cpu"]
+    kernels = {f"{family}-{runner}" for family in ("fa2", "wmma", "naive-cuda", "naive16-cuda")
+               for runner in ("cpu", "pycuda")}
+    assert set(names[5:]) == kernels
     assert isinstance(get_backend("naive-fp32"), NaiveBackend)
     with pytest.raises(InvalidArgumentError, match="unknown; built-in backends: numpy-tiled, "):
         get_backend("cuda-fa2")

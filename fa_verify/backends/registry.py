@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fa_verify.backends.base import Backend
+from fa_verify.backends.cuda_kernels import CpuKernelBackend, PyCudaKernelBackend
 from fa_verify.backends.naive import NaiveBackend
 from fa_verify.backends.numpy_tiled import NumpyTiledBackend
 from fa_verify.backends.torch_sdpa import TorchSdpaBackend
@@ -15,6 +16,14 @@ _BUILTINS = (
     lambda: NaiveBackend("fp32"),
     lambda: TorchSdpaBackend("math"),
     lambda: TorchSdpaBackend("flash-cpu"),
+    lambda: CpuKernelBackend("fa2"),
+    lambda: PyCudaKernelBackend("fa2"),
+    lambda: CpuKernelBackend("wmma"),
+    lambda: PyCudaKernelBackend("wmma"),
+    lambda: CpuKernelBackend("naive"),
+    lambda: PyCudaKernelBackend("naive"),
+    lambda: CpuKernelBackend("naive16"),
+    lambda: PyCudaKernelBackend("naive16"),
 )
 
 

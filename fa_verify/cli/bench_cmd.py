@@ -25,6 +25,20 @@ def add_parser(sub) -> None:
                         help="N for the pure-mpmath timing (default 64)")
     oracle.add_argument("--json", action="store_true", help="print JSON instead of a table")
     oracle.set_defaults(handler=_run_oracle)
+    runner = targets.add_parser(
+        "runner", help="our kernels through the CUDA-on-CPU runner vs the certified oracle",
+        description="Times each kernel family through the CUDA-on-CPU runner and the certified "
+                    "reference on the same problems (B=1, H=2, causal), and prints the time per "
+                    "example and the ratio, to plan a Hypothesis budget.")
+    runner.add_argument("--kernel", action="append", choices=("fa2", "wmma", "naive", "naive16"),
+                        help="kernel family (repeatable; default fa2 and wmma)")
+    runner.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], metavar="N",
+                        help="sequence lengths (default: 64 256 1024)")
+    runner.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
+    runner.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
+    runner.add_argument("--repeats", type=int, default=2, help="best of this many runs (default 2)")
+    runner.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    runner.set_defaults(handler=_run_runner)
 
 
 def _run_oracle(args) -> int:
@@ -35,3 +49,13 @@ def _run_oracle(args) -> int:
                         progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(json.dumps(result, indent=2) if args.json else oracle.format_text(result))
     return 0 if result["meets_target"] else 1
+
+
+def _run_runner(args) -> int:
+    from fa_verify.bench import runner
+
+    result = runner.run(families=args.kernel or ("fa2", "wmma"), sizes=args.sizes,
+                        head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats,
+                        progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(json.dumps(result, indent=2) if args.json else runner.format_text(result))
+    return 0

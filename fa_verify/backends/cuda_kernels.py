@@ -1,0 +1,154 @@
+"""Our CUDA kernels (kernels/*.cu) as backends: each kernel family x runner.
+
+Runners: "pycuda" (a GPU, through a restartable PyCUDA worker process) and "cpu" (the same
+source compiled by g++ through fa_verify's CUDA-on-CPU runner). Backend names are
+"<label>-<runner>": fa2-pycuda, fa2-cpu, wmma-pycuda, wmma-cpu, naive-cuda-pycuda,
+naive-cuda-cpu, naive16-cuda-pycuda, naive16-cuda-cpu. The launch (entry, grid, block, dynamic shared memory) and the precision model
+come from the kernel catalogue, fa_verify.kernels.catalogue.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import numpy as np
+
+from fa_verify.backends.base import AVAILABLE, Availability, Backend
+from fa_verify.dtypes import numpy_dtype
+from fa_verify.kernels.catalogue import FAMILIES, KernelFamily, kernels_dir
+from fa_verify.precision import PrecisionModel
+from fa_verify.problem import AttentionProblem
+
+RUNNERS = ("pycuda", "cpu")
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    """A contiguous array as the kernel reads it: fp16/bf16 as their uint16 bits."""
+    x = np.ascontiguousarray(x)
+    return x.view(np.uint16) if x.dtype.itemsize == 2 else x
+
+
+class KernelBackend(Backend):
+    """One kernel family on one runner."""
+
+    runner: str
+
+    def __init__(self, family: KernelFamily | str):
+        self.family = FAMILIES[family] if isinstance(family, str) else family
+        self.name = f"{self.family.label}-{self.runner}"
+        self.dtypes = self.family.dtypes
+        self.notes = self.family.notes
+
+    def precision(self, dtype) -> PrecisionModel:
+        return self.family.precision(dtype)
+
+    def supports(self, problem: AttentionProblem) -> str | None:
+        return self.family.supports(problem)
+
+    def _outputs(self, problem: AttentionProblem, o_bits: np.ndarray, lse: np.ndarray):
+        out = o_bits.view(numpy_dtype(problem.dtype)).reshape(problem.out_shape)
+        return out, lse.reshape(problem.out_shape[:3])
+
+
+class PyCudaKernelBackend(KernelBackend):
+    """A kernel family compiled by PyCUDA and run on the GPU, in a worker process."""
+
+    runner = "pycuda"
+
+    def availability(self) -> Availability:
+        from fa_verify.kernels.pycuda_runner import pycuda_availability
+
+        return pycuda_availability()
+
+    def supports(self, problem: AttentionProblem) -> str | None:
+        limit = None
+        if self.availability().available:
+            from fa_verify.kernels.pycuda_runner import device_shared_limit
+
+            limit = device_shared_limit()
+        return self.family.supports(problem, shared_limit=limit)
+
+    def _run(self, problem: AttentionProblem):
+        from fa_verify.kernels.pycuda_runner import shared_worker
+
+        launch = self.family.launch(problem)
+        o, lse = shared_worker().run(self.family, launch, _bits(problem.q), _bits(problem.k), _bits(problem.v))
+        return self._outputs(problem, o, lse)
+
+
+# --- the CUDA-on-CPU runner -------------------------------------------------------------------------
+
+_CPU_MODULES: dict = {}
+_CPU_LOCK = threading.Lock()
+
+
+def cpu_runner_availability() -> Availability:
+    if shutil.which("g++") is None:
+        return Availability(False, "g++ is not installed (the CUDA-on-CPU runner compiles kernels with it)")
+    try:
+        from fa_verify.cuda_cpu import CpuKernelModule  # noqa: F401
+    except ImportError as exc:
+        return Availability(False, f"the CUDA-on-CPU runner cannot be imported: {exc}")
+    return AVAILABLE
+
+
+def cpu_module(family: KernelFamily, sanitize: bool = False):
+    """The family's CpuKernelModule (built once per process and sanitizer mode; the runner caches builds)."""
+    from fa_verify.cuda_cpu import CpuKernelModule
+
+    key = (family.name, str(family.source_path), sanitize)
+    with _CPU_LOCK:
+        if key not in _CPU_MODULES:
+            _CPU_MODULES[key] = CpuKernelModule(family.source_path, entries=family.signatures(),
+                                                include_dirs=(str(kernels_dir()),), sanitize=sanitize)
+        return _CPU_MODULES[key]
+
+
+def run_on_cpu(family: KernelFamily, problem: AttentionProblem, module=None, sanitize: bool = False,
+               fill: float = np.nan) -> tuple[np.ndarray, np.ndarray]:
+    """(o as uint16 bits or float32, lse) of `problem` run by `module` (default: the family's).
+
+    Outputs start filled with `fill` (NaN), so an element the kernel never writes is visible.
+    """
+    module = module or cpu_module(family, sanitize=sanitize)
+    launch = family.launch(problem)
+    q, k, v = (_bits(x) for x in (problem.q, problem.k, problem.v))
+    if q.dtype == np.uint16:
+        o = np.full(q.shape, 0x7E00 if problem.dtype == "fp16" else 0x7FC0, dtype=np.uint16)  # NaN bits
+    else:
+        o = np.full(q.shape, fill, dtype=q.dtype)
+    lse = np.full(problem.out_shape[:3], fill, dtype=np.float32)
+    args = [q, k, v, o, lse, *launch.scalars]
+    if launch.scratch_dtype:
+        scratch = np.zeros(max(1, launch.scratch_elements), dtype=numpy_dtype(launch.scratch_dtype))
+        args.append(_bits(scratch))
+    result = module.launch(launch.entry, launch.grid, launch.block, launch.shared_bytes, args)
+    # The runner writes outputs into the arrays passed (or returns the arrays after the launch).
+    if isinstance(result, (list, tuple)) and len(result) == len(args):
+        o, lse = result[3], result[4]
+    return o, lse
+
+
+class CpuKernelBackend(KernelBackend):
+    """A kernel family compiled with g++ and run by the CUDA-on-CPU runner (fibers per thread)."""
+
+    runner = "cpu"
+
+    def __init__(self, family: KernelFamily | str, sanitize: bool = False):
+        super().__init__(family)
+        self.sanitize = sanitize
+        if sanitize:
+            self.name += "-asan"
+
+    def availability(self) -> Availability:
+        return cpu_runner_availability()
+
+    def _run(self, problem: AttentionProblem):
+        o, lse = run_on_cpu(self.family, problem, sanitize=self.sanitize)
+        return self._outputs(problem, o, lse)
+
+
+def kernel_backends() -> list[Backend]:
+    """Every family x runner, as the registry lists them."""
+    return [cls(family) for family in FAMILIES.values() for cls in (CpuKernelBackend, PyCudaKernelBackend)]

@@ -1,0 +1,270 @@
+"""The kernel catalogue: what each CUDA kernel family in kernels/ is and how to launch it.
+
+A family is one .cu file whose extern "C" entry points are named `<family>_<dtype>_d<D>`, one per
+problem dtype and head dimension it instantiates. Every entry takes the common ABI (see
+kernels/fa_common.cuh):
+
+    (const T* q, const T* k, const T* v, T* o, float* lse,
+     int B, int H, int Hkv, int Nq, int Nk, float scale, int causal, int causal_offset)
+
+plus, for families with a `scratch` dtype (naive, naive16), a trailing pointer to B*H*Nq*Nk
+elements of that dtype ("fp32", or "input" for the problem dtype) where S and P are materialised.
+The catalogue is the Python half of each family: its tile configuration per head dimension
+(which must match the instantiation lines `FA_FOR_EACH_*DTYPE(<FAMILY>_ENTRY, D, ...)` of the
+.cu; tests/test_kernels.py checks that they do), the launch grid, block and dynamic shared
+memory, and the precision model the error model judges it by. Runners (PyCUDA on a GPU, the
+CUDA-on-CPU runner elsewhere) launch kernels from a `Launch` and need nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from fa_verify.dtypes import DTYPE_NAMES
+from fa_verify.errors import InvalidArgumentError
+from fa_verify.precision import PrecisionModel
+from fa_verify.problem import AttentionProblem
+
+#: Environment variable naming the folder that holds the .cu sources (default: the repository's kernels/).
+KERNELS_DIR_ENV = "FA_VERIFY_KERNELS_DIR"
+#: Shared memory a block may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
+DEFAULT_SHARED_LIMIT = 48 * 1024
+#: Regions of dynamic shared memory are each rounded up to this many bytes (FA_SMEM_ALIGN in fa_common.cuh).
+SMEM_ALIGN = 128
+#: Options every compiler gets (nvcc, PyCUDA's SourceModule); the CPU runner compiles as C++17 too.
+NVCC_OPTIONS = ("-std=c++17",)
+
+_ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
+#: The parameter kinds of the common ABI, as the CPU runner's signatures spell them.
+BASE_SIGNATURE = ("ptr",) * 5 + ("int",) * 5 + ("float", "int", "int")
+
+
+def kernels_dir() -> Path:
+    """The folder of the .cu sources: $FA_VERIFY_KERNELS_DIR, else kernels/ beside the package."""
+    override = os.environ.get(KERNELS_DIR_ENV)
+    if override:
+        path = Path(override).expanduser()
+        if not (path / "fa_common.cuh").is_file():
+            raise InvalidArgumentError(
+                f"{KERNELS_DIR_ENV}={override!r} does not hold the kernel sources (no fa_common.cuh there)")
+        return path.resolve()
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda", here.parent.parent / "kernels"):  # packaged copy, then a checkout
+        if (candidate / "fa_common.cuh").is_file():
+            return candidate
+    raise InvalidArgumentError(
+        f"the kernel sources were not found beside the package ({here.parent.parent / 'kernels'}); "
+        f"set {KERNELS_DIR_ENV} to the folder that holds fa_common.cuh and the .cu files")
+
+
+def _round_up(n: int) -> int:
+    return -(-n // SMEM_ALIGN) * SMEM_ALIGN
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One head dimension's instantiation: query rows per block, keys per K/V tile, threads."""
+
+    block_m: int
+    #: keys per K/V tile; None for kernels without key tiles (naive)
+    block_n: int | None
+    threads: int
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything a runner needs to launch one problem: entry, grid, block, shared memory, args."""
+
+    entry: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    #: dynamic shared memory in bytes
+    shared_bytes: int
+    #: parameter kinds in order: 'ptr' | 'int' | 'float'
+    signature: tuple[str, ...]
+    #: the scalar arguments after (q, k, v, o, lse): B, H, Hkv, Nq, Nk, scale, causal, causal_offset
+    scalars: tuple
+    #: elements of the trailing scratch array, 0 when the entry takes none
+    scratch_elements: int = 0
+    #: numpy-ready dtype name of the scratch elements ("fp32", "fp16", "bf16"), None without one
+    scratch_dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    """One .cu file of kernels: its entries, launch geometry and precision model."""
+
+    name: str
+    #: name used for backends ("<label>-cpu", "<label>-pycuda")
+    label: str
+    source: str
+    description: str
+    dtypes: tuple[str, ...]
+    configs: dict = field(repr=False)
+    precision_model: Callable[[str], PrecisionModel] = field(repr=False)
+    #: byte sizes of the dynamic shared memory regions, in the order the kernel carves them
+    smem_regions: Callable[[int, str, TileConfig], tuple[int, ...]] = field(repr=False)
+    #: dtype of the trailing scratch array: None (no scratch), "fp32", or "input" (the problem dtype)
+    scratch: str | None = None
+    notes: str = ""
+
+    # --- what exists --------------------------------------------------------------------------
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        return tuple(sorted(self.configs))
+
+    @property
+    def source_path(self) -> Path:
+        return kernels_dir() / self.source
+
+    def entry(self, dtype: str, head_dim: int) -> str:
+        return f"{self.name}_{dtype}_d{head_dim}"
+
+    def entries(self) -> list[str]:
+        return [self.entry(dt, d) for d in self.head_dims for dt in self.dtypes]
+
+    @property
+    def signature(self) -> tuple[str, ...]:
+        return BASE_SIGNATURE + (("ptr",) if self.scratch else ())
+
+    def signatures(self) -> dict[str, list[str]]:
+        """{entry: signature} for every entry, as the CPU runner's CpuKernelModule takes them."""
+        return {entry: list(self.signature) for entry in self.entries()}
+
+    def precision(self, dtype) -> PrecisionModel:
+        return self.precision_model(dtype)
+
+    # --- per problem --------------------------------------------------------------------------
+    def config(self, head_dim: int) -> TileConfig:
+        if head_dim not in self.configs:
+            raise InvalidArgumentError(
+                f"kernel family {self.name!r} has no entry for D={head_dim}; it instantiates D in "
+                f"{', '.join(map(str, self.head_dims))}")
+        return self.configs[head_dim]
+
+    def shared_bytes(self, head_dim: int, dtype: str) -> int:
+        """Dynamic shared memory of the (dtype, D) entry, in bytes."""
+        return sum(_round_up(n) for n in self.smem_regions(head_dim, dtype, self.config(head_dim)))
+
+    def supports(self, problem: AttentionProblem, shared_limit: int | None = None) -> str | None:
+        """None if an entry of this family runs `problem`, else why not."""
+        if problem.dtype not in self.dtypes:
+            return f"{self.name} has no {problem.dtype} entry (it has {', '.join(self.dtypes)})"
+        if problem.head_dim not in self.configs:
+            return (f"{self.name} has no entry for D={problem.head_dim} "
+                    f"(it has D in {', '.join(map(str, self.head_dims))})")
+        if problem.heads > 65535 or problem.batch > 65535:
+            return f"grid dimensions H={problem.heads}, B={problem.batch} exceed CUDA's limit of 65535"
+        if shared_limit is not None:
+            need = self.shared_bytes(problem.head_dim, problem.dtype)
+            if need > shared_limit:
+                return (f"{self.entry(problem.dtype, problem.head_dim)} needs {need} bytes of shared "
+                        f"memory per block; this device allows {shared_limit}")
+        return None
+
+    def launch(self, problem: AttentionProblem) -> Launch:
+        """The launch of `problem`: grid (ceil(Nq / BLOCK_M), H, B), the config's threads."""
+        reason = self.supports(problem)
+        if reason is not None:
+            raise InvalidArgumentError(f"cannot launch {problem.describe()}: {reason}")
+        return self.launch_for(problem.batch, problem.heads, problem.kv_heads, problem.nq, problem.nk,
+                               problem.head_dim, problem.dtype, causal=problem.causal,
+                               causal_alignment=problem.causal_alignment, scale=problem.scale_value)
+
+    def launch_for(self, B: int, H: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: str, *,
+                   causal: bool = False, causal_alignment: str = "bottom-right",
+                   scale: float | None = None) -> Launch:
+        """The launch for these shapes (e.g. of torch tensors), without an AttentionProblem."""
+        if dtype not in self.dtypes:
+            raise InvalidArgumentError(f"{self.name} has no {dtype} entry (it has {', '.join(self.dtypes)})")
+        if causal_alignment not in ("bottom-right", "top-left"):
+            raise InvalidArgumentError(f"causal_alignment={causal_alignment!r}; use 'bottom-right' or 'top-left'")
+        cfg = self.config(D)
+        causal_offset = Nk - Nq if causal and causal_alignment == "bottom-right" else 0
+        scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+        scalars = (B, H, Hkv, Nq, Nk, scale, int(bool(causal)), causal_offset)
+        scratch = B * H * Nq * Nk if self.scratch else 0
+        scratch_dtype = None if not self.scratch else dtype if self.scratch == "input" else self.scratch
+        return Launch(entry=self.entry(dtype, D), grid=(math.ceil(Nq / cfg.block_m), H, B),
+                      block=(cfg.threads, 1, 1), shared_bytes=self.shared_bytes(D, dtype),
+                      signature=self.signature, scalars=scalars, scratch_elements=scratch,
+                      scratch_dtype=scratch_dtype)
+
+
+# --- the families ------------------------------------------------------------------------------------
+
+def _fa2_smem(d: int, dtype: str, c: TileConfig) -> tuple[int, ...]:
+    ld = d + 1  # tiles held in fp32, rows padded by one float
+    return (4 * c.block_m * ld, 4 * c.block_n * ld, 4 * c.block_n * ld,
+            4 * c.block_m * (c.block_n + 1), 4 * c.block_m, 4 * c.block_m)
+
+
+def _wmma_smem(d: int, dtype: str, c: TileConfig) -> tuple[int, ...]:
+    t = _ITEMSIZE[dtype]
+    ldt = d + 8
+    return (t * c.block_m * ldt, t * c.block_n * ldt, t * c.block_n * ldt,
+            4 * c.block_m * (c.block_n + 4), t * c.block_m * (c.block_n + 8),
+            4 * c.block_m * (d + 4), 4 * c.block_m)
+
+
+def _no_smem(d: int, dtype: str, c: TileConfig) -> tuple[int, ...]:
+    return ()
+
+
+def _naive16_precision(dtype) -> PrecisionModel:
+    # S and P are stored in the input dtype; the model's "score accumulated in T" is the closest
+    # it can say (the kernel accumulates q.k in fp32 and rounds once: the model over-covers it).
+    return PrecisionModel(input=dtype, score_accumulation=dtype, p_rounding=dtype, pv_accumulation="fp32")
+
+
+FA2 = KernelFamily(
+    name="fa2", label="fa2", source="fa2.cu",
+    description="FlashAttention-2 style on CUDA cores: K/V tiles through shared memory, online "
+                "softmax in fp32, P rounded to the input dtype before P·V",
+    dtypes=DTYPE_NAMES,
+    configs={16: TileConfig(64, 32, 128), 32: TileConfig(64, 32, 128), 64: TileConfig(64, 32, 128),
+             96: TileConfig(64, 32, 128), 128: TileConfig(64, 32, 128), 256: TileConfig(32, 16, 128)},
+    precision_model=PrecisionModel.flash, smem_regions=_fa2_smem)
+
+WMMA = KernelFamily(
+    name="wmma", label="wmma", source="wmma.cu",
+    description="FlashAttention-2 style on tensor cores (nvcuda::wmma 16x16x16, fp32 accumulation): "
+                "S = QK^T and P·V as fragments, softmax in fp32 on shared memory",
+    dtypes=("fp16", "bf16"),
+    configs={16: TileConfig(64, 32, 128), 32: TileConfig(64, 32, 128), 64: TileConfig(64, 32, 128),
+             96: TileConfig(64, 32, 128), 128: TileConfig(64, 32, 128), 256: TileConfig(32, 32, 128)},
+    precision_model=PrecisionModel.flash, smem_regions=_wmma_smem,
+    notes="tensor-core sums may not round as IEEE fp32 additions; judged by the FA2 model")
+
+NAIVE = KernelFamily(
+    name="naive", label="naive-cuda", source="naive.cu",
+    description="standard attention materialising S and P in global memory in fp32 (fp32 dot "
+                "products, softmax and P·V; only O rounded to the input dtype)",
+    dtypes=DTYPE_NAMES,
+    configs={d: TileConfig(16, None, 128) for d in (16, 32, 64, 96, 128, 256)},
+    precision_model=PrecisionModel.fp32_accumulate, smem_regions=_no_smem, scratch="fp32",
+    notes="takes a trailing float* scratch of B*H*Nq*Nk elements")
+
+NAIVE16 = KernelFamily(
+    name="naive16", label="naive16-cuda", source="naive.cu",
+    description="standard attention as eager PyTorch runs it in fp16/bf16: S and P materialised "
+                "in global memory in the input dtype, P·V accumulated in fp32",
+    dtypes=("fp16", "bf16"),
+    configs={d: TileConfig(16, None, 128) for d in (16, 32, 64, 96, 128, 256)},
+    precision_model=_naive16_precision, smem_regions=_no_smem, scratch="input",
+    notes="takes a trailing T* scratch of B*H*Nq*Nk elements; its precision model (scores in "
+          "the input dtype) gives an infinite error-model bound for most rows, so the baseline "
+          "rule judges it")
+
+#: Every kernel family, by name.
+FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (FA2, WMMA, NAIVE, NAIVE16)}
+
+
+def get_family(name: str) -> KernelFamily:
+    if name not in FAMILIES:
+        raise InvalidArgumentError(f"kernel={name!r} is unknown; kernel families: {', '.join(FAMILIES)}")
+    return FAMILIES[name]

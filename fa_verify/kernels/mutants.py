@@ -1,0 +1,73 @@
+"""Mutants: deliberately broken copies of the kernels, to measure what the harness catches.
+
+Each mutant (kernels/mutants/mutants.toml) is one textual edit of one kernel family's source.
+`materialise` writes the edited source beside a copy of fa_common.cuh in a folder of its own, so
+the CPU runner (or nvcc) builds it exactly like the original.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from fa_verify.errors import InvalidArgumentError
+from fa_verify.kernels.catalogue import FAMILIES, KernelFamily, kernels_dir
+
+CAUGHT_BY = ("oracle", "sanitizer")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    family: str
+    description: str
+    find: str
+    replace: str
+    #: "oracle" (the oracle comparison fails) or "sanitizer" (AddressSanitizer reports it)
+    caught_by: str
+
+    @property
+    def kernel_family(self) -> KernelFamily:
+        return FAMILIES[self.family]
+
+    def mutate(self, source: str) -> str:
+        count = source.count(self.find)
+        if count != 1:
+            raise InvalidArgumentError(
+                f"mutant {self.name!r}: its `find` text occurs {count} times in "
+                f"{self.kernel_family.source} (it must occur exactly once; was the kernel edited?)")
+        return source.replace(self.find, self.replace)
+
+    def materialise(self, folder: str | Path) -> Path:
+        """Write the mutated source (and fa_common.cuh) into `folder`; return the source's path."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        src = kernels_dir()
+        shutil.copyfile(src / "fa_common.cuh", folder / "fa_common.cuh")
+        path = folder / self.kernel_family.source
+        path.write_text(self.mutate((src / self.kernel_family.source).read_text()))
+        return path
+
+
+def load_mutants(path: str | Path | None = None) -> list[Mutant]:
+    """The mutants listed in kernels/mutants/mutants.toml (or `path`)."""
+    path = Path(path) if path else kernels_dir() / "mutants" / "mutants.toml"
+    data = tomllib.loads(path.read_text())
+    mutants = []
+    for entry in data.get("mutant", []):
+        try:
+            mutant = Mutant(**entry)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"{path}: bad mutant entry {entry.get('name')!r}: {exc}") from None
+        if mutant.family not in FAMILIES:
+            raise InvalidArgumentError(f"{path}: mutant {mutant.name!r} names unknown family {mutant.family!r}")
+        if mutant.caught_by not in CAUGHT_BY:
+            raise InvalidArgumentError(f"{path}: mutant {mutant.name!r}: caught_by must be one of {CAUGHT_BY}")
+        mutants.append(mutant)
+    return mutants

@@ -1,0 +1,166 @@
+// fa2.cu: a FlashAttention-2 style forward kernel on CUDA cores, every dtype.
+//
+// Grid (ceil(Nq / BLOCK_M), H, B): one block per tile of BLOCK_M query rows of one head. The
+// block streams K/V tiles of BLOCK_N keys through shared memory and keeps, per query row, the
+// running max m, the running sum l (fp32, in the registers of the row's softmax thread) and
+// the output accumulator (fp32, in registers, each thread owning fixed (row, column) entries).
+// Per key tile:
+//   1. S = scale * Q K^T (fp32), masked entries -inf;
+//   2. online softmax, one thread per row: m_new = max(m, rowmax S), alpha = exp(m - m_new),
+//      P = exp(S - m_new), l = alpha l + rowsum P (fp32 P, as FA2), P rounded to T for P V;
+//   3. acc = alpha acc + P V.
+// At the end o = acc / l (rounded to T) and lse = m + log l.
+// Precision model: PrecisionModel.flash(dtype). Shared memory holds the tiles in fp32 with
+// rows padded by one float (conflict-free strided reads); the catalogue computes its size.
+
+#include "fa_common.cuh"
+
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS>
+__device__ void fa2_forward(FA_PARAMS(T)) {
+    static_assert(THREADS % 32 == 0 && THREADS >= BLOCK_M, "one softmax thread per query row");
+    static_assert(THREADS % BLOCK_N == 0 && (BLOCK_M * BLOCK_N) % THREADS == 0, "S tile split");
+    static_assert(BLOCK_M % (THREADS / 32) == 0, "P V rows split over warps");
+    constexpr int LD = D + 1;                          // padded row of a Q/K/V tile (floats)
+    constexpr int LDS = BLOCK_N + 1;                   // padded row of the S/P tile
+    constexpr int S_ROWS_STEP = THREADS / BLOCK_N;     // step 1: thread -> (rows, one key)
+    constexpr int S_PER_THREAD = BLOCK_M * BLOCK_N / THREADS;
+    constexpr int WARPS = THREADS / 32;                // step 3: lane -> columns, warp -> rows
+    constexpr int O_ROWS = BLOCK_M / WARPS;
+    constexpr int O_COLS = (D + 31) / 32;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    SmemCarver carve{smem};
+    float* Qs = carve.take<float>(BLOCK_M * LD);
+    float* Ks = carve.take<float>(BLOCK_N * LD);
+    float* Vs = carve.take<float>(BLOCK_N * LD);
+    float* Ss = carve.take<float>(BLOCK_M * LDS);      // scores, then P (rounded to T)
+    float* row_alpha = carve.take<float>(BLOCK_M);     // this tile's rescale factor per row
+    float* row_l = carve.take<float>(BLOCK_M);         // final row sums, for the epilogue
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int q0 = blockIdx.x * BLOCK_M, h = blockIdx.y, b = blockIdx.z;
+    const int kv_h = h / (H / Hkv);
+    const T* q_head = q + fa_row_offset(b, h, H, Nq, 0, D);
+    const T* k_head = k + fa_row_offset(b, kv_h, Hkv, Nk, 0, D);
+    const T* v_head = v + fa_row_offset(b, kv_h, Hkv, Nk, 0, D);
+
+    // Q tile -> shared (fp32), rows past Nq zero.
+    for (int idx = tid; idx < BLOCK_M * D; idx += THREADS) {
+        int r = idx / D, c = idx % D;
+        Qs[r * LD + c] = q0 + r < Nq ? to_float(q_head[static_cast<size_t>(q0 + r) * D + c]) : 0.0f;
+    }
+
+    // Softmax state of row `tid` (threads tid < BLOCK_M) and this thread's accumulator entries.
+    float m_i = -INFINITY, l_i = 0.0f;
+    float acc[O_ROWS][O_COLS];
+#pragma unroll
+    for (int i = 0; i < O_ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < O_COLS; ++j) acc[i][j] = 0.0f;
+
+    // Key tiles at or past every row's limit are fully masked: stop before them.
+    const int last_row = (q0 + BLOCK_M < Nq ? q0 + BLOCK_M : Nq) - 1;
+    const int n_end = fa_key_limit(last_row, Nk, causal, causal_offset);
+
+    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+        // K, V tiles -> shared (fp32), keys past Nk zero.
+        for (int idx = tid; idx < BLOCK_N * D; idx += THREADS) {
+            int r = idx / D, c = idx % D;
+            bool in = n0 + r < Nk;
+            size_t g = static_cast<size_t>(n0 + r) * D + c;
+            Ks[r * LD + c] = in ? to_float(k_head[g]) : 0.0f;
+            Vs[r * LD + c] = in ? to_float(v_head[g]) : 0.0f;
+        }
+        __syncthreads();
+
+        // 1. S = scale * Q K^T; thread owns key column j and rows r0, r0 + S_ROWS_STEP, ...
+        {
+            const int j = tid % BLOCK_N, r0 = tid / BLOCK_N;
+            float s[S_PER_THREAD];
+#pragma unroll
+            for (int i = 0; i < S_PER_THREAD; ++i) s[i] = 0.0f;
+            for (int d = 0; d < D; ++d) {
+                float kd = Ks[j * LD + d];
+#pragma unroll
+                for (int i = 0; i < S_PER_THREAD; ++i) s[i] += Qs[(r0 + i * S_ROWS_STEP) * LD + d] * kd;
+            }
+#pragma unroll
+            for (int i = 0; i < S_PER_THREAD; ++i) {
+                int r = r0 + i * S_ROWS_STEP;
+                bool allowed = n0 + j < fa_key_limit(q0 + r, Nk, causal, causal_offset);
+                Ss[r * LDS + j] = allowed ? s[i] * scale : -INFINITY;
+            }
+        }
+        __syncthreads();
+
+        // 2. Online softmax: thread r updates row r's running max and sum.
+        if (tid < BLOCK_M) {
+            float* s_row = Ss + tid * LDS;
+            float m_tile = -INFINITY;
+            for (int j = 0; j < BLOCK_N; ++j) m_tile = fmaxf(m_tile, s_row[j]);
+            const float m_new = fmaxf(m_i, m_tile);
+            const float shift = m_new == -INFINITY ? 0.0f : m_new;  // nothing seen yet: no -inf - -inf
+            const float alpha = expf(m_i - shift);
+            float p_sum = 0.0f;
+            for (int j = 0; j < BLOCK_N; ++j) {
+                float p = expf(s_row[j] - shift);
+                p_sum += p;                         // the row sum takes fp32 P ...
+                s_row[j] = round_through<T>(p);     // ... P V takes P rounded to T
+            }
+            l_i = alpha * l_i + p_sum;
+            m_i = m_new;
+            row_alpha[tid] = alpha;
+        }
+        __syncthreads();
+
+        // 3. acc = alpha * acc + P V; lane owns columns lane, lane + 32, ..., warp owns rows.
+#pragma unroll
+        for (int i = 0; i < O_ROWS; ++i) {
+            const int r = warp + i * WARPS;
+            const float alpha = row_alpha[r];
+#pragma unroll
+            for (int c = 0; c < O_COLS; ++c) acc[i][c] *= alpha;
+            for (int j = 0; j < BLOCK_N; ++j) {
+                const float p = Ss[r * LDS + j];
+#pragma unroll
+                for (int c = 0; c < O_COLS; ++c)
+                    if (lane + 32 * c < D) acc[i][c] += p * Vs[j * LD + lane + 32 * c];
+            }
+        }
+        __syncthreads();  // the next tile overwrites K, V and S
+    }
+
+    // Epilogue: o = acc / l, lse = m + log l; rows that attended nothing get 0 and -inf.
+    if (tid < BLOCK_M) {
+        row_l[tid] = l_i;
+        if (q0 + tid < Nq)
+            lse[(static_cast<size_t>(b) * H + h) * Nq + q0 + tid] =
+                l_i > 0.0f ? m_i + logf(l_i) : -INFINITY;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < O_ROWS; ++i) {
+        const int r = warp + i * WARPS;
+        if (q0 + r >= Nq) continue;
+        const float l = row_l[r];
+        T* o_row = o + fa_row_offset(b, h, H, Nq, q0 + r, D);
+#pragma unroll
+        for (int c = 0; c < O_COLS; ++c)
+            if (lane + 32 * c < D) o_row[lane + 32 * c] = from_float<T>(l > 0.0f ? acc[i][c] / l : 0.0f);
+    }
+}
+
+// One extern "C" entry per (dtype, D): fa2_<dtype>_d<D>, with the tile configuration the
+// catalogue (fa_verify/kernels/catalogue.py, FA2) lists for that D.
+#define FA2_ENTRY(DT, T, D, BLOCK_M, BLOCK_N, THREADS)                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS) fa2_##DT##_d##D(FA_PARAMS(T)) {    \
+        fa2_forward<T, D, BLOCK_M, BLOCK_N, THREADS>(FA_ARGS);                                \
+    }
+
+// FA_CONFIG(D, BLOCK_M, BLOCK_N, THREADS)
+FA_FOR_EACH_DTYPE(FA2_ENTRY, 16, 64, 32, 128)
+FA_FOR_EACH_DTYPE(FA2_ENTRY, 32, 64, 32, 128)
+FA_FOR_EACH_DTYPE(FA2_ENTRY, 64, 64, 32, 128)
+FA_FOR_EACH_DTYPE(FA2_ENTRY, 96, 64, 32, 128)
+FA_FOR_EACH_DTYPE(FA2_ENTRY, 128, 64, 32, 128)
+FA_FOR_EACH_DTYPE(FA2_ENTRY, 256, 32, 16, 128)

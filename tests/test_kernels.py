@@ -1,0 +1,358 @@
+"""Our CUDA kernels: the catalogue, and every kernel x dtype x causal mode against the oracle.
+
+The kernels run through the CUDA-on-CPU runner (no GPU needed) and, where a GPU and PyCUDA are
+present, through PyCUDA. Each output is judged by the error model of the kernel's declared
+precision (fa_verify.verdict), against the certified float64 reference.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+
+import numpy as np
+import pytest
+
+from fa_verify.backends import get_backend
+from fa_verify.backends.cuda_kernels import (
+    CpuKernelBackend,
+    PyCudaKernelBackend,
+    cpu_runner_availability,
+    run_on_cpu,
+)
+from fa_verify.errors import AttentionMismatch, InvalidArgumentError, KernelRunError, KernelSanitizerError
+from fa_verify.kernels import FAMILIES, KERNELS_DIR_ENV, get_family, kernels_dir
+from fa_verify.kernels.mutants import load_mutants
+from fa_verify.kernels.pycuda_runner import PYCUDA_MISSING, pycuda_availability
+from fa_verify.oracle import reference
+from fa_verify.precision import PrecisionModel
+from fa_verify.problem import AttentionProblem
+from fa_verify.verdict import assert_attention_close, check_attention
+
+CPU = cpu_runner_availability()
+needs_cpu_runner = pytest.mark.skipif(not CPU.available, reason=CPU.reason)
+GPU = pycuda_availability()
+needs_gpu = pytest.mark.skipif(not GPU.available, reason=f"needs a CUDA GPU and pycuda ({GPU.reason})")
+
+CAUSAL_MODES = {"non-causal": dict(causal=False),
+                "bottom-right": dict(causal=True, causal_alignment="bottom-right"),
+                "top-left": dict(causal=True, causal_alignment="top-left")}
+
+#: (B, H, Hkv, Nq, Nk, D): N not a multiple of any tile, Nq != Nk both ways, GQA and MQA,
+#: D = 96, a single query and key. Small, because the CPU runner runs every CUDA thread.
+SHAPES = [
+    (1, 2, 1, 70, 33, 64),    # MQA, Nq > Nk (bottom-right: rows 0..36 fully masked), 2 query tiles
+    (1, 3, 1, 33, 130, 96),   # MQA, Nq < Nk, D = 96, 5 key tiles of 32 (4 full + 2 keys)
+    (2, 2, 2, 1, 1, 32),      # one query, one key, two batches
+    (1, 4, 2, 64, 64, 16),    # GQA (2 query heads per kv head), exactly one query tile
+    (1, 2, 2, 129, 130, 128), # tile multiples + 1 and + 2, D = 128
+    (1, 1, 1, 17, 40, 256),   # D = 256 (its own tile configuration)
+]
+
+
+def make_problem(shape, dtype, seed=0, **causal) -> AttentionProblem:
+    B, H, Hkv, Nq, Nk, D = shape
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, Nq, D))
+    k = rng.standard_normal((B, Hkv, Nk, D))
+    v = rng.standard_normal((B, Hkv, Nk, D))
+    return AttentionProblem.from_float(q, k, v, dtype, **causal)
+
+
+def kernel_cases():
+    for family in FAMILIES.values():
+        for dtype in family.dtypes:
+            for mode in CAUSAL_MODES:
+                yield pytest.param(family.name, dtype, mode, id=f"{family.name}-{dtype}-{mode}")
+
+
+# --- the catalogue ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_catalogue_matches_the_instantiations_in_the_source(name):
+    """Each `FA_FOR_EACH_*DTYPE(<NAME>_ENTRY, D, ...)` line of the .cu is the catalogue's config for D."""
+    family = get_family(name)
+    source = family.source_path.read_text()
+    macro = f"{name.upper()}_ENTRY"
+    found = {}
+    for dtypes_macro, args in re.findall(rf"^(FA_FOR_EACH_\w*DTYPE)\({macro}, ([^)]*)\)", source, re.M):
+        values = [int(a) for a in args.split(",")]
+        found[values[0]] = (dtypes_macro, tuple(values[1:]))
+    assert sorted(found) == list(family.head_dims)
+    for d, (dtypes_macro, values) in found.items():
+        cfg = family.config(d)
+        expected = ((cfg.block_m, cfg.threads) if cfg.block_n is None   # naive: rows per block
+                    else (cfg.block_m, cfg.block_n, cfg.threads))
+        assert values == expected, f"{name} D={d}: source {values}, catalogue {expected}"
+        assert dtypes_macro == ("FA_FOR_EACH_HALF_DTYPE" if family.dtypes == ("fp16", "bf16")
+                                else "FA_FOR_EACH_DTYPE")
+    assert re.search(rf"\b{name}_##DT##_d##D\b", source), "entries are named <family>_<dtype>_d<D>"
+    assert all(family.config(d).threads % 32 == 0 for d in family.head_dims)
+
+
+def test_launch_geometry():
+    fa2, naive = get_family("fa2"), get_family("naive")
+    p = make_problem((2, 4, 2, 70, 33, 64), "fp16", causal=True, causal_alignment="bottom-right")
+    launch = fa2.launch(p)
+    assert launch.entry == "fa2_fp16_d64"
+    assert launch.grid == (2, 4, 2) and launch.block == (128, 1, 1)
+    assert launch.scalars == (2, 4, 2, 70, 33, pytest.approx(1 / 8), 1, 33 - 70)
+    assert launch.shared_bytes == fa2.shared_bytes(64, "fp16") <= 48 * 1024
+    assert len(launch.signature) == 13 and launch.scratch_elements == 0
+    top_left = fa2.launch(p.replace(causal_alignment="top-left"))
+    assert top_left.scalars[-2:] == (1, 0)
+    assert fa2.launch(p.replace(causal=False)).scalars[-2:] == (0, 0)
+    n = naive.launch(p)
+    assert n.signature[-1] == "ptr" and len(n.signature) == 14
+    assert n.scratch_elements == 2 * 4 * 70 * 33 and n.grid == (5, 4, 2) and n.shared_bytes == 0
+    assert n.scratch_dtype == "fp32" and get_family("naive16").launch(p).scratch_dtype == "fp16"
+    assert launch.scratch_dtype is None
+
+
+def test_supports_and_precision():
+    wmma, fa2 = get_family("wmma"), get_family("fa2")
+    assert "no fp32 entry" in wmma.supports(make_problem((1, 1, 1, 4, 4, 64), "fp32"))
+    assert "no entry for D=40" in fa2.supports(make_problem((1, 1, 1, 4, 4, 40), "fp16"))
+    assert "allows 1000" in fa2.supports(make_problem((1, 1, 1, 4, 4, 128), "fp16"), shared_limit=1000)
+    with pytest.raises(InvalidArgumentError, match="no entry for D=40"):
+        fa2.launch(make_problem((1, 1, 1, 4, 4, 40), "fp16"))
+    assert fa2.precision("bf16") == PrecisionModel.flash("bf16")
+    assert get_family("naive16").precision("fp16").score_accumulation == "fp16"
+    assert get_family("naive").precision("bf16") == PrecisionModel.fp32_accumulate("bf16")
+    with pytest.raises(InvalidArgumentError, match="kernel families: fa2, wmma, naive, naive16"):
+        get_family("fa3")
+
+
+def test_kernels_dir_override(monkeypatch, tmp_path):
+    assert (kernels_dir() / "fa_common.cuh").is_file()
+    monkeypatch.setenv(KERNELS_DIR_ENV, str(tmp_path))
+    with pytest.raises(InvalidArgumentError, match="no fa_common.cuh"):
+        kernels_dir()
+    (tmp_path / "fa_common.cuh").write_text("")
+    assert kernels_dir() == tmp_path.resolve()
+    assert get_family("fa2").source_path == tmp_path.resolve() / "fa2.cu"
+
+
+def test_backends_are_registered():
+    for family in FAMILIES.values():
+        cpu, gpu = get_backend(f"{family.label}-cpu"), get_backend(f"{family.label}-pycuda")
+        assert isinstance(cpu, CpuKernelBackend) and isinstance(gpu, PyCudaKernelBackend)
+        assert cpu.dtypes == gpu.dtypes == family.dtypes
+        assert cpu.precision("fp16") == family.precision("fp16")
+    if not GPU.available:
+        reason = get_backend("fa2-pycuda").availability().reason
+        assert reason == PYCUDA_MISSING or "driver" in reason or "GPU" in reason
+
+
+# --- every kernel x dtype x causal mode through the CPU runner ------------------------------------------
+
+
+@needs_cpu_runner
+@pytest.mark.parametrize("family_name, dtype, mode", list(kernel_cases()))
+def test_kernel_matches_oracle_on_cpu(family_name, dtype, mode):
+    backend = CpuKernelBackend(family_name)
+    for shape in SHAPES:
+        problem = make_problem(shape, dtype, seed=zlib.crc32(f"{family_name}-{dtype}-{mode}".encode()),
+                               **CAUSAL_MODES[mode])
+        if backend.supports(problem) is not None:
+            continue
+        out, lse = backend.run(problem)
+        assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype))
+
+
+@needs_cpu_runner
+def test_causal_alignments_differ_and_rows_fully_masked():
+    """Bottom-right with Nq > Nk masks whole rows (0, -inf); top-left does not: the offset is used."""
+    backend = CpuKernelBackend("fa2")
+    p = make_problem((1, 1, 1, 40, 20, 32), "fp32", causal=True, causal_alignment="bottom-right")
+    out, lse = backend.run(p)
+    assert np.all(out[0, 0, :20] == 0) and np.all(lse[0, 0, :20] == -np.inf)
+    assert np.all(np.isfinite(lse[0, 0, 20:]))
+    out_tl, lse_tl = backend.run(p.replace(causal_alignment="top-left"))
+    assert np.all(np.isfinite(lse_tl)) and not np.array_equal(out, out_tl)
+    check = check_attention(out_tl, p.replace(causal_alignment="top-left"), lse=lse_tl,
+                            precision=backend.precision("fp32"))
+    assert check.passed, check.message()
+
+
+@needs_cpu_runner
+def test_outputs_start_as_nan_so_unwritten_elements_fail():
+    """run_on_cpu fills outputs with NaN: a kernel that skipped an element would fail 'finite'."""
+    family = get_family("fa2")
+    p = make_problem((1, 1, 1, 5, 7, 16), "fp32")
+    o, lse = run_on_cpu(family, p)
+    assert np.isfinite(o).all() and np.isfinite(lse).all()
+
+
+@needs_cpu_runner
+@pytest.mark.parametrize("family_name", list(FAMILIES))
+def test_sanitizer_run_is_clean(family_name):
+    """AddressSanitizer (global and shared memory) sees no invalid access, all three causal modes."""
+    backend = CpuKernelBackend(family_name, sanitize=True)
+    assert backend.name.endswith("-cpu-asan")
+    dtype = backend.dtypes[0]
+    for mode in CAUSAL_MODES:
+        for shape in (SHAPES[0], SHAPES[1], SHAPES[5]):
+            problem = make_problem(shape, dtype, seed=3, **CAUSAL_MODES[mode])
+            out, lse = backend.run(problem)  # raises KernelSanitizerError on a report
+            assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype))
+
+
+@needs_cpu_runner
+def test_build_command_for_the_cpu_runner(capsys):
+    from fa_verify.cli.main import main
+
+    assert main(["build", "--cpu", "--kernel", "fa2,wmma", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and [row["family"] for row in report["cpu"]] == ["fa2", "wmma"]
+
+
+@needs_cpu_runner
+@pytest.mark.parametrize("family_name", list(FAMILIES))
+def test_check_command_on_each_cpu_kernel_backend(family_name, capsys):
+    """`fa_verify check <kernel>-cpu`: the fixed edge cases plus a few Hypothesis problems pass."""
+    from fa_verify.cli.main import main
+
+    name = f"{get_family(family_name).label}-cpu"
+    assert main(["check", name, "--max-examples", "5", "--json"]) == 0, capsys.readouterr().out
+    assert '"passed": true' in capsys.readouterr().out
+
+
+# --- mutants: broken kernels the tests above must catch -------------------------------------------------
+
+MUTANTS = load_mutants()
+
+
+def test_mutants_apply_to_the_current_sources(tmp_path):
+    assert {m.caught_by for m in MUTANTS} == {"oracle", "sanitizer"}
+    for mutant in MUTANTS:
+        path = mutant.materialise(tmp_path / mutant.name)
+        assert path.read_text() != mutant.kernel_family.source_path.read_text()
+        assert (path.parent / "fa_common.cuh").is_file()
+
+
+def oracle_failures(family, module, dtype="fp16"):
+    """Run the oracle grid (SHAPES x causal modes) on `module`; the failures it finds."""
+    failures = []
+    dtype = dtype if dtype in family.dtypes else family.dtypes[0]
+    for mode in CAUSAL_MODES:
+        for shape in SHAPES:
+            problem = make_problem(shape, dtype, seed=5, **CAUSAL_MODES[mode])
+            if family.supports(problem) is not None:
+                continue
+            try:
+                o, lse = run_on_cpu(family, problem, module=module)
+                out = o.view(problem.q.dtype).reshape(problem.out_shape)
+                assert_attention_close(out, problem, lse=lse, precision=family.precision(dtype))
+            except (AttentionMismatch, KernelRunError) as exc:
+                failures.append(f"{mode} {shape}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    return failures
+
+
+@needs_cpu_runner
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
+def test_mutant_is_caught(mutant, tmp_path):
+    from fa_verify.cuda_cpu import CpuKernelModule
+
+    family = mutant.kernel_family
+    source = mutant.materialise(tmp_path)
+    sanitize = mutant.caught_by == "sanitizer"
+    module = CpuKernelModule(source, entries=family.signatures(), include_dirs=[str(tmp_path)], sanitize=sanitize)
+    if not sanitize:
+        failures = oracle_failures(family, module)
+        assert failures, f"mutant {mutant.name} ({mutant.description}) passed every oracle check"
+        return
+    problem = make_problem(SHAPES[0], family.dtypes[0], seed=5)
+    with pytest.raises(KernelSanitizerError, match="AddressSanitizer|out of bounds|overflow"):
+        run_on_cpu(family, problem, module=module)
+
+
+# --- the PyCUDA worker's protocol, with a fake worker (no GPU needed) --------------------------------------
+
+FAKE_WORKER = """
+import os, signal, sys, time
+import numpy as np
+from fa_verify.kernels.pycuda_runner import _receive, _send
+stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+_send(stdout, ("ready", "sm_90", "fake GPU", 232448))
+while True:
+    request = _receive(stdin)
+    if request[0] == "compile":
+        _send(stdout, ("ok",))
+        continue
+    family, launch, q, k, v = request
+    what = int(q.flat[0])  # the test says what to do through q[0]
+    if what == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if what == 2:
+        time.sleep(60)
+    if what == 3:
+        _send(stdout, ("error", "LaunchError", "an illegal memory access was encountered"))
+        sys.exit(0)
+    B, H, Hkv, Nq = launch.scalars[:4]
+    _send(stdout, ("ok", np.zeros_like(q), np.full((B, H, Nq), float(launch.grid[0]), np.float32)))
+"""
+
+
+def test_pycuda_worker_reports_crashes_and_timeouts_and_restarts(tmp_path):
+    import sys
+
+    from fa_verify.errors import KernelCrashError, KernelTimeoutError
+    from fa_verify.kernels.pycuda_runner import PyCudaWorker
+
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    worker = PyCudaWorker(timeout=3, command=[sys.executable, str(script)])
+    family = get_family("fa2")
+    p = make_problem((1, 2, 1, 70, 33, 64), "fp32")
+    launch = family.launch(p)
+
+    def run(code):
+        q = p.q.copy()
+        q.flat[0] = code
+        return worker.run(family, launch, q, p.k, p.v)
+
+    try:
+        o, lse = run(0)
+        assert o.shape == p.q.shape and lse[0, 0, 0] == 2 and worker.device_name == "fake GPU"
+        with pytest.raises(KernelCrashError, match="kernel crashed: SIGSEGV"):
+            run(1)
+        assert run(0)[1].shape == (1, 2, 70)  # a fresh worker
+        with pytest.raises(KernelRunError, match="illegal memory access"):
+            run(3)
+        with pytest.raises(KernelTimeoutError, match="timed out after 3 s"):
+            run(2)
+        run(0)
+        assert worker.starts == 4
+    finally:
+        worker.close()
+
+
+# --- the same on a GPU ------------------------------------------------------------------------------------
+
+
+@needs_gpu
+@pytest.mark.parametrize("family_name, dtype, mode", list(kernel_cases()))
+def test_kernel_matches_oracle_on_gpu(family_name, dtype, mode):
+    backend = PyCudaKernelBackend(family_name)
+    for shape in SHAPES + [(2, 8, 2, 257, 300, 128), (1, 2, 2, 100, 1000, 256)]:
+        problem = make_problem(shape, dtype, seed=1, **CAUSAL_MODES[mode])
+        if backend.supports(problem) is not None:
+            continue
+        out, lse = backend.run(problem)
+        assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype),
+                               reference=reference(problem))
+
+
+@needs_gpu
+@needs_cpu_runner
+@pytest.mark.parametrize("family_name", ["fa2", "naive"])
+def test_gpu_and_cpu_runner_agree_on_fp32(family_name):
+    """Same source, same order of operations: fp32 results agree to a few ulps (expf may differ)."""
+    p = make_problem((1, 2, 1, 70, 90, 64), "fp32", causal=True)
+    gpu, gpu_lse = PyCudaKernelBackend(family_name).run(p)
+    cpu, cpu_lse = CpuKernelBackend(family_name).run(p)
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gpu_lse, cpu_lse, rtol=1e-5, atol=1e-6)
