@@ -303,7 +303,9 @@ def _chunk(units: _Units, q, k, abs_v, allowed, lse, abs_o, row_scale, out_terms
     rel_scores = U.g_d * a + U.t_abs
     rel_softmax = U.u_s * (np.abs(t) + 3 * np.abs(x) + M) + U.eps_exp_p
     rel_rescale = R * (U.eps_exp + 4 * U.u_s * M)
-    w_scores = p * rel_scores
+    with np.errstate(invalid="ignore"):  # 0 * inf where gamma_D has no finite value
+        w_scores = p * rel_scores
+    w_scores[np.isnan(w_scores)] = np.inf  # no bound is no bound, even for a masked entry
     # Below the smallest normal an exp result's error is absolute (tiny_s with flush to zero).
     w_softmax = np.where(allowed, np.maximum(p * rel_softmax, U.tiny_s), 0.0)
     w_rescale = p * rel_rescale
