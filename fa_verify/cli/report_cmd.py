@@ -1,0 +1,93 @@
+"""`fa_verify report`: run a sweep into OUT/results.jsonl and render OUT/index.html and summaries."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+RESULTS = "results.jsonl"
+
+
+def add_parser(sub) -> None:
+    from fa_verify.sweeps import SWEEPS
+
+    cmd = sub.add_parser(
+        "report", help="run a sweep of every backend and write an HTML error report",
+        description="Runs every selected backend over a sweep of shapes x dtype x causal, judges "
+                    "each output against the certified reference, appends one record per run to "
+                    "OUT/results.jsonl as it goes, and renders OUT/index.html (self-contained), "
+                    "OUT/summary.json and OUT/summary.md. An interrupted run keeps its records "
+                    "(--resume continues it; --from renders them). "
+                    "Exit 0: every run passed; 1: a run failed; 2: usage or setup error.",
+        epilog="Sweeps: " + "; ".join(f"{s.name}: {s.description} (budget {s.budget_s:g} s "
+                                       "per backend)" for s in SWEEPS.values()))
+    cmd.add_argument("--backend", action="append", metavar="NAME",
+                     help="backend to run (repeatable; default: every available backend)")
+    cmd.add_argument("--sweep", choices=tuple(SWEEPS), default="quick",
+                     help="which problems to run (default quick: a few minutes on 2 CPU cores)")
+    cmd.add_argument("--out", default="reports", metavar="DIR",
+                     help="output directory (default reports/)")
+    cmd.add_argument("--from", dest="source", metavar="RESULTS",
+                     help="render this results file (JSON lines) without running anything")
+    cmd.add_argument("--resume", action="store_true",
+                     help=f"keep OUT/{RESULTS} and skip the runs it already holds "
+                          "(default: start it afresh, the old one renamed results.prev.jsonl)")
+    cmd.set_defaults(handler=_run)
+
+
+def _backends(names):
+    from fa_verify.backends import builtin_backends, get_backend
+    from fa_verify.errors import BackendUnavailableError
+
+    if not names:
+        return [b for b in builtin_backends() if b.availability().available]
+    backends = [get_backend(name) for name in names]
+    for backend in backends:
+        availability = backend.availability()
+        if not availability.available:
+            raise BackendUnavailableError(
+                f"backend {backend.name!r} is unavailable: {availability.reason}")
+    return backends
+
+
+def _run(args) -> int:
+    from fa_verify.errors import InvalidArgumentError
+    from fa_verify.report.run_info import RunInfo
+    from fa_verify.report.runner import run_sweep
+    from fa_verify.results import ResultsStore
+    from fa_verify.sweeps import get_sweep
+
+    out = Path(args.out)
+    if args.source:
+        if args.resume or args.backend:
+            raise InvalidArgumentError("--from renders a results file; it takes no --resume or --backend")
+        source = Path(args.source)
+        if not source.exists():
+            raise InvalidArgumentError(f"--from {str(source)!r}: no such file")
+        return _render(ResultsStore(source).read(), out, RunInfo.load(source.parent))
+
+    backends = _backends(args.backend)
+    store = ResultsStore(out / RESULTS)
+    if not args.resume and store.path.exists():
+        store.path.replace(out / "results.prev.jsonl")
+    done = store.keys() if args.resume else frozenset()
+    sweep = get_sweep(args.sweep)
+    print(f"fa_verify report: sweep {sweep.name} on {', '.join(b.name for b in backends)} "
+          f"-> {out}/", file=sys.stderr, flush=True)
+    try:
+        info = run_sweep(sweep, backends, store, done=done, out_dir=out)
+    except KeyboardInterrupt:
+        # Everything recorded so far is in the store: render it, then stop as interrupted.
+        _render(store.read(), out, RunInfo.load(out))
+        raise
+    return _render(store.read(), out, info)
+
+
+def _render(records, out: Path, run) -> int:
+    from fa_verify.report import write_report
+
+    data = write_report(records, out, run=run)
+    print((out / "summary.md").read_text(encoding="utf-8"))  # the CI log's summary
+    print(f"wrote {out / 'index.html'}, summary.json, summary.md: {data.totals.records} runs, "
+          f"{data.totals.failed} failing", file=sys.stderr)
+    return 1 if data.totals.failed else 0

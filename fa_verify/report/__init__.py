@@ -1,0 +1,46 @@
+"""`fa_verify report`: run a sweep into the results store and render it.
+
+    from fa_verify.report import write_report
+    write_report(ResultsStore("reports/results.jsonl").read(), "reports")
+
+Pieces, in the order data flows: `runner` (sweep → records, with `budget` and `progress`),
+`data` (records → plain dataclasses, grouped by `buckets`), `render` (index.html and
+summary.md from the templates, figures from `plots`), `summary` (summary.json).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+
+from fa_verify.report.data import ReportData, build
+from fa_verify.report.run_info import RunInfo
+
+OUTPUTS = ("index.html", "summary.json", "summary.md")
+
+
+def write_report(records, out_dir, *, run: RunInfo | None = None,
+                 generated: str | None = None) -> ReportData:
+    """Render `records` into out_dir/index.html, summary.json and summary.md.
+
+    run: the sweep's RunInfo (skips, environment); without it the environment is this machine's.
+    generated: the timestamp shown (default: now, UTC).
+    """
+    from fa_verify.report.environment import collect
+    from fa_verify.report.render import render_html, render_markdown
+    from fa_verify.report.summary import summary_json
+
+    generated = generated or datetime.now(timezone.utc).isoformat(timespec="seconds")
+    environment = None if run is not None and run.environment else collect()
+    data = build(records, run=run, environment=environment, generated=generated)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("index.html", render_html(data)), ("summary.json", summary_json(data)),
+                       ("summary.md", render_markdown(data))):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out / name)  # a reader never sees half a page
+    return data
+
+
+__all__ = ["OUTPUTS", "ReportData", "RunInfo", "build", "write_report"]

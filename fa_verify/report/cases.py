@@ -1,0 +1,64 @@
+"""The worst cases: one per failing backend and rule, and the passing runs nearest their bound,
+each with a one-line reproducer (`fa_verify.check.reproducer` on the rebuilt problem)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from fa_verify.report.aggregate import out_stat
+
+#: How many passing runs with the largest bound ratios the worst-case list shows.
+WORST_PASSING = 10
+
+
+@dataclass
+class Case:
+    """A run worth reproducing."""
+
+    backend: str
+    problem: str
+    rule: str | None
+    bound_ratio: float | None
+    baseline_ratio: float | None
+    normalised_max: float | None
+    ulp_max: float | None
+    error: str | None
+    reproducer: str | None
+    #: how many failing runs share this backend and rule (1 for passing cases)
+    count: int = 1
+
+
+def _case(record, count: int = 1) -> Case:
+    from fa_verify.check import reproducer
+
+    p = record.problem
+    try:
+        command = reproducer(record.backend, p.rebuild())
+    except Exception:  # noqa: BLE001 - no distribution/seed, or a MODULE:FUNC not importable here
+        command = None
+    return Case(backend=record.backend,
+                problem=(f"{p.shape} {p.dtype} {'causal ' + p.causal_alignment if p.causal else 'full'}, "
+                         f"{p.distribution} inputs, seed {p.seed}"),
+                rule=record.rule, bound_ratio=record.bound_ratio,
+                baseline_ratio=record.baseline_ratio,
+                normalised_max=out_stat(record, "normalised", "max"),
+                ulp_max=out_stat(record, "ulp", "max"), error=record.extra.get("error"),
+                reproducer=command, count=count)
+
+
+def _severity(record):
+    return (record.bound_ratio or 0.0, record.baseline_ratio or 0.0)
+
+
+def worst_cases(records) -> tuple[list, list]:
+    """(one case per failing backend × rule, the worst of its runs; the passing runs with the
+    largest bound ratios)."""
+    failing = defaultdict(list)
+    for r in records:
+        if not r.passed:
+            failing[r.backend, r.rule].append(r)
+    failures = [_case(max(runs, key=_severity), len(runs)) for _, runs in sorted(failing.items())]
+    passing = sorted((r for r in records if r.passed and r.bound_ratio is not None),
+                     key=_severity, reverse=True)[:WORST_PASSING]
+    return failures, [_case(r) for r in passing]

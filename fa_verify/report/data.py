@@ -1,0 +1,195 @@
+"""The report's data layer: plain dataclasses built from records, rendered elsewhere.
+
+Everything a page, summary.json or summary.md shows is computed here (and in `fa3`, `curves`
+and `cases`), once, so that the three agree and the templates only format. A cell's "p99" is
+the largest per-run p99 (percentiles do not pool; with one run per cell it is that run's).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from fa_verify.precision import PrecisionModel
+from fa_verify.report.aggregate import largest, out_stat
+from fa_verify.report.buckets import Bucket, bucket_of, column_of
+from fa_verify.report.cases import worst_cases
+from fa_verify.report.curves import curves
+from fa_verify.report.fa3 import Fa3Table, fa3_table
+from fa_verify.report.histogram import merge
+from fa_verify.report.run_info import RunInfo
+
+
+@dataclass
+class Cell:
+    """One backend's runs of one shape bucket and one dtype × causal column."""
+
+    runs: int
+    failed: int
+    rules: list
+    ulp_max: float | None
+    ulp_p99: float | None
+    normalised_max: float | None
+    normalised_p99: float | None
+    bound_ratio: float | None
+    baseline_ratio: float | None
+    #: elements without a finite error-model bound (bound_ratio does not cover them)
+    unbounded: int
+    #: merged histograms {"normalised": ..., "ulp": ...} (None where no run stored one)
+    histograms: dict | None
+    #: the exact shapes seen, "B×H/Hkv×Nq×Nk×D"
+    shapes: list
+
+    @property
+    def status(self) -> str:
+        return "fail" if self.failed else "pass"
+
+    @classmethod
+    def of(cls, records) -> "Cell":
+        return cls(
+            runs=len(records), failed=sum(not r.passed for r in records),
+            rules=sorted({r.rule for r in records if r.rule}),
+            ulp_max=largest(out_stat(r, "ulp", "max") for r in records),
+            ulp_p99=largest(out_stat(r, "ulp", "p99") for r in records),
+            normalised_max=largest(out_stat(r, "normalised", "max") for r in records),
+            normalised_p99=largest(out_stat(r, "normalised", "p99") for r in records),
+            bound_ratio=largest(r.bound_ratio for r in records),
+            baseline_ratio=largest(r.baseline_ratio for r in records),
+            unbounded=sum(r.unbounded for r in records),
+            histograms=_merged_histograms(records),
+            shapes=sorted({shape_label(r.problem) for r in records}))
+
+
+def _merged_histograms(records) -> dict | None:
+    views = {view: merge((r.histograms or {}).get(view) for r in records)
+             for view in ("normalised", "ulp")}
+    return views if any(views.values()) else None
+
+
+def shape_label(p) -> str:
+    """B×H×Nq×Nk×D, with H/Hkv where they differ."""
+    heads = f"{p.heads}" if p.heads == p.kv_heads else f"{p.heads}/{p.kv_heads}"
+    return f"{p.batch}×{heads}×{p.nq}×{p.nk}×{p.head_dim}"
+
+
+@dataclass
+class Row:
+    bucket: Bucket
+    #: one per column of the table, None where the backend has no run
+    cells: list
+
+
+@dataclass
+class BackendSection:
+    name: str
+    runs: int
+    failed: int
+    #: precision model per dtype, as PrecisionModel.describe() says it
+    precision: dict
+    columns: list
+    rows: list
+    bound_ratio: float | None
+    #: one Cell over all the backend's runs per column of the whole report (None: no runs)
+    overview: list
+
+    @property
+    def status(self) -> str:
+        return "fail" if self.failed else "pass"
+
+
+def _precision_text(p: dict) -> str:
+    return PrecisionModel(**p).describe()
+
+
+def backend_section(name: str, records, report_columns) -> BackendSection:
+    columns = sorted({column_of(r.problem) for r in records})
+    by_cell, by_column = defaultdict(list), defaultdict(list)
+    for r in records:
+        by_cell[bucket_of(r.problem), column_of(r.problem)].append(r)
+        by_column[column_of(r.problem)].append(r)
+    buckets = sorted({b for b, _ in by_cell})
+    rows = [Row(b, [Cell.of(by_cell[b, c]) if (b, c) in by_cell else None for c in columns])
+            for b in buckets]
+    return BackendSection(
+        name=name, runs=len(records), failed=sum(not r.passed for r in records),
+        precision={r.problem.dtype: _precision_text(r.precision)
+                   for r in sorted(records, key=lambda r: column_of(r.problem))},
+        columns=columns, rows=rows, bound_ratio=largest(r.bound_ratio for r in records),
+        overview=[Cell.of(by_column[c]) if c in by_column else None for c in report_columns])
+
+
+@dataclass
+class SkipGroup:
+    backend: str
+    kind: str
+    count: int
+    #: the reason of the first skip (the others differ only in numbers)
+    reason: str
+
+
+def skip_groups(info: RunInfo | None) -> list[SkipGroup]:
+    if info is None:
+        return []
+    groups = defaultdict(list)
+    for s in info.skips:
+        groups[s.backend, s.kind].append(s)
+    return [SkipGroup(b, k, len(skips), skips[0].reason) for (b, k), skips in sorted(groups.items())]
+
+
+@dataclass
+class Totals:
+    records: int
+    failed: int
+    backends: int
+    sources: dict
+    sweeps: list
+    first: str | None
+    last: str | None
+
+
+@dataclass
+class ReportData:
+    title: str
+    generated: str
+    totals: Totals
+    columns: list
+    sections: list
+    fa3: Fa3Table | None
+    curves: list
+    failures: list
+    worst_passing: list
+    skips: list
+    run: RunInfo | None
+    environment: dict
+    #: the environment is the run's (run.json), not the renderer's
+    environment_of_run: bool
+    notes: list = field(default_factory=list)
+
+
+def build(records, *, run: RunInfo | None = None, environment: dict | None = None,
+          generated: str = "", title: str = "fa_verify report") -> ReportData:
+    """The report of `records`; `run` adds skips and the environment of the run."""
+    by_backend = defaultdict(list)
+    for r in records:
+        by_backend[r.backend].append(r)
+    sources = defaultdict(int)
+    for r in records:
+        sources[r.source] += 1
+    stamps = sorted(r.timestamp for r in records)
+    columns = sorted({column_of(r.problem) for r in records})
+    failures, passing = worst_cases(records)
+    notes = []
+    if run is not None and run.interrupted:
+        notes.append("The run was interrupted: this report shows the runs recorded before it stopped.")
+    return ReportData(
+        title=title, generated=generated,
+        totals=Totals(records=len(records), failed=sum(not r.passed for r in records),
+                      backends=len(by_backend), sources=dict(sorted(sources.items())),
+                      sweeps=sorted({r.sweep for r in records if r.sweep}),
+                      first=stamps[0] if stamps else None, last=stamps[-1] if stamps else None),
+        columns=columns,
+        sections=[backend_section(name, by_backend[name], columns) for name in sorted(by_backend)],
+        fa3=fa3_table(records), curves=curves(records),
+        failures=failures, worst_passing=passing, skips=skip_groups(run), run=run,
+        environment=(run.environment if run is not None and run.environment else environment or {}),
+        environment_of_run=bool(run is not None and run.environment), notes=notes)

@@ -1,0 +1,77 @@
+"""index.html and summary.md: the report's data through the jinja2 templates in report/templates.
+
+Autoescape is on for HTML, so every string from records (backend names, error messages,
+reproducer commands) is escaped; the only values marked safe are the figures, SVG that
+matplotlib wrote from numbers. CSS and figures are inlined: the page needs no network and no
+files beside it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jinja2
+from markupsafe import Markup
+
+from fa_verify.report.histogram import merge
+from fa_verify.report.plots import VIEW_RANGES, curve_svg, histogram_svg, sparkline
+
+
+def fmt(x) -> str:
+    """A number as the page shows it: 3 significant digits; '—' for a missing value."""
+    if x is None:
+        return "—"
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return str(x)
+    return f"{x:.3g}"
+
+
+def rawnum(x) -> str:
+    """The exact value behind a shown number (data-v attribute), for tests and scrapers."""
+    return "" if x is None else repr(float(x))
+
+
+def md(text) -> str:
+    """Text safe in a Markdown table cell or line: no cell breaks, no HTML, no newlines."""
+    text = str(text).replace("\\", "\\\\").replace("|", "\\|").replace("`", "'")
+    return text.replace("<", "&lt;").replace(">", "&gt;").replace("\n", " ")
+
+
+def _view_range(view: str) -> str:
+    low, high = VIEW_RANGES[view]
+    return f"1e{low:g} … 1e{high:g}"
+
+
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.PackageLoader("fa_verify.report", "templates"),
+                             autoescape=jinja2.select_autoescape(["html"]),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.filters.update(fmt=fmt, rawnum=rawnum, md=md)
+    env.globals.update(sparkline=sparkline, view_range=_view_range)
+    return env
+
+
+def figures(data) -> dict:
+    """The SVG figures of the page: error-vs-N curves and per-dtype histograms."""
+    curves = [(c.dtype, c.family, Markup(curve_svg(c))) for c in data.curves]
+    histograms = []
+    for dtype in dict.fromkeys(c.dtype for c in data.columns):  # in column order, once each
+        per_backend = {}
+        for section in data.sections:
+            merged = merge(cell.histograms and cell.histograms["normalised"]
+                           for row in section.rows for column, cell in zip(section.columns, row.cells)
+                           if cell is not None and column.dtype == dtype)
+            if merged:
+                per_backend[section.name] = merged
+        if per_backend:
+            title = f"{dtype}, normalised error"
+            histograms.append((title, Markup(histogram_svg(title, per_backend, "normalised"))))
+    return {"curves": curves, "histograms": histograms}
+
+
+def render_html(data) -> str:
+    return environment().get_template("index.html").render(data=data, figures=figures(data))
+
+
+def render_markdown(data) -> str:
+    return environment().get_template("summary.md").render(data=data)

@@ -1,0 +1,163 @@
+"""Run a sweep: every point on every backend, judged against the oracle, appended to the store.
+
+Per point the problem is built once, and so are the things every backend is compared with:
+the certified reference, naive same-precision attention (the verdict's baseline, and FA3's
+"standard attention"), and the reference rounded to the dtype (the best any kernel can do).
+Each backend's run then costs its own run time plus its verdict.
+
+Records are appended as they are made, so an interrupted run loses at most the run in
+flight; `done` keys (from the store, for --resume) are skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+from fa_verify.backends.naive import naive_attention
+from fa_verify.dtypes import round_to
+from fa_verify.error_model import error_bound
+from fa_verify.metrics import OutputErrors
+from fa_verify.oracle import reference
+from fa_verify.precision import PrecisionModel
+from fa_verify.report.budget import Budget
+from fa_verify.report.histogram import histogram
+from fa_verify.report.progress import Progress
+from fa_verify.report.run_info import RunInfo, Skip
+from fa_verify.results import (
+    EXACTLY_ROUNDED,
+    NAIVE_SAME_PRECISION,
+    ProblemDescriptor,
+    record_from_error,
+    record_from_verdict,
+)
+from fa_verify.strategies import make_problem
+from fa_verify.verdict import check_attention
+
+
+@dataclass(eq=False)
+class Comparators:
+    """What every backend's run of one problem is compared with."""
+
+    problem: object
+    reference: object
+    naive_out: object
+    #: out error stats of the exactly rounded reference and of naive same-precision attention
+    comparisons: dict
+    seconds: float
+    _bounds: dict = field(default_factory=dict)
+
+    def bound(self, precision):
+        """The error-model bound under `precision`, computed once per model: most backends
+        of a dtype share one (the FA2 model), and the bound costs as much as the reference."""
+        if precision not in self._bounds:
+            self._bounds[precision] = error_bound(self.problem, precision, self.reference)
+        return self._bounds[precision]
+
+    @classmethod
+    def of(cls, problem) -> "Comparators":
+        start = time.perf_counter()
+        ref = reference(problem)
+        naive_out, _ = naive_attention(problem, PrecisionModel.same_precision(problem.dtype))
+        comparisons = {
+            EXACTLY_ROUNDED: _stats(round_to(ref.out, problem.dtype), ref, problem.dtype),
+            NAIVE_SAME_PRECISION: _stats(naive_out, ref, problem.dtype),
+        }
+        return cls(problem, ref, naive_out, comparisons, time.perf_counter() - start)
+
+
+def _stats(out, ref, dtype) -> dict:
+    stats = OutputErrors.compute(out, ref.out, ref.row_scale, dtype).stats()
+    return {view: s.as_dict() for view, s in stats.items()}
+
+
+def compare(backend, problem, shared: Comparators, sweep: str):
+    """One Record: `backend` on `problem`, judged under its precision model."""
+    precision = backend.precision(problem.dtype)
+    start = time.perf_counter()
+    try:
+        out, lse = backend.run(problem)
+    except Exception as exc:  # noqa: BLE001 - a crashing kernel is a finding, not the sweep's end
+        return record_from_error(problem, backend.name, precision, exc,
+                                 time.perf_counter() - start, "report", sweep=sweep)
+    run_s = time.perf_counter() - start
+    start = time.perf_counter()
+    ref = shared.reference
+    verdict = check_attention(out, problem, lse=lse, precision=precision, reference=ref,
+                              baseline_out=shared.naive_out, bound=shared.bound(precision))
+    histograms = None
+    if verdict.summary is not None:  # the output has the problem's shape
+        errors = OutputErrors.compute(out, ref.out, ref.row_scale, precision.output)
+        histograms = {"normalised": histogram(errors.normalised), "ulp": histogram(errors.ulp)}
+    seconds = {"run": run_s, "check": time.perf_counter() - start, "reference": shared.seconds}
+    return record_from_verdict(problem, backend.name, precision, verdict, seconds, "report",
+                               sweep=sweep, comparisons=shared.comparisons, histograms=histograms)
+
+
+def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=None) -> RunInfo:
+    """Run `sweep` on `backends`, appending to `store`; returns what ran and what was skipped.
+
+    done: (backend, problem key) pairs already in the store (skipped: --resume).
+    out_dir: where run.json is written when the sweep ends, or is interrupted.
+    """
+    from fa_verify.report.environment import collect
+
+    info = RunInfo(sweep=sweep.name, sweep_description=sweep.description,
+                   backends=[b.name for b in backends], budget_s=sweep.budget_s,
+                   started=_now(), environment=collect())
+    budgets = {b.name: Budget(sweep.budget_s) for b in backends}
+    warmed = set()
+    points = sweep.ordered()
+    progress = Progress(sum(p.work for p in points) * len(backends), stream)
+    try:
+        for point in points:
+            problem = make_problem(point.distribution, point.shape, point.dtype, point.seed,
+                                   causal=point.causal)
+            descriptor = ProblemDescriptor.of(problem)
+            shared = None  # computed for the first backend that runs the point
+            for backend in backends:
+                label = f"{backend.name} {point.dtype} {'causal' if point.causal else 'full'} " \
+                        f"{_seq(point.shape)} D={point.shape.head_dim}"
+                progress.advance(label, point.work)
+                if (backend.name, descriptor.key()) in done:
+                    continue
+                budget = budgets[backend.name]
+                unsupported = backend.supports(problem)
+                refusal = None if unsupported else budget.refusal(point.work)
+                if unsupported or refusal:
+                    info.skips.append(Skip(backend.name, asdict(descriptor),
+                                           "unsupported" if unsupported else "budget",
+                                           unsupported or refusal))
+                    continue
+                if backend.name not in warmed:  # untimed: the first run may compile a kernel
+                    warmed.add(backend.name)
+                    _warm_up(backend, problem)
+                shared = shared or Comparators.of(problem)
+                record = compare(backend, problem, shared, sweep.name)
+                store.append(record)
+                budget.charge(point.work, record.seconds["run"])
+    except KeyboardInterrupt:
+        info.interrupted = True
+        raise
+    finally:
+        progress.close()
+        info.finished = _now()
+        if out_dir is not None:
+            info.save(out_dir)
+    return info
+
+
+def _seq(shape) -> str:
+    return f"N={shape.nq}" if shape.nq == shape.nk else f"Nq={shape.nq} Nk={shape.nk}"
+
+
+def _warm_up(backend, problem) -> None:
+    try:
+        backend.run(problem)
+    except Exception:  # noqa: BLE001 - the timed run that follows records the failure
+        pass
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,46 @@
+"""summary.json: the report's data for machines — strict JSON with a format version.
+
+Strict means no NaN/Infinity tokens (JavaScript and many parsers reject them): non-finite
+numbers are written as the strings "inf", "-inf" and "nan". Histograms stay in the records;
+the summary keeps the numbers the page shows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, fields, is_dataclass
+
+from fa_verify.report.buckets import Bucket, Column
+
+#: Version of summary.json's format; bump it when a field changes meaning or disappears.
+SUMMARY_VERSION = 1
+
+
+def _plain(value):
+    """JSON-ready: buckets and columns as their labels, non-finite floats as strings."""
+    if isinstance(value, (Bucket, Column)):
+        return value.label
+    if is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)
+                if f.name != "histograms"}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def summary(data) -> dict:
+    body = _plain(data)
+    # The run's environment is the report's (already in the body) and its skips are grouped.
+    body["run"] = None if data.run is None else _plain(
+        {k: v for k, v in asdict(data.run).items() if k not in ("environment", "skips")})
+    body["passed"] = data.totals.failed == 0
+    return {"format_version": SUMMARY_VERSION, **body}
+
+
+def summary_json(data) -> str:
+    return json.dumps(summary(data), indent=1, allow_nan=False, ensure_ascii=False) + "\n"

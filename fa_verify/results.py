@@ -1,0 +1,259 @@
+"""The results store: one JSON line per comparison, appended as it happens.
+
+Every comparison of a backend with the oracle — from `fa_verify report` sweeps,
+`fa_verify check`, and pytest runs with `--fa-results` — becomes a `Record`: the problem,
+the backend and its precision model, error statistics, bound and baseline ratios, the
+verdict and timings. `ResultsStore(path).append(record)` writes it at once, so an
+interrupted run keeps everything recorded so far, and `keys()` lets a run resume.
+
+Why JSON lines with one `os.write` under `flock` on an O_APPEND descriptor: each record is a
+single write at the end of the file, so several processes (pytest-xdist workers) can append
+to one store without interleaving, and a reader never needs a lock. Non-finite floats (the
+error of a NaN output is inf) are written as Python's json writes them (`Infinity`, `NaN`);
+`summary.json`, meant for other tools, is strict JSON instead.
+
+Format versions: a record carries `format_version`; `read()` skips (with a warning) lines of
+another version, so an old store never crashes a newer reader.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+from fa_verify.errors import InvalidArgumentError
+from fa_verify.strategies import Shape, make_problem
+
+#: Version of the record format; bump it when a field changes meaning or disappears.
+FORMAT_VERSION = 1
+#: Where a comparison came from.
+SOURCES = ("report", "check", "pytest")
+#: Names in Record.comparisons: the reference rounded to the dtype (the least error any kernel
+#: can have) and naive same-precision attention (FA3's "standard attention"), same inputs.
+EXACTLY_ROUNDED, NAIVE_SAME_PRECISION = "exactly-rounded", "naive-same-precision"
+
+
+class ResultsWarning(UserWarning):
+    """A line of a results file was skipped (truncated, corrupt, or of another format version)."""
+
+
+@dataclass(frozen=True)
+class ProblemDescriptor(Shape):
+    """A problem without its arrays — its Shape, dtype, masking, scale and value source —
+    enough to rebuild it with `make_problem`."""
+
+    dtype: str
+    causal: bool
+    causal_alignment: str
+    #: None means 1/sqrt(head_dim)
+    scale: float | None
+    #: the value distribution and seed of `fa_verify.strategies.make_problem` (None if unknown)
+    distribution: str | None
+    seed: int | None
+
+    @classmethod
+    def of(cls, problem) -> "ProblemDescriptor":
+        """The descriptor of an AttentionProblem; distribution and seed come from its tags."""
+        tags = dict(problem.tags)
+        return cls(batch=problem.batch, heads=problem.heads, kv_heads=problem.kv_heads,
+                   nq=problem.nq, nk=problem.nk, head_dim=problem.head_dim, dtype=problem.dtype,
+                   causal=problem.causal, causal_alignment=problem.causal_alignment,
+                   scale=problem.scale, distribution=tags.get("distribution"),
+                   seed=tags.get("seed"))
+
+    def key(self) -> tuple:
+        """A hashable identity of the problem, for resuming and pairing records."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.batch, self.heads, self.kv_heads, self.nq, self.nk, self.head_dim)
+
+    def rebuild(self):
+        """The AttentionProblem again (needs a known distribution and seed)."""
+        if self.distribution is None or self.seed is None:
+            raise InvalidArgumentError(
+                f"problem {self.shape} has no distribution/seed tags; it cannot be rebuilt")
+        return make_problem(self.distribution, self.shape, self.dtype, self.seed,
+                            causal=self.causal, causal_alignment=self.causal_alignment,
+                            scale=self.scale)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One comparison of a backend's output with the certified reference."""
+
+    source: str
+    backend: str
+    #: PrecisionModel.as_dict() of the model the backend was judged under
+    precision: dict
+    problem: ProblemDescriptor
+    #: ErrorSummary.as_dict() without the LSE part: dtype, abs/normalised/ulp stats
+    #: (max, p99, median, rmse, mean, count) and worst_index; None when the shape was wrong
+    out_errors: dict | None
+    #: ErrorStats.as_dict() of the absolute LSE errors; None without LSE
+    lse_errors: dict | None
+    bound_ratio: float | None
+    lse_bound_ratio: float | None
+    baseline_ratio: float | None
+    passed: bool
+    #: the first rule that failed, None when passed
+    rule: str | None
+    #: e.g. {"run": backend seconds, "check": verdict seconds, "reference": oracle seconds
+    #: (shared by the backends that ran the same problem)}
+    seconds: dict
+    #: UTC, ISO 8601
+    timestamp: str
+    #: name of the report sweep that produced it (None outside sweeps)
+    sweep: str | None = None
+    #: out error stats (abs/normalised/ulp) of other results on the same inputs, by name
+    #: (EXACTLY_ROUNDED, NAIVE_SAME_PRECISION)
+    comparisons: dict | None = None
+    #: counts of the elementwise "normalised" and "ulp" errors on the fixed log bins of
+    #: `fa_verify.report.histogram` (None when not measured)
+    histograms: dict | None = None
+    #: output elements where the error model gives no finite bound (the bound rule cannot
+    #: judge them; bound_ratio covers only the others)
+    unbounded: int = 0
+    #: free-form, JSON-ready labels from the caller (test id, hypothesis example, ...)
+    extra: dict = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def key(self) -> tuple:
+        """(backend, problem key): what a resumed run skips."""
+        return (self.backend, self.problem.key())
+
+    def to_json(self) -> str:
+        """One line of JSON, without a newline."""
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, line: str) -> "Record":
+        data = json.loads(line)
+        if not isinstance(data, dict):
+            raise InvalidArgumentError(f"a record is a JSON object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise UnknownFormatError(version)
+        data["problem"] = ProblemDescriptor(**data["problem"])
+        return cls(**data)
+
+
+class UnknownFormatError(InvalidArgumentError):
+    """A record of a format version this fa_verify does not read."""
+
+    def __init__(self, version):
+        super().__init__(f"format_version={version!r}; this fa_verify reads {FORMAT_VERSION}")
+        self.version = version
+
+
+def _number(x) -> float | None:
+    return None if x is None or math.isnan(x) else float(x)
+
+
+#: The rule of a record whose backend raised instead of returning an output.
+RUN_ERROR = "run_error"
+
+
+def record_from_verdict(problem, backend_name: str, precision, verdict, seconds, source: str,
+                        extra: dict | None = None, *, sweep: str | None = None,
+                        comparisons: dict | None = None, histograms: dict | None = None) -> Record:
+    """A Record of `verdict` (from `check_attention`) for `problem` run by `backend_name`.
+
+    precision: the PrecisionModel it was judged under (or its as_dict()).
+    seconds: a mapping such as {"run": 0.1, "check": 0.02}, or one number (stored as "run").
+    """
+    summary = verdict.summary.as_dict() if verdict.summary is not None else None
+    lse = summary.pop("lse_abs") if summary else None
+    if summary:
+        summary.pop("lse_worst_index")
+    return _record(problem, backend_name, precision, seconds, source, extra,
+                   out_errors=summary, lse_errors=lse,
+                   bound_ratio=_number(verdict.bound_ratio),
+                   lse_bound_ratio=_number(verdict.lse_bound_ratio),
+                   baseline_ratio=_number(verdict.baseline_ratio),
+                   passed=bool(verdict.passed), rule=verdict.rule,
+                   unbounded=int(verdict.unbounded_count),
+                   sweep=sweep, comparisons=comparisons, histograms=histograms)
+
+
+def record_from_error(problem, backend_name: str, precision, error: BaseException, seconds,
+                      source: str, extra: dict | None = None, *, sweep: str | None = None) -> Record:
+    """A failing Record (rule RUN_ERROR) for a run that raised `error` instead of returning."""
+    extra = {"error": f"{type(error).__name__}: {error}", **(extra or {})}
+    return _record(problem, backend_name, precision, seconds, source, extra,
+                   out_errors=None, lse_errors=None, bound_ratio=None, lse_bound_ratio=None,
+                   baseline_ratio=None, passed=False, rule=RUN_ERROR, sweep=sweep)
+
+
+def _record(problem, backend_name, precision, seconds, source, extra, **outcome) -> Record:
+    """The fields every record has, around the outcome's."""
+    if source not in SOURCES:
+        raise InvalidArgumentError(f"source={source!r}; use one of {SOURCES}")
+    if not isinstance(seconds, dict):
+        seconds = {"run": seconds}
+    return Record(
+        source=source, backend=backend_name,
+        precision=precision if isinstance(precision, dict) else precision.as_dict(),
+        problem=ProblemDescriptor.of(problem),
+        seconds={k: float(v) for k, v in seconds.items()},
+        timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        extra=dict(extra or {}), **outcome)
+
+
+class ResultsStore:
+    """A JSON-lines file of Records, safe for concurrent appenders."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def append(self, record: Record) -> None:
+        """Append one record as one line, atomically with respect to other appenders."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = (record.to_json() + "\n").encode()
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # An interrupted writer may have left a line without its newline; start a new
+            # line so this record is not glued onto the broken one.
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line
+            os.write(fd, line)
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def read(self) -> list[Record]:
+        """Every readable record, in file order; a missing file is an empty store.
+
+        Skipped with a ResultsWarning: a truncated last line (an interrupted run), lines that
+        are not records, and records of another format version.
+        """
+        if not self.path.exists():
+            return []
+        records = []
+        lines = self.path.read_bytes().split(b"\n")
+        for number, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                records.append(Record.from_json(raw.decode()))
+            except UnknownFormatError as exc:
+                warnings.warn(f"{self.path}:{number}: skipped a record of {exc}", ResultsWarning,
+                              stacklevel=2)
+            except (ValueError, TypeError, KeyError) as exc:
+                what = "a truncated last line" if number == len(lines) else "an unreadable line"
+                warnings.warn(f"{self.path}:{number}: skipped {what} ({exc})", ResultsWarning,
+                              stacklevel=2)
+        return records
+
+    def keys(self, *, source: str | None = None, sweep: str | None = None) -> set:
+        """(backend, problem key) of the records already stored, optionally of one source/sweep."""
+        return {r.key() for r in self.read()
+                if (source is None or r.source == source) and (sweep is None or r.sweep == sweep)}

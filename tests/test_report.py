@@ -1,0 +1,290 @@
+"""`fa_verify report`: the sweep runner, the data layer, the rendered page and summaries.
+
+Gold files: tests/gold/report/results.jsonl holds real records (a tiny sweep of numpy-tiled,
+torch-sdpa-flash-cpu and naive-same-precision, FA3-setup runs of numpy-tiled and
+naive16-cuda-cpu, a pytest record and a crashed run; timestamps and timings fixed); summary.md and summary.json are what they render to, with the environment
+scrubbed. After an intended change, regenerate with FA_VERIFY_UPDATE_GOLD=1 and review the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from fa_verify.backends import NaiveBackend, get_backend
+from fa_verify.cli.main import main
+from fa_verify.report import write_report
+from fa_verify.report.budget import Budget
+from fa_verify.report.buckets import bucket_of, column_of
+from fa_verify.report.data import build
+from fa_verify.report.histogram import EDGES, histogram, merge
+from fa_verify.report.render import render_html
+from fa_verify.report.run_info import RunInfo
+from fa_verify.report.runner import run_sweep
+from fa_verify.results import ResultsStore, ResultsWarning
+from fa_verify.sweeps import SWEEPS, Sweep, grid
+
+GOLD = Path(__file__).parent / "gold" / "report"
+GENERATED = "2026-01-01T00:00:00+00:00"
+
+
+@pytest.fixture(scope="module")
+def gold_records():
+    return ResultsStore(GOLD / "results.jsonl").read()
+
+
+@pytest.fixture(scope="module")
+def rendered(gold_records, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    write_report(gold_records, out, generated=GENERATED)
+    return out
+
+
+# --- the rendered outputs ------------------------------------------------------------------
+
+
+class _Cells(HTMLParser):
+    """data-v values of the numbers inside each summary cell, by the cell's data-key."""
+
+    def __init__(self):
+        super().__init__()
+        self.cells, self._key, self._depth = {}, None, 0
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "td" and "data-key" in attrs:
+            self._key, self._depth = attrs["data-key"], 0
+            self.cells[self._key] = []
+        elif self._key and tag == "td":
+            self._depth += 1
+        if self._key and tag == "span" and "data-v" in attrs:
+            self.cells[self._key].append(attrs["data-v"])
+
+    def handle_endtag(self, tag):
+        if self._key and tag == "td":
+            if self._depth == 0:
+                self._key = None
+            else:
+                self._depth -= 1
+
+
+def test_rendered_numbers_equal_the_stored_metrics(gold_records, rendered):
+    parser = _Cells()
+    parser.feed((rendered / "index.html").read_text())
+    single = {}
+    for r in gold_records:
+        key = f"{r.backend}|{bucket_of(r.problem).label}|{column_of(r.problem).label}"
+        single.setdefault(key, []).append(r)
+    checked = 0
+    for key, records in single.items():
+        if len(records) != 1 or records[0].out_errors is None:
+            continue
+        e = records[0].out_errors
+        expected = [e["ulp"]["max"], e["ulp"]["p99"], e["normalised"]["max"], e["normalised"]["p99"],
+                    records[0].bound_ratio, records[0].baseline_ratio]
+        assert parser.cells[key] == ["" if x is None else repr(float(x)) for x in expected], key
+        checked += 1
+    assert checked >= 20
+
+
+def test_summary_json_is_strict_and_matches_the_records(gold_records, rendered):
+    text = (rendered / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert summary["format_version"] == 1
+    assert summary["totals"]["records"] == len(gold_records)
+    assert summary["totals"]["failed"] == sum(not r.passed for r in gold_records)
+    assert summary["passed"] is False
+    fa3 = {row["name"]: row for row in summary["fa3"]["rows"]}
+    assert fa3["numpy-tiled"]["runs"] == 4  # fp16 and bf16, seeds 0 and 1
+    assert summary["fa3"]["paper"]["FlashAttention-2 (fp16)"] == 1.9e-4
+
+
+def _scrub_json(summary: dict) -> dict:
+    """The machine's environment and the reproducers' wording (fa_verify.check's) vary."""
+    for case in summary["failures"] + summary["worst_passing"]:
+        case["reproducer"] = case["reproducer"] and "<reproducer>"
+    return {**summary, "environment": "<scrubbed>"}
+
+
+def _scrub_md(text: str) -> str:
+    return re.sub(r"^  python -c .*$", "  <reproducer>", text, flags=re.MULTILINE)
+
+
+def test_summaries_match_the_gold_files(rendered):
+    md = _scrub_md((rendered / "summary.md").read_text())
+    summary = _scrub_json(json.loads((rendered / "summary.json").read_text()))
+    if os.environ.get("FA_VERIFY_UPDATE_GOLD"):
+        (GOLD / "summary.md").write_text(md)
+        (GOLD / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+    assert md == (GOLD / "summary.md").read_text()
+    assert summary == json.loads((GOLD / "summary.json").read_text())
+
+
+def test_page_is_self_contained_and_shows_every_section(rendered):
+    page = (rendered / "index.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page), "the page must not load anything"
+    assert "<link" not in page and "<script" not in page
+    for anchor in ("overview", "worst", "fa3", "curves", "histograms", "backends", "skipped", "environment"):
+        assert f'id="{anchor}"' in page
+    assert page.count("<svg") >= 4  # curves, histograms and sparklines are inline
+    assert re.search(r"<code>python -c &#34;.*make_problem\(&#39;normal&#39;", page)  # a reproducer
+    assert "masked_rows" in page and "run_error" in page
+
+
+def test_every_string_from_the_records_is_escaped(gold_records, tmp_path):
+    hostile = gold_records[0].__class__(**{**gold_records[0].__dict__,
+                                           "backend": "<script>alert(1)</script>",
+                                           "passed": False, "rule": "<b>rule</b>",
+                                           "extra": {"error": "<img src=x onerror=alert(1)>"}})
+    page = render_html(build([hostile], generated=GENERATED, environment={}))
+    assert "<script>" not in page and "<img" not in page and "<b>rule" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def test_a_partial_store_renders(gold_records, tmp_path):
+    path = tmp_path / "results.jsonl"
+    text = (GOLD / "results.jsonl").read_text()
+    path.write_text(text[: len(text) - 300])  # the last line was being written when killed
+    with pytest.warns(ResultsWarning, match="truncated last line"):
+        records = ResultsStore(path).read()
+    assert len(records) == len(gold_records) - 1
+    data = write_report(records, tmp_path / "out", generated=GENERATED)
+    assert data.totals.records == len(records)
+    assert (tmp_path / "out" / "index.html").stat().st_size > 10_000
+
+
+# --- a real browser ------------------------------------------------------------------------
+
+_BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def test_page_loads_in_headless_chromium_without_errors(rendered, tmp_path):
+    browser = next((shutil.which(b) for b in _BROWSERS if shutil.which(b)), None)
+    if browser is None:
+        pytest.skip("no chromium binary on PATH: install it with "
+                    "'apt-get update && apt-get install -y chromium' to run this test")
+    shot = tmp_path / "report.png"
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             "--enable-logging=stderr", "--v=0", f"--user-data-dir={tmp_path / 'profile'}"]
+    url = (rendered / "index.html").as_uri()
+    result = subprocess.run([*flags, "--window-size=1400,2400", f"--screenshot={shot}", url],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    console = [line for line in result.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
+    from PIL import Image  # matplotlib's dependency
+
+    with Image.open(shot) as image:
+        assert image.size == (1400, 2400)
+        colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
+    assert colours is None or len(colours) > 50, "the screenshot is blank"
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    assert "FlashAttention-3 Table 3" in dom and dom.count('class="cell ') >= 20
+    if os.environ.get("FA_VERIFY_SCREENSHOT_DIR"):  # for CI artifacts and for looking at it
+        shutil.copy(shot, Path(os.environ["FA_VERIFY_SCREENSHOT_DIR"]) / "report.png")
+
+
+# --- the sweep runner ----------------------------------------------------------------------
+
+TINY = Sweep("tiny", "two shapes", grid([(1, 2, 2, 8, 8, 16), (1, 2, 1, 24, 24, 16)],
+                                         dtypes=("fp16", "fp32")), budget_s=60.0)
+
+
+def test_runner_records_every_point_with_comparisons_and_histograms(tmp_path):
+    store = ResultsStore(tmp_path / "results.jsonl")
+    backends = [get_backend("numpy-tiled"), NaiveBackend("fp32")]
+    info = run_sweep(TINY, backends, store, out_dir=tmp_path)
+    records = store.read()
+    assert len(records) == len(TINY.points) * 2 and not info.skips
+    for r in records:
+        assert r.source == "report" and r.sweep == "tiny" and r.passed
+        assert set(r.comparisons) == {"exactly-rounded", "naive-same-precision"}
+        elements = r.out_errors["ulp"]["count"]
+        h = r.histograms["ulp"]
+        assert h["zero"] + h["under"] + sum(h["bins"]) + h["over"] == elements
+        assert set(r.seconds) == {"run", "check", "reference"}
+    assert RunInfo.load(tmp_path).backends == ["numpy-tiled", "naive-fp32"]
+    # --resume: nothing is left to do
+    again = run_sweep(TINY, backends, store, done=store.keys())
+    assert len(store.read()) == len(records) and not again.skips
+
+
+def test_budget_skips_the_larger_points_and_says_so(tmp_path):
+    store = ResultsStore(tmp_path / "results.jsonl")
+    stingy = Sweep("stingy", "", TINY.points, budget_s=0.0)
+    info = run_sweep(stingy, [get_backend("numpy-tiled")], store)
+    assert len(store.read()) == 1  # the first run cannot be predicted, so it runs
+    assert {s.kind for s in info.skips} == {"budget"} and len(info.skips) == len(TINY.points) - 1
+    assert "budget" in info.skips[0].reason
+
+
+def test_budget_predicts_from_the_largest_run():
+    budget = Budget(10.0)
+    assert budget.refusal(10**9) is None  # nothing to predict from yet
+    budget.charge(100, 1.0)
+    budget.charge(1000, 2.0)
+    assert budget.predict(2000) == pytest.approx(4.0)
+    assert budget.refusal(3000) is None and "exceeds the 7.0 s left" in budget.refusal(4000)
+
+
+class _Interrupting(NaiveBackend):
+    def __init__(self, after):
+        super().__init__("fp32")
+        self.calls, self.after = 0, after
+
+    def _run(self, problem):
+        self.calls += 1
+        if self.calls > self.after:
+            raise KeyboardInterrupt
+        return super()._run(problem)
+
+
+def test_an_interrupted_sweep_keeps_its_records_and_says_so(tmp_path):
+    store = ResultsStore(tmp_path / "results.jsonl")
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(TINY, [_Interrupting(after=3)], store, out_dir=tmp_path)  # warm-up + 2 runs
+    assert len(store.read()) == 2
+    assert RunInfo.load(tmp_path).interrupted
+
+
+def test_histograms_bin_and_merge():
+    h = histogram([0.0, 0.0, 1e-13, 1.0, float("nan"), 1e9])
+    assert (h["zero"], h["under"], h["over"], sum(h["bins"])) == (2, 1, 2, 1)
+    assert len(h["bins"]) == len(EDGES) - 1
+    both = merge([h, None, h])
+    assert both["zero"] == 4 and sum(both["bins"]) == 2 and merge([None]) is None
+
+
+# --- the command -----------------------------------------------------------------------------
+
+
+def test_report_command_runs_resumes_and_renders(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(SWEEPS, "quick", TINY)
+    out = tmp_path / "reports"
+    assert main(["report", "--backend", "numpy-tiled", "--out", str(out)]) == 0
+    for name in ("index.html", "summary.json", "summary.md", "results.jsonl", "run.json"):
+        assert (out / name).exists(), name
+    assert "| numpy-tiled |" in capsys.readouterr().out  # the Markdown summary, for CI logs
+    count = len(ResultsStore(out / "results.jsonl").read())
+    assert main(["report", "--backend", "numpy-tiled", "--out", str(out), "--resume"]) == 0
+    assert len(ResultsStore(out / "results.jsonl").read()) == count
+    rendered = tmp_path / "again"
+    assert main(["report", "--from", str(out / "results.jsonl"), "--out", str(rendered)]) == 0
+    assert (rendered / "index.html").exists()
+    # a fresh run keeps the previous store aside instead of mixing the two
+    assert main(["report", "--backend", "naive-fp32", "--out", str(out)]) == 0
+    assert {r.backend for r in ResultsStore(out / "results.jsonl").read()} == {"naive-fp32"}
+    assert (out / "results.prev.jsonl").exists()
+
+
+def test_report_command_exits_1_on_failures_and_2_on_bad_input(tmp_path, capsys):
+    assert main(["report", "--from", str(GOLD / "results.jsonl"), "--out", str(tmp_path)]) == 1
+    assert main(["report", "--from", str(tmp_path / "missing.jsonl")]) == 2
+    assert main(["report", "--backend", "no-such-backend", "--out", str(tmp_path)]) == 2
