@@ -45,32 +45,19 @@ __device__ void fa2_forward(FA_PARAMS(T)) {
     const T* v_head = v + fa_row_offset(b, kv_h, Hkv, Nk, 0, D);
 
     // Q tile -> shared (fp32), rows past Nq zero.
-    for (int idx = tid; idx < BLOCK_M * D; idx += THREADS) {
-        int r = idx / D, c = idx % D;
-        Qs[r * LD + c] = q0 + r < Nq ? to_float(q_head[static_cast<size_t>(q0 + r) * D + c]) : 0.0f;
-    }
+    fa_load_rows<BLOCK_M, D, LD, THREADS>(Qs, q_head, q0, Nq);
 
-    // Softmax state of row `tid` (threads tid < BLOCK_M) and this thread's accumulator entries.
+    // Softmax state of row `tid` (threads tid < BLOCK_M) and this thread's accumulator entries
+    // (rows warp + WARPS i, columns lane + 32 c).
     float m_i = -INFINITY, l_i = 0.0f;
-    float acc[O_ROWS][O_COLS];
-#pragma unroll
-    for (int i = 0; i < O_ROWS; ++i)
-#pragma unroll
-        for (int j = 0; j < O_COLS; ++j) acc[i][j] = 0.0f;
+    float acc[O_ROWS][O_COLS] = {};
 
     // Key tiles at or past every row's limit are fully masked: stop before them.
-    const int last_row = (q0 + BLOCK_M < Nq ? q0 + BLOCK_M : Nq) - 1;
-    const int n_end = fa_key_limit(last_row, Nk, causal, causal_offset);
+    const int n_end = fa_key_end(q0, BLOCK_M, Nq, Nk, causal, causal_offset);
 
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         // K, V tiles -> shared (fp32), keys past Nk zero.
-        for (int idx = tid; idx < BLOCK_N * D; idx += THREADS) {
-            int r = idx / D, c = idx % D;
-            bool in = n0 + r < Nk;
-            size_t g = static_cast<size_t>(n0 + r) * D + c;
-            Ks[r * LD + c] = in ? to_float(k_head[g]) : 0.0f;
-            Vs[r * LD + c] = in ? to_float(v_head[g]) : 0.0f;
-        }
+        fa_load_rows<BLOCK_N, D, LD, THREADS>(Ks, k_head, Vs, v_head, n0, Nk);
         __syncthreads();
 
         // 1. S = scale * Q K^T; thread owns key column j and rows r0, r0 + S_ROWS_STEP, ...
@@ -99,14 +86,11 @@ __device__ void fa2_forward(FA_PARAMS(T)) {
             float m_tile = -INFINITY;
             for (int j = 0; j < BLOCK_N; ++j) m_tile = fmaxf(m_tile, s_row[j]);
             const float m_new = fmaxf(m_i, m_tile);
-            const float shift = m_new == -INFINITY ? 0.0f : m_new;  // nothing seen yet: no -inf - -inf
+            const float shift = fa_softmax_shift(m_new);
             const float alpha = expf(m_i - shift);
-            float p_sum = 0.0f;
-            for (int j = 0; j < BLOCK_N; ++j) {
-                float p = expf(s_row[j] - shift);
-                p_sum += p;                         // the row sum takes fp32 P ...
-                s_row[j] = round_through<T>(p);     // ... P V takes P rounded to T
-            }
+            // P = exp(S - m_new): the row sum takes fp32 P, P V takes P rounded to T (over S).
+            const float p_sum =
+                fa_exp_row<BLOCK_N>(s_row, shift, [&](int j, float p) { s_row[j] = round_through<T>(p); });
             l_i = alpha * l_i + p_sum;
             m_i = m_new;
             row_alpha[tid] = alpha;
@@ -131,23 +115,7 @@ __device__ void fa2_forward(FA_PARAMS(T)) {
     }
 
     // Epilogue: o = acc / l, lse = m + log l; rows that attended nothing get 0 and -inf.
-    if (tid < BLOCK_M) {
-        row_l[tid] = l_i;
-        if (q0 + tid < Nq)
-            lse[(static_cast<size_t>(b) * H + h) * Nq + q0 + tid] =
-                l_i > 0.0f ? m_i + logf(l_i) : -INFINITY;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < O_ROWS; ++i) {
-        const int r = warp + i * WARPS;
-        if (q0 + r >= Nq) continue;
-        const float l = row_l[r];
-        T* o_row = o + fa_row_offset(b, h, H, Nq, q0 + r, D);
-#pragma unroll
-        for (int c = 0; c < O_COLS; ++c)
-            if (lane + 32 * c < D) o_row[lane + 32 * c] = from_float<T>(l > 0.0f ? acc[i][c] / l : 0.0f);
-    }
+    fa_store_output<D, BLOCK_M>(acc, m_i, l_i, row_l, o, lse, b, h, H, Nq, q0);
 }
 
 // One extern "C" entry per (dtype, D): fa2_<dtype>_d<D>, with the tile configuration the

@@ -85,6 +85,100 @@ FA_DEVICE float warp_sum(float x) {
     return x;
 }
 
+// ---- pieces of the FA2 tile loop (fa2.cu, wmma.cu) -----------------------------------------------
+//
+// Both kernels keep the softmax state of query row r (running max m, running sum l, fp32) in
+// thread r < ROWS, and the fp32 output accumulator spread over the block: thread (warp, lane)
+// owns acc[i][c] = row warp + WARPS i, column lane + 32 c of the block's ROWS x D tile.
+
+// A shared-memory tile of U takes elements of T as they are (U = T) or widened to fp32 (U = float).
+template <typename U> struct TileElement {
+    template <typename T> static FA_DEVICE U from(T x) { return x; }
+};
+template <> struct TileElement<float> {
+    template <typename T> static FA_DEVICE float from(T x) { return to_float(x); }
+};
+
+// Rows row0 .. row0 + ROWS - 1 of a [N, D] head -> a shared tile of U with row stride LD; rows
+// past N are zero. All THREADS threads of the block take part; the caller syncs. `zero` is
+// converted once, before the loop: converting it per element costs nvcc a branch per element.
+template <int ROWS, int D, int LD, int THREADS, typename U, typename T>
+FA_DEVICE void fa_load_rows(U* tile, const T* head, int row0, int N) {
+    const U zero = from_float<U>(0.0f);
+    for (int idx = threadIdx.x; idx < ROWS * D; idx += THREADS) {
+        const int r = idx / D, c = idx % D;
+        tile[r * LD + c] = row0 + r < N ? TileElement<U>::from(head[static_cast<size_t>(row0 + r) * D + c]) : zero;
+    }
+}
+
+// The same rows of two heads (K and V) into two tiles, in one pass: nvcc gives two passes up
+// to 30% more registers in wmma.cu.
+template <int ROWS, int D, int LD, int THREADS, typename U, typename T>
+FA_DEVICE void fa_load_rows(U* tile_a, const T* head_a, U* tile_b, const T* head_b, int row0, int N) {
+    const U zero = from_float<U>(0.0f);
+    for (int idx = threadIdx.x; idx < ROWS * D; idx += THREADS) {
+        const int r = idx / D, c = idx % D;
+        const bool in = row0 + r < N;
+        const size_t g = static_cast<size_t>(row0 + r) * D + c;
+        tile_a[r * LD + c] = in ? TileElement<U>::from(head_a[g]) : zero;
+        tile_b[r * LD + c] = in ? TileElement<U>::from(head_b[g]) : zero;
+    }
+}
+
+// The keys that query rows q0 .. q0 + ROWS - 1 attend all lie below this bound (the last row sees
+// the most): key tiles at or past it are fully masked, and the tile loop stops before them.
+FA_DEVICE int fa_key_end(int q0, int rows, int Nq, int Nk, int causal, int causal_offset) {
+    const int last_row = (q0 + rows < Nq ? q0 + rows : Nq) - 1;
+    return fa_key_limit(last_row, Nk, causal, causal_offset);
+}
+
+// What softmax subtracts before exp: the row max m, or 0 while the row has seen only masked
+// keys (m = -inf), so that a masked score gives exp(-inf) = 0 and never exp(-inf - -inf) = NaN.
+FA_DEVICE float fa_softmax_shift(float m) { return m == -INFINITY ? 0.0f : m; }
+
+// P = exp(s - shift) over s_row[0 .. N): hands each p to store_p(j, p) and returns the fp32 sum of
+// the p (FA2 sums P before it is rounded for P V).
+template <int N, typename StoreP>
+FA_DEVICE float fa_exp_row(const float* s_row, float shift, StoreP store_p) {
+    float p_sum = 0.0f;
+    for (int j = 0; j < N; ++j) {
+        const float p = expf(s_row[j] - shift);
+        p_sum += p;
+        store_p(j, p);
+    }
+    return p_sum;
+}
+
+// The LSE of a row whose running max is m and sum of exp(s - m) is l: -inf for a row that
+// attended no key (l = 0).
+FA_DEVICE float fa_lse(float m, float l) { return l > 0.0f ? m + logf(l) : -INFINITY; }
+
+// The epilogue of the tile loop: o = acc / l (rounded to T) and lse = m + log l for rows q0 .. q0 +
+// ROWS - 1 of head h in batch b; a row that attended no key gets o = 0 and lse = -inf, never NaN.
+// m and l are thread r's row r (r < ROWS); row_l is ROWS floats of shared memory that hand l to the
+// threads owning the row's accumulator entries. Every thread of the block calls it.
+template <int D, int ROWS, int O_ROWS, int O_COLS, typename T>
+FA_DEVICE void fa_store_output(const float (&acc)[O_ROWS][O_COLS], float m, float l, float* row_l, T* o,
+                               float* lse, int b, int h, int H, int Nq, int q0) {
+    constexpr int WARPS = ROWS / O_ROWS;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    if (tid < ROWS) {
+        row_l[tid] = l;
+        if (q0 + tid < Nq) lse[(static_cast<size_t>(b) * H + h) * Nq + q0 + tid] = fa_lse(m, l);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < O_ROWS; ++i) {
+        const int r = warp + i * WARPS;
+        if (q0 + r >= Nq) continue;
+        const float l_r = row_l[r];
+        T* o_row = o + fa_row_offset(b, h, H, Nq, q0 + r, D);
+#pragma unroll
+        for (int c = 0; c < O_COLS; ++c)
+            if (lane + 32 * c < D) o_row[lane + 32 * c] = from_float<T>(l_r > 0.0f ? acc[i][c] / l_r : 0.0f);
+    }
+}
+
 // ---- entry points -------------------------------------------------------------------------------
 
 #define FA_PARAMS(T)                                                                               \

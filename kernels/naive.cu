@@ -52,7 +52,7 @@ __device__ void naive_forward(FA_PARAMS(T), S_T* __restrict__ scratch) {
         if (valid)
             for (int j = lane; j < Nk; j += 32) m = fmaxf(m, to_float(s_row[j]));
         m = warp_max(m);
-        const float shift = m == -INFINITY ? 0.0f : m;
+        const float shift = fa_softmax_shift(m);
         float l = 0.0f;
         if (valid)
             for (int j = lane; j < Nk; j += 32) l += expf(to_float(s_row[j]) - shift);
@@ -61,7 +61,7 @@ __device__ void naive_forward(FA_PARAMS(T), S_T* __restrict__ scratch) {
             for (int j = lane; j < Nk; j += 32)
                 s_row[j] = from_float<S_T>(l > 0.0f ? expf(to_float(s_row[j]) - shift) / l : 0.0f);
         if (valid && lane == 0)
-            lse[(static_cast<size_t>(b) * H + h) * Nq + i] = l > 0.0f ? m + logf(l) : -INFINITY;
+            lse[(static_cast<size_t>(b) * H + h) * Nq + i] = fa_lse(m, l);
     }
     __syncthreads();
 

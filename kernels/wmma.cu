@@ -18,6 +18,24 @@
 
 using namespace nvcuda;
 
+// One 16x16 fragment of C = A B (fp32), run by one warp, over the inner dimension K in 16-wide
+// slices: A row-major at a (row stride lda), slice k 16 k elements on; B at b as FragB loads it
+// (stride ldb), slice k k * b_step elements on; C stored row-major at c (row stride ldc).
+template <typename FragB, int K, typename T>
+__device__ __forceinline__ void wmma_fragment_product(float* c, int ldc, const T* a, int lda, const T* b, int ldb,
+                                                      int b_step) {
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+    for (int kf = 0; kf < K / 16; ++kf) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a_frag;
+        FragB b_frag;
+        wmma::load_matrix_sync(a_frag, a + 16 * kf, lda);
+        wmma::load_matrix_sync(b_frag, b + kf * b_step, ldb);
+        wmma::mma_sync(acc, a_frag, b_frag, acc);
+    }
+    wmma::store_matrix_sync(c, acc, ldc, wmma::mem_row_major);
+}
+
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS>
 __device__ void wmma_forward(FA_PARAMS(T)) {
     static_assert(D % 16 == 0 && BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "16x16x16 tiles");
@@ -32,10 +50,8 @@ __device__ void wmma_forward(FA_PARAMS(T)) {
     constexpr int LDP = BLOCK_N + 8;             // P tile (T)
     constexpr int LDO = D + 4;                   // this tile's P V (fp32)
     constexpr int O_ROWS = BLOCK_M / WARPS, O_COLS = (D + 31) / 32;  // accumulator entries per thread
-    using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
     using FragKt = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;  // K^T
     using FragV = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
-    using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
     extern __shared__ __align__(16) unsigned char smem[];
     SmemCarver carve{smem};
@@ -45,7 +61,7 @@ __device__ void wmma_forward(FA_PARAMS(T)) {
     float* Ss = carve.take<float>(BLOCK_M * LDS);
     T* Ps = carve.take<T>(BLOCK_M * LDP);
     float* PVs = carve.take<float>(BLOCK_M * LDO);
-    float* row_alpha = carve.take<float>(BLOCK_M);   // this tile's rescale factor, then 1 / l
+    float* row_alpha = carve.take<float>(BLOCK_M);   // this tile's rescale factor, then l
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int q0 = blockIdx.x * BLOCK_M, h = blockIdx.y, b = blockIdx.z;
@@ -53,50 +69,28 @@ __device__ void wmma_forward(FA_PARAMS(T)) {
     const T* q_head = q + fa_row_offset(b, h, H, Nq, 0, D);
     const T* k_head = k + fa_row_offset(b, kv_h, Hkv, Nk, 0, D);
     const T* v_head = v + fa_row_offset(b, kv_h, Hkv, Nk, 0, D);
-    const T zero = from_float<T>(0.0f);
 
     // Q tile -> shared, rows past Nq zero.
-    for (int idx = tid; idx < BLOCK_M * D; idx += THREADS) {
-        int r = idx / D, c = idx % D;
-        Qs[r * LDT + c] = q0 + r < Nq ? q_head[static_cast<size_t>(q0 + r) * D + c] : zero;
-    }
+    fa_load_rows<BLOCK_M, D, LDT, THREADS>(Qs, q_head, q0, Nq);
 
     // Softmax state of row `tid` (threads tid < BLOCK_M) and this thread's accumulator entries:
     // rows warp + WARPS i, columns lane + 32 c.
     float m_i = -INFINITY, l_i = 0.0f;
-    float acc[O_ROWS][O_COLS];
-#pragma unroll
-    for (int i = 0; i < O_ROWS; ++i)
-#pragma unroll
-        for (int c = 0; c < O_COLS; ++c) acc[i][c] = 0.0f;
+    float acc[O_ROWS][O_COLS] = {};
 
-    const int last_row = (q0 + BLOCK_M < Nq ? q0 + BLOCK_M : Nq) - 1;
-    const int n_end = fa_key_limit(last_row, Nk, causal, causal_offset);
+    const int n_end = fa_key_end(q0, BLOCK_M, Nq, Nk, causal, causal_offset);
 
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         // K, V tiles -> shared, keys past Nk zero.
-        for (int idx = tid; idx < BLOCK_N * D; idx += THREADS) {
-            int r = idx / D, c = idx % D;
-            bool in = n0 + r < Nk;
-            size_t g = static_cast<size_t>(n0 + r) * D + c;
-            Ks[r * LDT + c] = in ? k_head[g] : zero;
-            Vs[r * LDT + c] = in ? v_head[g] : zero;
-        }
+        fa_load_rows<BLOCK_N, D, LDT, THREADS>(Ks, k_head, Vs, v_head, n0, Nk);
         __syncthreads();
 
-        // 1. S = Q K^T on tensor cores, 16x16 fragment f = (row block, key block) per warp.
+        // 1. S = Q K^T on tensor cores, 16x16 fragment f = (row block rf, key block nf) per warp:
+        //    Q rows 16 rf.. times K^T columns 16 nf.. (K rows, read column-major), D deep.
         for (int f = warp; f < S_FRAGS; f += WARPS) {
             const int rf = f / (BLOCK_N / 16), nf = f % (BLOCK_N / 16);
-            FragAcc s;
-            wmma::fill_fragment(s, 0.0f);
-            for (int kf = 0; kf < D / 16; ++kf) {
-                FragA a;
-                FragKt kt;
-                wmma::load_matrix_sync(a, Qs + 16 * rf * LDT + 16 * kf, LDT);
-                wmma::load_matrix_sync(kt, Ks + 16 * nf * LDT + 16 * kf, LDT);
-                wmma::mma_sync(s, a, kt, s);
-            }
-            wmma::store_matrix_sync(Ss + 16 * rf * LDS + 16 * nf, s, LDS, wmma::mem_row_major);
+            wmma_fragment_product<FragKt, D>(Ss + 16 * rf * LDS + 16 * nf, LDS, Qs + 16 * rf * LDT, LDT,
+                                             Ks + 16 * nf * LDT, LDT, 16);
         }
         __syncthreads();
 
@@ -110,33 +104,23 @@ __device__ void wmma_forward(FA_PARAMS(T)) {
                 m_tile = fmaxf(m_tile, s_row[j]);
             }
             const float m_new = fmaxf(m_i, m_tile);
-            const float shift = m_new == -INFINITY ? 0.0f : m_new;  // nothing seen yet: no -inf - -inf
+            const float shift = fa_softmax_shift(m_new);
             const float alpha = expf(m_i - shift);
-            float p_sum = 0.0f;
-            for (int j = 0; j < BLOCK_N; ++j) {
-                float p = expf(s_row[j] - shift);
-                p_sum += p;                               // the row sum takes fp32 P ...
-                Ps[tid * LDP + j] = from_float<T>(p);     // ... P V takes P rounded to T
-            }
+            // P = exp(S - m_new): the row sum takes fp32 P, P V takes P rounded to T (into Ps).
+            const float p_sum =
+                fa_exp_row<BLOCK_N>(s_row, shift, [&](int j, float p) { Ps[tid * LDP + j] = from_float<T>(p); });
             l_i = alpha * l_i + p_sum;
             m_i = m_new;
             row_alpha[tid] = alpha;
         }
         __syncthreads();
 
-        // 3a. This tile's P V on tensor cores, fragment f = (row block, column block) per warp.
+        // 3a. This tile's P V on tensor cores, fragment f = (row block rf, column block df) per warp:
+        //     P rows 16 rf.. times V columns 16 df.., BLOCK_N deep (V's 16-row slices LDT * 16 apart).
         for (int f = warp; f < O_FRAGS; f += WARPS) {
             const int rf = f / (D / 16), df = f % (D / 16);
-            FragAcc pv;
-            wmma::fill_fragment(pv, 0.0f);
-            for (int kf = 0; kf < BLOCK_N / 16; ++kf) {
-                FragA p;
-                FragV vf;
-                wmma::load_matrix_sync(p, Ps + 16 * rf * LDP + 16 * kf, LDP);
-                wmma::load_matrix_sync(vf, Vs + 16 * kf * LDT + 16 * df, LDT);
-                wmma::mma_sync(pv, p, vf, pv);
-            }
-            wmma::store_matrix_sync(PVs + 16 * rf * LDO + 16 * df, pv, LDO, wmma::mem_row_major);
+            wmma_fragment_product<FragV, BLOCK_N>(PVs + 16 * rf * LDO + 16 * df, LDO, Ps + 16 * rf * LDP, LDP,
+                                                  Vs + 16 * df, LDT, 16 * LDT);
         }
         __syncthreads();
 
@@ -153,22 +137,7 @@ __device__ void wmma_forward(FA_PARAMS(T)) {
     }
 
     // Epilogue: o = acc / l, lse = m + log l; rows that attended nothing get 0 and -inf.
-    if (tid < BLOCK_M) {
-        row_alpha[tid] = l_i;
-        if (q0 + tid < Nq)
-            lse[(static_cast<size_t>(b) * H + h) * Nq + q0 + tid] = l_i > 0.0f ? m_i + logf(l_i) : -INFINITY;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < O_ROWS; ++i) {
-        const int r = warp + i * WARPS;
-        if (q0 + r >= Nq) continue;
-        const float l = row_alpha[r];
-        T* o_row = o + fa_row_offset(b, h, H, Nq, q0 + r, D);
-#pragma unroll
-        for (int c = 0; c < O_COLS; ++c)
-            if (lane + 32 * c < D) o_row[lane + 32 * c] = from_float<T>(l > 0.0f ? acc[i][c] / l : 0.0f);
-    }
+    fa_store_output<D, BLOCK_M>(acc, m_i, l_i, row_alpha, o, lse, b, h, H, Nq, q0);
 }
 
 // One extern "C" entry per (dtype, D): wmma_<dtype>_d<D>, with the tile configuration the

@@ -273,35 +273,34 @@ def _directed(rounded: np.ndarray, exact: np.ndarray, mode: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2, 3], ids=["rn", "rz", "rd", "ru"])
-def test_float_to_half_is_bit_exact(convert, mode):
-    x = _interesting_floats(np.random.default_rng(3))
-    out = np.zeros(x.size, np.uint16)
-    convert.launch("float_to_half", grid=1, block=256, args=[x, out, x.size, mode])
-    finite = ~np.isnan(x)
+def _half_bits(x: np.ndarray, mode: int) -> np.ndarray:
+    """x rounded to fp16 in `mode`, as bits: numpy's round to nearest, stepped for directed modes."""
     with np.errstate(over="ignore"):
-        nearest = x[finite].astype(np.float16)
-        expected = _directed(nearest, x[finite], mode) if mode else nearest
-    np.testing.assert_array_equal(out[finite], bits16(expected))
-    assert (out[~finite] == 0x7FFF).all()  # CUDA's canonical NaN
+        nearest = x.astype(np.float16)
+        return bits16(_directed(nearest, x, mode) if mode else nearest)
+
+
+def _bf16_bits(x: np.ndarray, mode: int) -> np.ndarray:
+    """x rounded to bf16 in `mode`, as bits: ml_dtypes' round to nearest, bit arithmetic for directed modes."""
+    if mode == 0:
+        return bits16(x.astype(BF16))
+    # directed rounding of a sign-magnitude format: drop the low 16 bits, maybe add one
+    u = x.view(np.uint32)
+    truncated, inexact, negative = (u >> 16).astype(np.uint16), (u & 0xFFFF) != 0, (u >> 31) == 1
+    bump = inexact & (negative if mode == 2 else ~negative) if mode != 1 else np.zeros_like(inexact)
+    return truncated + bump.astype(np.uint16)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2, 3], ids=["rn", "rz", "rd", "ru"])
-def test_float_to_bf16_is_bit_exact(convert, mode):
-    x = _interesting_floats(np.random.default_rng(4))
+@pytest.mark.parametrize("entry, seed, expected_bits",
+                         [("float_to_half", 3, _half_bits), ("float_to_bf16", 4, _bf16_bits)], ids=["half", "bf16"])
+def test_float_to_16_bits_is_bit_exact(convert, entry, seed, expected_bits, mode):
+    x = _interesting_floats(np.random.default_rng(seed))
     out = np.zeros(x.size, np.uint16)
-    convert.launch("float_to_bf16", grid=1, block=256, args=[x, out, x.size, mode])
+    convert.launch(entry, grid=1, block=256, args=[x, out, x.size, mode])
     finite = ~np.isnan(x)
-    nearest = x[finite].astype(BF16)
-    if mode == 0:
-        expected = bits16(nearest)
-    else:  # directed rounding of a sign-magnitude format: drop the low 16 bits, maybe add one
-        u = x[finite].view(np.uint32)
-        truncated, inexact, negative = (u >> 16).astype(np.uint16), (u & 0xFFFF) != 0, (u >> 31) == 1
-        bump = inexact & (negative if mode == 2 else ~negative) if mode != 1 else np.zeros_like(inexact)
-        expected = truncated + bump.astype(np.uint16)
-    np.testing.assert_array_equal(out[finite], expected)
-    assert (out[~finite] == 0x7FFF).all()
+    np.testing.assert_array_equal(out[finite], expected_bits(x[finite], mode))
+    assert (out[~finite] == 0x7FFF).all()  # CUDA's canonical NaN
 
 
 def test_half_and_bf16_to_float_are_exact_for_every_bit_pattern(convert):
