@@ -1,139 +1,126 @@
-"""Oracle agreement of a backend over Hypothesis-generated problems.
+"""The property suite against one target, programmatically: what `fa_verify check` runs.
 
-Each example: a problem from `fa_verify.strategies`, the backend's (out, lse), and the
-verdict of the error model against the certified reference. On failure Hypothesis shrinks
-to a minimal problem; the outcome carries it with a reproducer.
+`check_backend(backend, selection)` searches every property of `fa_verify.properties` (or the
+ones named) on the target and returns a `CheckOutcome`: per property passed, failed (with
+the minimal counterexample, examples-to-failure and a reproducer) or not applicable.
+`results_recorder` turns every oracle verdict into a record of a `ResultsStore`, for reports.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, example, given, reject, settings
-from hypothesis import seed as hypothesis_seed
-
-from fa_verify import strategies as fst
-from fa_verify.backends import Backend
-from fa_verify.errors import AttentionMismatch, BackendOutputError, FaVerifyError
-from fa_verify.problem import CAUSAL_ALIGNMENTS, AttentionProblem
-from fa_verify.verdict import check_attention
-
-
-#: Edge cases run before the random search, so that the classes of bug they expose are always
-#: looked for: (batch, heads, kv_heads, Nq, Nk, D) and a value distribution.
-EDGE_CASES = (
-    ((1, 1, 1, 1, 1, 8), "normal"),               # a single query and key
-    ((1, 2, 1, 5, 2, 16), "normal"),              # Nq > Nk: fully masked rows under bottom-right
-    ((1, 2, 2, 3, 17, 16), "normal"),             # Nq < Nk
-    ((2, 4, 2, 65, 63, 32), "fa3_outliers"),      # tile +- 1, GQA, outliers
-    ((1, 3, 1, 13, 31, 96), "large_logits"),      # primes, MQA, D = 96, logits in the hundreds
-)
-
-
-def edge_problems(dtypes, causal) -> list[AttentionProblem]:
-    """The edge cases for each dtype and causal mode selected."""
-    modes = [(False, "bottom-right")] * (False in causal) + \
-        [(True, a) for a in CAUSAL_ALIGNMENTS] * (True in causal)
-    return [fst.make_problem(dist, shape, dtype, seed=0, causal=c, causal_alignment=a)
-            for shape, dist in EDGE_CASES for dtype in dtypes for c, a in modes]
-
-
-class _Abort(Exception):
-    """Stops Hypothesis after a setup error, which is re-raised as itself."""
+from fa_verify.backends import Backend, CallableBackend, get_backend, load_callable
+from fa_verify.problem import AttentionProblem
+from fa_verify.properties import PROPERTIES, FAILED, NOT_APPLICABLE, PASSED, Selection, get_property
+from fa_verify.properties.reproduce import backend_expression
+from fa_verify.properties.reproduce import reproducer as property_reproducer
+from fa_verify.properties.search import PropertyOutcome, search_property
 
 
 @dataclass
 class CheckOutcome:
     backend: str
-    examples: int = 0
+    properties: list = field(default_factory=list)
     seconds: float = 0.0
-    #: Largest error / bound seen per dtype (error-model rule), over passing and failing examples.
-    worst_ratio: dict = field(default_factory=dict)
-    #: Message of the minimal failing example, with its reproducer; None when all passed.
-    failure: str | None = None
 
     @property
     def passed(self) -> bool:
-        return self.failure is None
+        """No property failed (not applicable ones do not count either way)."""
+        return all(p.status != FAILED for p in self.properties)
+
+    @property
+    def examples(self) -> int:
+        return sum(p.examples for p in self.properties)
+
+    def counts(self) -> dict:
+        return {status: sum(p.status == status for p in self.properties)
+                for status in (PASSED, FAILED, NOT_APPLICABLE)}
 
     def as_dict(self) -> dict:
         return {"backend": self.backend, "passed": self.passed, "examples": self.examples,
-                "seconds": self.seconds, "worst_ratio": self.worst_ratio, "failure": self.failure}
+                "seconds": round(self.seconds, 3), "counts": self.counts(),
+                "properties": [p.as_dict() for p in self.properties]}
+
+
+def check_backend(backend: Backend, selection: Selection = Selection(), properties=None,
+                  on_result=None, progress=None) -> CheckOutcome:
+    """Search each property (all, or those named in `properties`) on `backend`.
+
+    progress(outcome) is called after each property; on_result as in `search_property`.
+    """
+    props = PROPERTIES if properties is None else [get_property(p) for p in properties]
+    outcome = CheckOutcome(backend=backend.name)
+    start = time.perf_counter()
+    for prop in props:
+        result: PropertyOutcome = search_property(backend, prop, selection, on_result=on_result)
+        outcome.properties.append(result)
+        if progress is not None:
+            progress(result)
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def results_recorder(path, backend: Backend, source: str):
+    """An `on_result` callback appending a Record per oracle verdict to the ResultsStore at `path`."""
+    from fa_verify.results import ResultsStore, record_from_verdict
+
+    store = ResultsStore(path)
+
+    def record(problem, result, seconds):
+        for verdict in result.verdicts:
+            store.append(record_from_verdict(problem, backend.name, backend.precision(problem.dtype),
+                                             verdict, seconds, source, extra={"property": result.name}))
+
+    return record
 
 
 def reproducer(backend_name: str, problem: AttentionProblem) -> str:
-    """A one-line shell command that rebuilds `problem` from its tags and checks it again."""
-    tags = dict(problem.tags)
-    shape = (problem.batch, problem.heads, problem.kv_heads, problem.nq, problem.nk, problem.head_dim)
-    call = (f"make_problem({tags.get('distribution')!r}, {shape}, {problem.dtype!r}, "
-            f"{tags.get('seed')}, causal={problem.causal}, "
-            f"causal_alignment={problem.causal_alignment!r}, scale={problem.scale!r})")
-    return (f"python -c \"from fa_verify.strategies import make_problem; "
-            f"from fa_verify.backends import get_backend; from fa_verify.verdict import "
-            f"assert_attention_close as a; b = get_backend({backend_name!r}); p = {call}; "
-            f"o, l = b.run(p); a(o, p, lse=l, precision=b.precision(p.dtype))\"")
+    """A one-line command that checks oracle agreement of `problem` on the backend named
+    `backend_name`: a built-in, or MODULE:FUNC with the callable protocol's defaults."""
+    if ":" in backend_name:
+        backend = CallableBackend(load_callable(backend_name), name=backend_name)
+    else:
+        backend = get_backend(backend_name)
+    return property_reproducer(backend_expression(backend, problem.dtype),
+                               get_property("oracle_agreement"), problem, 0)
 
 
-def check_backend(backend: Backend, *, dtypes=("fp16", "bf16", "fp32"), causal=(False, True),
-                  max_examples: int = 100, seed: int = 0, max_seq: int = 64,
-                  progress=None) -> CheckOutcome:
-    """Run oracle agreement over the edge cases and `max_examples` generated problems.
+class Oracle:
+    """The certified reference and verdicts for tests, recording each verdict when `results` is
+    a path (what the pytest plugin's `fa_oracle` fixture is)."""
 
-    A mismatch is reported in the outcome; setup errors (FaVerifyError) are raised."""
-    outcome = CheckOutcome(backend=backend.name)
-    last_failure: list = []
-    setup_error: list = []
-    causal_strategy = fst.causal_modes(non_causal=False in causal,
-                                       alignments=CAUSAL_ALIGNMENTS if True in causal else ())
-    strategy = fst.problems(shapes=fst.shapes(max_seq=max_seq), dtypes=fst.dtypes(dtypes),
-                            causal=causal_strategy)
+    def __init__(self, results=None, source: str = "pytest"):
+        self.results, self.source = results, source
 
-    def with_edge_cases(test):
-        for problem in edge_problems(dtypes, causal):
-            test = example(problem)(test)
-        return test
+    def reference(self, problem: AttentionProblem):
+        from fa_verify.oracle import reference
 
-    @hypothesis_seed(seed)
-    @settings(max_examples=max_examples, deadline=None, database=None, print_blob=False,
-              report_multiple_bugs=False,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-    @with_edge_cases
-    @given(strategy)
-    def agreement(problem):
-        if backend.supports(problem) is not None:
-            reject()
-        try:
-            out, lse = backend.run(problem)
-        except BackendOutputError as exc:  # the kernel broke the protocol: a failing example
-            last_failure[:] = [problem, exc]
-            raise AttentionMismatch(str(exc)) from None
-        except FaVerifyError as exc:  # misuse or setup: stop, and report it as such
-            setup_error[:] = [exc]
-            raise _Abort from None
-        verdict = check_attention(out, problem, lse=lse, precision=backend.precision(problem.dtype))
-        outcome.examples += 1
-        ratio = verdict.bound_ratio
-        if not math.isnan(ratio):
-            outcome.worst_ratio[problem.dtype] = max(ratio, outcome.worst_ratio.get(problem.dtype, 0.0))
-        if progress and outcome.examples % 10 == 0:
-            progress(f"{backend.name}: {outcome.examples} examples")
+        return reference(problem)
+
+    def check(self, out, problem: AttentionProblem, lse=None, precision=None, name: str = "user"):
+        """`check_attention`'s Verdict for `out` (and `lse`), recorded under backend `name`."""
+        from fa_verify.precision import PrecisionModel
+        from fa_verify.verdict import check_attention
+
+        started = time.perf_counter()
+        verdict = check_attention(out, problem, lse=lse, precision=precision)
+        if self.results is not None:
+            from fa_verify.results import ResultsStore, record_from_verdict
+
+            model = precision or PrecisionModel.flash(problem.dtype)
+            if isinstance(model, str):
+                model = PrecisionModel.parse(model, problem.dtype)
+            ResultsStore(self.results).append(record_from_verdict(
+                problem, name, model, verdict, {"check": time.perf_counter() - started}, self.source))
+        return verdict
+
+    def assert_close(self, out, problem: AttentionProblem, lse=None, precision=None, name: str = "user"):
+        """Like `assert_attention_close`: raise AttentionMismatch (with the verdict) unless it passes."""
+        from fa_verify.errors import AttentionMismatch
+
+        verdict = self.check(out, problem, lse=lse, precision=precision, name=name)
         if not verdict.passed:
-            last_failure[:] = [problem, verdict]
             raise AttentionMismatch(verdict.message(), verdict)
-
-    start = time.perf_counter()
-    try:
-        agreement()
-    except _Abort:
-        raise setup_error[0] from None
-    except AttentionMismatch:
-        # Hypothesis replays the minimal example last, so it is the one recorded.
-        problem, finding = last_failure
-        message = finding.message() if hasattr(finding, "message") else str(finding)
-        outcome.failure = (f"minimal failing problem: {problem.describe()} "
-                           f"tags={dict(problem.tags)}\n{message}\n"
-                           f"reproduce: {reproducer(backend.name, problem)}")
-    outcome.seconds = time.perf_counter() - start
-    return outcome
+        return verdict

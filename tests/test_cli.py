@@ -57,17 +57,20 @@ def test_bench_oracle_json_reports_ratio_and_bound(capsys):
 def test_check_passes_a_correct_callable(capsys, monkeypatch):
     monkeypatch.chdir(FIXTURES)
     code, out, _ = _run(capsys, "check", "user_kernels:float64_then_round",
-                        "--max-examples", "25", "--json")
+                        "--max-examples", "5", "--json")
     result = json.loads(out)
     assert code == 0 and result["passed"]
-    assert result["targets"][0]["examples"] >= 25
+    target = result["targets"][0]
+    assert target["examples"] >= 25 and target["counts"] == {"passed": 13, "failed": 0, "not applicable": 2}
+    status = {p["property"]: p["status"] for p in target["properties"]}
+    assert status["lse_agreement"] == status["merge_law"] == "not applicable"  # it returns no LSE
 
 
 def test_check_fails_a_buggy_callable_with_reproducer(capsys, monkeypatch):
     monkeypatch.chdir(FIXTURES)
     code, out, _ = _run(capsys, "check", "user_kernels:drops_last_key", "--max-examples", "50")
     assert code == 1
-    assert "FAIL" in out and "minimal failing problem" in out and "reproduce:" in out
+    assert "FAIL oracle_agreement: FAILED after" in out and "minimal counterexample" in out and "reproduce:" in out
     assert re.search(r"failed rule '(error_bound|baseline)'", out)
 
 
@@ -77,12 +80,39 @@ def test_check_fails_a_callable_that_breaks_the_protocol(capsys, monkeypatch):
     assert code == 1 and "returned out with shape" in out
 
 
+def test_check_runs_chosen_properties_and_records_comparisons(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(FIXTURES)
+    results = tmp_path / "results.jsonl"
+    code, out, _ = _run(capsys, "check", "attention_variants:wrong_lse", "--property", "oracle_agreement",
+                        "--property", "lse_agreement", "--dtype", "bf16", "--causal", "no",
+                        "--max-examples", "5", "--results", str(results), "--json")
+    result = json.loads(out)
+    assert code == 1 and [p["status"] for p in result["targets"][0]["properties"]] == ["passed", "failed"]
+    assert result["targets"][0]["properties"][1]["examples_to_failure"] == 1
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert {r["source"] for r in records} == {"check"} and {r["problem"]["dtype"] for r in records} == {"bf16"}
+    assert {r["extra"]["property"] for r in records} == {"oracle_agreement", "lse_agreement"}
+
+
+def test_check_a_torch_callable_in_bshd_layout_with_top_left_masking(capsys, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.chdir(FIXTURES)
+    code, out, _ = _run(capsys, "check", "torch_sdpa:sdpa_bshd", "--array", "torch", "--layout", "bshd",
+                        "--causal-alignment", "top-left", "--property", "oracle_agreement",
+                        "--property", "masked_key_independence", "--property", "fully_masked_rows",
+                        "--max-examples", "5")
+    assert code == 0, out
+    assert "PASS masked_key_independence" in out and "N/A  fully_masked_rows" in out
+
+
 def test_check_setup_errors_exit_2(capsys, monkeypatch):
     monkeypatch.chdir(FIXTURES)
     code, _, err = _run(capsys, "check", "no_such_backend")
     assert code == 2 and "numpy-tiled" in err  # the message lists the known names
     code, _, err = _run(capsys, "check", "user_kernels:missing")
     assert code == 2 and "missing" in err
+    code, _, err = _run(capsys, "check", "numpy-tiled", "--property", "speed")
+    assert code == 2 and "merge_law" in err
 
 
 def test_usage_errors_exit_2(capsys):

@@ -1,4 +1,4 @@
-"""`fa_verify check TARGET`: oracle agreement of a backend or a user callable."""
+"""`fa_verify check TARGET`: the property suite against a backend or a user callable."""
 
 from __future__ import annotations
 
@@ -6,18 +6,31 @@ import json
 import os
 import sys
 
+from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
+
 _CAUSAL = {"yes": (True,), "no": (False,), "both": (False, True)}
+
+#: Options `fa_verify check` shares with the pytest plugin (--fa-<name> there): name -> kwargs.
+SHARED_OPTIONS = {
+    "profile": dict(default=None, choices=tuple(PROFILES),
+                    help=f"search profile: examples per property and problem sizes (default: {DEFAULT_PROFILE})"),
+    "results": dict(default=None, metavar="FILE",
+                    help="append every oracle comparison's metrics to FILE (JSON lines), for "
+                         "'fa_verify report'"),
+}
 
 
 def add_parser(sub) -> None:
     cmd = sub.add_parser(
-        "check", help="check a backend or MODULE:FUNC against the certified oracle",
-        description="Generates attention problems with Hypothesis (shapes with N=1, primes, "
-                    "tile+-1, Nq!=Nk, GQA/MQA, odd D; normal, FA3-outlier, large-logit, tie, "
-                    "dominant-key and extreme values), runs TARGET on each and judges its output "
-                    "and LSE against the certified reference with the error model of its "
-                    "precision. On failure, prints the minimal failing problem and a reproducer. "
-                    "Exit 0: all passed; 1: a check failed; 2: usage or setup error.")
+        "check", help="run the property suite against a backend or MODULE:FUNC",
+        description="Runs fa_verify's property suite against TARGET: agreement of O and LSE with "
+                    "the certified oracle under the error model (fixed edge cases first), the "
+                    "online-softmax merge law, convex hull, constant V, V-affinity, permutations, "
+                    "score shift, batch/head and masked-key independence, fully masked rows, "
+                    "NaN-padded inputs, determinism and unbiased rounding, each over Hypothesis "
+                    "problems. Prints per property: passed, failed (examples to failure, the "
+                    "minimal counterexample, a reproducer) or not applicable. Exit 0: no property "
+                    "failed; 1: one failed; 2: usage or setup error.")
     cmd.add_argument("target", metavar="TARGET",
                      help="a backend name (see 'fa_verify backends'), 'all' for every available "
                           "backend, or MODULE:FUNC with fn(q, k, v, *, causal, scale) -> out | (out, lse)")
@@ -25,10 +38,15 @@ def add_parser(sub) -> None:
                      help="dtype to check (repeatable; default: every dtype the target runs)")
     cmd.add_argument("--causal", choices=tuple(_CAUSAL), default="both",
                      help="causal problems, non-causal ones, or both (default)")
-    cmd.add_argument("--max-examples", type=int, default=100,
-                     help="generated examples per target, after the fixed edge cases (default 100)")
-    cmd.add_argument("--max-seq", type=int, default=64, help="largest Nq or Nk generated (default 64)")
+    cmd.add_argument("--property", action="append", dest="properties", metavar="NAME",
+                     help="run only this property (repeatable; default: all)")
+    cmd.add_argument("--max-examples", type=int, default=None,
+                     help="examples per property (default: the profile's; ci: 20)")
+    cmd.add_argument("--max-seq", type=int, default=None,
+                     help="largest Nq or Nk drawn (default: the profile's; ci: 64)")
     cmd.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
+    for name, kwargs in SHARED_OPTIONS.items():
+        cmd.add_argument(f"--{name}", **kwargs)
     cmd.add_argument("--json", action="store_true", help="print one JSON document")
     callable_opts = cmd.add_argument_group("MODULE:FUNC targets (the callable protocol)")
     callable_opts.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
@@ -66,27 +84,37 @@ def _targets(args):
     return [backend]
 
 
-def _run(args) -> int:
-    from fa_verify.check import check_backend
+def _print_property(outcome) -> None:
+    label = {"passed": "PASS", "failed": "FAIL", "not applicable": "N/A "}[outcome.status]
+    print(f"  {label} " + outcome.message().replace("\n", "\n       "), flush=True)
 
+
+def _run(args) -> int:
+    from fa_verify.check import check_backend, results_recorder
+    from fa_verify.properties import Selection, get_property
+
+    for name in args.properties or ():
+        get_property(name)  # an unknown name is a usage error before anything runs
     outcomes = []
     for backend in _targets(args):
-        dtypes = [d for d in (args.dtype or backend.dtypes) if d in backend.dtypes]
+        dtypes = tuple(d for d in (args.dtype or backend.dtypes) if d in backend.dtypes)
         if not dtypes:
             continue
+        selection = Selection.from_profile(args.profile or DEFAULT_PROFILE, dtypes=dtypes,
+                                           causal=_CAUSAL[args.causal], max_examples=args.max_examples,
+                                           max_seq=args.max_seq, seed=args.seed)
+        record = results_recorder(args.results, backend, "check") if args.results else None
         print(f"checking {backend.name} ({', '.join(dtypes)}) ...", file=sys.stderr, flush=True)
-        outcome = check_backend(backend, dtypes=dtypes, causal=_CAUSAL[args.causal],
-                                max_examples=args.max_examples, seed=args.seed,
-                                max_seq=args.max_seq,
-                                progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        if not args.json:
+            print(backend.name)
+        outcome = check_backend(backend, selection, properties=args.properties, on_result=record,
+                                progress=None if args.json else _print_property)
         outcomes.append(outcome)
         if not args.json:
-            ratios = ", ".join(f"{d} {r:.3g}" for d, r in sorted(outcome.worst_ratio.items()))
-            status = "PASS" if outcome.passed else "FAIL"
-            print(f"{status} {backend.name}: {outcome.examples} examples in {outcome.seconds:.1f}s; "
-                  f"worst error/bound: {ratios or 'n/a'}")
-            if outcome.failure:
-                print(outcome.failure)
+            counts = outcome.counts()
+            print(f"{'PASS' if outcome.passed else 'FAIL'} {backend.name}: {counts['passed']} passed, "
+                  f"{counts['failed']} failed, {counts['not applicable']} not applicable; "
+                  f"{outcome.examples} examples in {outcome.seconds:.1f}s")
     if args.json:
         print(json.dumps({"passed": all(o.passed for o in outcomes),
                           "targets": [o.as_dict() for o in outcomes]}, indent=2))

@@ -1,0 +1,74 @@
+"""What a property check returns: passed, failed (with where and by how much), or not applicable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fa_verify.errors import AttentionMismatch
+
+PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
+STATUSES = (PASSED, FAILED, NOT_APPLICABLE)
+
+
+@dataclass(frozen=True)
+class PropertyResult:
+    """The outcome of one property on one problem.
+
+    `detail` says what differed, where, and the error against the tolerance (failed), or why
+    the property cannot judge this target or problem (not applicable). `note` qualifies a
+    pass (e.g. "no LSE returned: only the output was checked"). `verdicts` are the oracle
+    verdicts the check produced, for results stores.
+    """
+
+    name: str
+    status: str
+    problem: str
+    detail: str = ""
+    note: str = ""
+    #: largest error / tolerance seen (tolerance-based checks), None otherwise
+    worst_ratio: float | None = None
+    verdicts: tuple = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASSED
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAILED
+
+    @property
+    def applicable(self) -> bool:
+        return self.status != NOT_APPLICABLE
+
+    def message(self) -> str:
+        head = f"property {self.name!r} {self.status} ({self.problem})"
+        return "\n".join(part for part in (head, self.detail, self.note) if part)
+
+    def raise_for_failure(self) -> "PropertyResult":
+        """Raise PropertyFailure if the property failed; return self otherwise."""
+        if self.failed:
+            raise PropertyFailure(self)
+        return self
+
+
+class PropertyFailure(AttentionMismatch):
+    """A property does not hold; `result` is the PropertyResult with the details."""
+
+    def __init__(self, result: PropertyResult):
+        super().__init__(result.message())
+        self.result = result
+
+
+def passed(name: str, problem, note: str = "", worst_ratio=None, verdicts=()) -> PropertyResult:
+    return PropertyResult(name, PASSED, problem.describe(), note=note, worst_ratio=worst_ratio,
+                          verdicts=tuple(verdicts))
+
+
+def failed(name: str, problem, detail: str, worst_ratio=None, verdicts=()) -> PropertyResult:
+    return PropertyResult(name, FAILED, problem.describe(), detail=detail, worst_ratio=worst_ratio,
+                          verdicts=tuple(verdicts))
+
+
+def not_applicable(name: str, problem, reason: str) -> PropertyResult:
+    return PropertyResult(name, NOT_APPLICABLE, problem.describe(), detail=reason)

@@ -1,0 +1,43 @@
+"""Agreement with the certified oracle under the error model: the output, and the LSE.
+
+Two properties, so that a target without an LSE shows "lse_agreement: not applicable"
+instead of a pass that never looked at an LSE.
+"""
+
+from __future__ import annotations
+
+from fa_verify.error_model import error_bound
+from fa_verify.oracle import reference
+from fa_verify.properties._compare import exceeding
+from fa_verify.properties._result import PropertyResult, failed, not_applicable, passed
+from fa_verify.properties._subject import as_backend
+from fa_verify.verdict import check_attention
+
+
+def check_oracle_agreement(backend, problem) -> PropertyResult:
+    """The output agrees with the reference: every rule of `check_attention` but the LSE ones."""
+    backend = as_backend(backend)
+    out, _ = backend.run(problem)
+    verdict = check_attention(out, problem, precision=backend.precision(problem.dtype))
+    if verdict.passed:
+        return passed("oracle_agreement", problem, worst_ratio=verdict.bound_ratio, verdicts=[verdict])
+    return failed("oracle_agreement", problem, verdict.message(), verdict.bound_ratio, [verdict])
+
+
+def check_lse_agreement(backend, problem) -> PropertyResult:
+    """The LSE is within its error-model bound of the reference; -inf exactly at fully masked rows."""
+    backend = as_backend(backend)
+    out, lse = backend.run(problem)
+    if lse is None:
+        return not_applicable("lse_agreement", problem, f"{backend.name} returns no LSE")
+    precision = backend.precision(problem.dtype)
+    ref = reference(problem)
+    bound = error_bound(problem, precision, ref)
+    verdict = check_attention(out, problem, lse=lse, precision=precision, reference=ref, bound=bound)
+    mismatch, worst = exceeding(lse, ref.lse, bound.lse)
+    if mismatch is None:
+        return passed("lse_agreement", problem, worst_ratio=worst, verdicts=[verdict])
+    masked = "" if mismatch.want > float("-inf") else " (a fully masked row: LSE must be -inf)"
+    detail = (f"{mismatch.describe('LSE')}{masked}; dominant term of the bound there: "
+              f"{bound.dominant_lse_term(mismatch.index)}")
+    return failed("lse_agreement", problem, detail, worst, [verdict])

@@ -1,0 +1,89 @@
+"""NaN-padded input buffers: a kernel that reads outside its inputs shows it.
+
+Each of q, k, v is placed, contiguous and in its layout, in the middle of a larger buffer
+filled with NaN (`pad_inputs`). A kernel that reads past the end of a tensor (a partial tile
+loaded whole, a wrong stride, an off-by-one in a pointer) then picks up NaN, which spreads
+to its output, where without padding it would read whatever memory happens to follow.
+`check_nan_padding` requires the padded run to be identical to the plain one.
+
+How the padding reaches a target (`run_padded`):
+  * a backend may define `run_padded(padded: PaddedInputs) -> (out, lse)` and hand the kernel
+    a pointer into `padded.buffers[i]` at `padded.offsets[i]` (runners that copy inputs, as
+    a worker process does, should copy the whole buffer);
+  * a callable-protocol target (`CallableBackend`) gets its arguments, after the layout copy
+    it always makes, placed in NaN-padded buffers (numpy arrays or torch tensors alike);
+  * any other backend runs `padded.problem`, whose arrays are views into the buffers: a
+    backend that reads their memory directly sees the padding, one that copies them does not
+    (the property then passes without having tested anything).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+from fa_verify.backends.user_callable import CallableBackend
+from fa_verify.problem import AttentionProblem
+from fa_verify.properties._result import PropertyResult
+from fa_verify.properties._subject import as_backend
+from fa_verify.properties.independence import judge_identical
+
+#: Rows of padding on each side, in units of the tensor's last dimension: one large tile.
+PAD_ROWS = 256
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedInputs:
+    """`problem` with q, k, v as contiguous views into NaN-filled 1-D `buffers`, starting at
+    element `offsets` of each."""
+
+    problem: AttentionProblem
+    buffers: tuple
+    offsets: tuple
+
+
+def padded_array(x, pad: int):
+    """A contiguous copy of `x` (numpy array or torch tensor) inside a NaN-filled buffer with
+    `pad` elements before and after it; returns (view, buffer)."""
+    n = int(np.prod(x.shape))
+    if isinstance(x, np.ndarray):
+        buffer = np.full(n + 2 * pad, np.nan, dtype=x.dtype)
+        buffer[pad:pad + n] = x.reshape(-1)
+        return buffer[pad:pad + n].reshape(x.shape), buffer
+    import torch  # a torch tensor came in, so torch is there
+
+    buffer = torch.full((n + 2 * pad,), float("nan"), dtype=x.dtype, device=x.device)
+    buffer[pad:pad + n].copy_(x.reshape(-1))
+    return buffer[pad:pad + n].view(x.shape), buffer
+
+
+def pad_inputs(problem: AttentionProblem, pad_rows: int = PAD_ROWS) -> PaddedInputs:
+    """The problem with its inputs inside NaN-padded buffers (pad_rows * D elements each side)."""
+    pad = pad_rows * problem.head_dim
+    views, buffers = zip(*(padded_array(x, pad) for x in (problem.q, problem.k, problem.v)))
+    return PaddedInputs(problem.replace(q=views[0], k=views[1], v=views[2]), buffers, (pad,) * 3)
+
+
+def run_padded(backend, padded: PaddedInputs):
+    """Run `backend` on `padded` through the best hook it offers (see the module doc)."""
+    backend = as_backend(backend)
+    hook = getattr(backend, "run_padded", None)
+    if hook is not None:
+        return hook(padded)
+    if isinstance(backend, CallableBackend):
+        pad = padded.offsets[0]
+        inner = backend.fn
+        padding = copy.copy(backend)
+        padding.fn = lambda *arrays, **options: inner(*(padded_array(a, pad)[0] for a in arrays), **options)
+        return padding.run(padded.problem)
+    return backend.run(padded.problem)
+
+
+def check_nan_padding(backend, problem) -> PropertyResult:
+    """Inputs inside NaN-filled buffers give results identical to plain inputs."""
+    backend = as_backend(backend)
+    return judge_identical("nan_padding", "inputs placed inside NaN-filled buffers changed the result "
+                           "(the target reads outside its inputs)", problem,
+                           backend.run(problem), run_padded(backend, pad_inputs(problem)))

@@ -1,0 +1,80 @@
+"""The properties of the suite, in the order they run, with what each needs."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+from fa_verify.errors import InvalidArgumentError
+from fa_verify.properties import (
+    agreement,
+    convexity,
+    independence,
+    masking,
+    metamorphic,
+    online_softmax,
+    padding,
+    rounding,
+)
+
+MASKING = ("any", "causal", "non-causal")
+
+
+@dataclass(frozen=True)
+class Property:
+    """A property of the suite: its check function and the problems it is meaningful on."""
+
+    name: str
+    check: Callable
+    #: the target must return an LSE (otherwise the property is not applicable)
+    needs_lse: bool = False
+    #: which problems to draw: any, causal only, non-causal only
+    masking: str = "any"
+    #: the check derives bottom-right causal problems, so the target must run them
+    needs_bottom_right: bool = False
+    #: draw shapes with enough rows and elements for a statistic
+    large: bool = False
+    #: also run the fixed edge cases (fa_verify.properties.search.EDGE_CASES) first
+    edge_cases: bool = False
+
+    @property
+    def seeded(self) -> bool:
+        """Whether the check draws its own random choices from a `seed` argument."""
+        return "seed" in inspect.signature(self.check).parameters
+
+    @property
+    def summary(self) -> str:
+        return inspect.getdoc(self.check).splitlines()[0]
+
+    def __call__(self, backend, problem, seed: int = 0):
+        return self.check(backend, problem, seed=seed) if self.seeded else self.check(backend, problem)
+
+
+PROPERTIES = (
+    Property("oracle_agreement", agreement.check_oracle_agreement, edge_cases=True),
+    Property("lse_agreement", agreement.check_lse_agreement, needs_lse=True, edge_cases=True),
+    Property("merge_law", online_softmax.check_merge_law, needs_lse=True),
+    Property("convex_hull", convexity.check_convex_hull),
+    Property("constant_v", convexity.check_constant_v),
+    Property("v_affinity", convexity.check_v_affinity),
+    Property("key_permutation", metamorphic.check_key_permutation, masking="non-causal"),
+    Property("query_permutation", metamorphic.check_query_permutation, masking="non-causal"),
+    Property("score_shift", metamorphic.check_score_shift),
+    Property("batch_head_independence", independence.check_batch_head_independence),
+    Property("masked_key_independence", independence.check_masked_key_independence, masking="causal"),
+    Property("fully_masked_rows", masking.check_fully_masked_rows, masking="causal", needs_bottom_right=True),
+    Property("nan_padding", padding.check_nan_padding),
+    Property("determinism", independence.check_determinism),
+    Property("unbiased_rounding", rounding.check_unbiased_rounding, large=True),
+)
+
+PROPERTY_NAMES = tuple(p.name for p in PROPERTIES)
+
+
+def get_property(name_or_check) -> Property:
+    """A Property by name or by its check function."""
+    for prop in PROPERTIES:
+        if name_or_check in (prop.name, prop.check, prop):
+            return prop
+    raise InvalidArgumentError(f"property={name_or_check!r} is unknown; properties: {', '.join(PROPERTY_NAMES)}")

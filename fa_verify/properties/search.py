@@ -1,0 +1,212 @@
+"""Searching for a counterexample to one property on one target, with Hypothesis.
+
+`search_property(backend, prop, selection)` draws problems the property is meaningful on and
+the target can run (its dtypes, head dims and causal alignments are probed once), runs the
+check on each, and returns a `PropertyOutcome`: passed, failed with the minimal counterexample
+Hypothesis shrank to and a one-line reproducer, or not applicable (with the reason). It is the
+engine of `fa_verify check`, of the pytest plugin's `fa_search` fixture, and so of properties/.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+from hypothesis import Phase, Verbosity, given, reject, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from hypothesis.database import ExampleDatabase
+from hypothesis.errors import Unsatisfiable
+
+from fa_verify import strategies as fst
+from fa_verify.errors import BackendOutputError, FaVerifyError, KernelRunError
+from fa_verify.problem import AttentionProblem
+from fa_verify.profiles import RELAXED_HEALTH_CHECKS
+from fa_verify.properties._result import FAILED, NOT_APPLICABLE, PASSED, PropertyFailure, PropertyResult
+from fa_verify.properties._subject import as_backend
+from fa_verify.properties.draw import capabilities, edge_problems, problem_strategy
+from fa_verify.properties.registry import Property, get_property
+from fa_verify.properties.reproduce import backend_expression, reproducer
+from fa_verify.properties.selection import Selection
+
+
+@dataclass
+class PropertyOutcome:
+    """The result of searching one property on one target."""
+
+    property: str
+    backend: str
+    status: str = PASSED
+    #: examples judged (edge cases included; not-applicable draws excluded)
+    examples: int = 0
+    #: examples judged up to and including the first failing one (before shrinking)
+    examples_to_failure: int | None = None
+    seconds: float = 0.0
+    #: not applicable: why
+    reason: str = ""
+    #: the minimal failing example's result, problem and property seed
+    failure: PropertyResult | None = None
+    problem: AttentionProblem | None = field(default=None, repr=False)
+    seed: int | None = None
+    reproducer: str = ""
+    worst_ratio: float | None = None
+    notes: tuple = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASSED
+
+    def message(self) -> str:
+        """What happened; for a failure, the minimal counterexample and the reproducer."""
+        if self.status == NOT_APPLICABLE:
+            return f"{self.property}: not applicable ({self.reason})"
+        if self.status == PASSED:
+            ratio = "" if self.worst_ratio is None else f"; worst error/tolerance {self.worst_ratio:.3g}"
+            notes = "".join(f"; {n}" for n in self.notes)
+            return f"{self.property}: passed, {self.examples} examples in {self.seconds:.1f}s{ratio}{notes}"
+        tags = dict(self.problem.tags) if self.problem is not None else {}
+        seed = f", property seed {self.seed}" if self.seed is not None else ""
+        return (f"{self.property}: FAILED after {self.examples_to_failure} examples ({self.seconds:.1f}s)\n"
+                f"  minimal counterexample: {self.failure.problem} distribution={tags.get('distribution')} "
+                f"seed={tags.get('seed')}{seed}\n"
+                + "\n".join(f"  {line}" for line in self.failure.detail.splitlines())
+                + f"\n  reproduce: {self.reproducer}")
+
+    def as_dict(self) -> dict:
+        return {"property": self.property, "backend": self.backend, "status": self.status,
+                "examples": self.examples, "examples_to_failure": self.examples_to_failure,
+                "seconds": round(self.seconds, 3), "reason": self.reason,
+                "failure": None if self.failure is None else self.failure.message(),
+                "reproducer": self.reproducer or None, "worst_ratio": self.worst_ratio,
+                "notes": list(self.notes)}
+
+
+class _Namespaced(ExampleDatabase):
+    """One Hypothesis database shared by every (property, target) search without mixing them:
+    every search's inner test has the same source, hence the same key, so keys get a prefix."""
+
+    def __init__(self, inner: ExampleDatabase, namespace: str):
+        super().__init__()
+        self.inner, self.prefix = inner, namespace.encode() + b"\0"
+
+    def save(self, key, value):
+        self.inner.save(self.prefix + key, value)
+
+    def fetch(self, key):
+        yield from self.inner.fetch(self.prefix + key)
+
+    def delete(self, key, value):
+        self.inner.delete(self.prefix + key, value)
+
+
+class _Drawn:
+    """A drawn problem whose repr is its description: Hypothesis reprs the examples it runs, and
+    the arrays' repr is large, slow and unreadable. (Not a dataclass: Hypothesis would print
+    a dataclass field by field.)"""
+
+    def __init__(self, problem: AttentionProblem):
+        self.problem = problem
+
+    def __repr__(self) -> str:
+        return f"{self.problem.describe()} {dict(self.problem.tags)}"
+
+
+class _Abort(Exception):
+    """Stops Hypothesis after a setup error, which is re-raised as itself."""
+
+
+def _target_failure(prop: Property, problem, exc: BaseException) -> PropertyResult:
+    """A failed result for a target that raised: the exception and where it came from (the
+    innermost frame), so that a bug in the target is told from one elsewhere."""
+    where = ""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        where = f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
+    return PropertyResult(prop.name, FAILED, problem.describe(),
+                          detail=f"the target raised {type(exc).__name__}: {exc}{where}")
+
+
+def search_property(backend, prop, selection: Selection = Selection(), on_result=None) -> PropertyOutcome:
+    """Search for a counterexample to `prop` (a Property, its name or check) on `backend` (a
+    Backend or a run(problem) function). `on_result(problem, result, seconds)` sees every result.
+
+    Failures of the target — wrong numbers, a broken output protocol, a crash or any exception
+    it raises — are counterexamples; other fa_verify errors (setup, misuse) are raised.
+    """
+    backend, prop = as_backend(backend), get_property(prop)
+    outcome = PropertyOutcome(property=prop.name, backend=backend.name)
+    start = time.perf_counter()
+    strategy = problem_strategy(prop, capabilities(backend), selection)
+    if isinstance(strategy, str):
+        outcome.status, outcome.reason = NOT_APPLICABLE, strategy
+        return outcome
+    reasons, notes, ratios, last, setup_error = collections.Counter(), set(), [], [], []
+
+    def judge(problem, seed=0) -> bool:
+        """Run and judge one example; False when the property does not apply to it."""
+        began = time.perf_counter()
+        try:
+            result = prop(backend, problem, seed)
+        except (BackendOutputError, KernelRunError) as exc:
+            result = _target_failure(prop, problem, exc)
+        except FaVerifyError as exc:
+            setup_error[:] = [exc]
+            raise _Abort from None
+        except Exception as exc:  # noqa: BLE001 - whatever the target raises is a finding
+            result = _target_failure(prop, problem, exc)
+        if on_result is not None:
+            on_result(problem, result, time.perf_counter() - began)
+        if not result.applicable:
+            reasons[result.detail] += 1
+            return False
+        outcome.examples += 1
+        if result.note:
+            notes.add(result.note)
+        if result.worst_ratio is not None:
+            ratios.append(result.worst_ratio)
+        if result.failed:
+            if outcome.examples_to_failure is None:
+                outcome.examples_to_failure = outcome.examples
+            last[:] = [problem, seed, result]
+            raise PropertyFailure(result)
+        return True
+
+    def example(drawn, seed):
+        if backend.supports(drawn.problem) is not None or not judge(drawn.problem, seed):
+            reject()
+
+    # No explain phase: the failure message says what went wrong, and the phase costs examples.
+    phases = tuple(p for p in Phase if p is not Phase.explain and (selection.shrink or p is not Phase.shrink))
+    database = (None if selection.database is None
+                else _Namespaced(selection.database, f"{prop.name}:{backend.name}"))
+    search = given(drawn=strategy.map(_Drawn), seed=fst.seeds() if prop.seeded else st.just(0))(example)
+    search = settings(max_examples=selection.max_examples, deadline=None, database=database, phases=phases,
+                      suppress_health_check=RELAXED_HEALTH_CHECKS, report_multiple_bugs=False,
+                      print_blob=False, verbosity=Verbosity.quiet)(search)
+    if selection.seed is not None:
+        search = hypothesis_seed(selection.seed)(search)
+    try:
+        for problem in edge_problems(prop, backend, selection):
+            judge(problem)
+        search()
+    except _Abort:
+        raise setup_error[0] from None
+    except PropertyFailure:
+        # Hypothesis replays the minimal example last, so it is the one recorded.
+        problem, seed, result = last
+        outcome.status, outcome.failure, outcome.problem = FAILED, result, problem
+        outcome.seed = seed if prop.seeded else None
+        outcome.reproducer = reproducer(backend_expression(backend, problem.dtype), prop, problem, seed)
+    except Unsatisfiable:
+        pass
+    outcome.seconds = time.perf_counter() - start
+    if outcome.status == PASSED and outcome.examples == 0:
+        common = [f"{why} ({n}x)" for why, n in reasons.most_common(2)]
+        outcome.status = NOT_APPLICABLE
+        outcome.reason = "; ".join(common) if common else "no problem the target runs was drawn"
+    outcome.worst_ratio = max(ratios) if ratios else None
+    outcome.notes = tuple(sorted(notes))
+    return outcome

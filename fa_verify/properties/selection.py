@@ -1,0 +1,37 @@
+"""What a search draws and how long it searches: dtypes, masking, sizes, examples, seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis.database import ExampleDatabase
+
+from fa_verify.dtypes import DTYPE_NAMES
+from fa_verify.profiles import DEFAULT_PROFILE, get_profile
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What to draw and how long to search (defaults: the ci profile's)."""
+
+    dtypes: tuple = DTYPE_NAMES
+    #: causal modes allowed: (False,), (True,) or both
+    causal: tuple = (False, True)
+    max_examples: int = get_profile(DEFAULT_PROFILE).max_examples
+    max_seq: int = get_profile(DEFAULT_PROFILE).max_seq
+    max_work: int = get_profile(DEFAULT_PROFILE).max_work
+    #: Hypothesis seed (None: random, with the example database)
+    seed: int | None = 0
+    #: shrink a failure to a minimal counterexample (off: faster, for counting examples-to-failure)
+    shrink: bool = True
+    #: Hypothesis example database (None: none); namespaced per property and target
+    database: ExampleDatabase | None = None
+
+    @classmethod
+    def from_profile(cls, name: str, **overrides) -> "Selection":
+        """The profile's sizes and seed; keyword overrides that are None are ignored."""
+        profile = get_profile(name)
+        fields = dict(max_examples=profile.max_examples, max_seq=profile.max_seq, max_work=profile.max_work,
+                      seed=profile.seed)
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)

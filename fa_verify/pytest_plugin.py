@@ -1,0 +1,114 @@
+"""fa_verify's pytest plugin (entry point `pytest11`): options, fixtures and hooks only.
+
+Options:
+  --fa-backend NAME   a built-in backend, or MODULE:FUNC following the callable protocol
+                      (repeatable; default: every available built-in backend)
+  --fa-profile NAME   ci (default), thorough or gpu: examples per property, problem sizes;
+                      also loads the Hypothesis profile "fa_verify-NAME" for @given tests
+  --fa-results FILE   append every oracle comparison's metrics to FILE, for `fa_verify report`
+Fixtures:
+  fa_backend   parametrises a test over the selected backends
+  fa_search    fa_search(target, property) searches one property on a target (a Backend or a
+               run(problem) function): a failure fails the test with the minimal counterexample
+               and a reproducer, "not applicable" skips it
+  fa_oracle    the certified reference: fa_oracle.reference(problem),
+               fa_oracle.assert_close(out, problem, lse=..., precision=..., name=...)
+  fa_profile   the `fa_verify.profiles.Profile` in effect
+"""
+
+from __future__ import annotations
+
+import pytest
+
+_BACKENDS = pytest.StashKey[list]()
+
+
+def pytest_addoption(parser):
+    from fa_verify.cli.check_cmd import SHARED_OPTIONS
+
+    group = parser.getgroup("fa_verify", "fa_verify: attention kernel properties")
+    group.addoption("--fa-backend", action="append", default=None, metavar="NAME",
+                    help="backend to check: a built-in name or MODULE:FUNC (callable protocol); "
+                         "repeatable; default: every available built-in backend")
+    for name, kwargs in SHARED_OPTIONS.items():
+        group.addoption(f"--fa-{name}", **kwargs)
+
+
+def pytest_configure(config):
+    if config.getoption("fa_backend") is not None:
+        _backends(config)  # a bad --fa-backend is a usage error now, not a collection error later
+    profile = config.getoption("fa_profile")
+    if profile is not None:  # only on request: a project's own Hypothesis profile stays otherwise
+        from hypothesis import settings
+
+        from fa_verify.profiles import hypothesis_profile_name
+
+        settings.load_profile(hypothesis_profile_name(profile))
+
+
+def _backends(config) -> list:
+    """The selected backends, built once per session."""
+    if _BACKENDS not in config.stash:
+        from fa_verify.backends import CallableBackend, builtin_backends, get_backend, load_callable
+        from fa_verify.errors import FaVerifyError
+
+        names = config.getoption("fa_backend")
+        try:
+            if names is None:
+                backends = [b for b in builtin_backends() if b.availability().available]
+            else:
+                backends = [CallableBackend(load_callable(n), name=n) if ":" in n else get_backend(n)
+                            for n in names]
+        except FaVerifyError as exc:
+            raise pytest.UsageError(f"--fa-backend: {exc}") from None
+        for backend in backends:
+            availability = backend.availability()
+            if not availability.available:
+                raise pytest.UsageError(f"--fa-backend {backend.name}: unavailable: {availability.reason}")
+        config.stash[_BACKENDS] = backends
+    return config.stash[_BACKENDS]
+
+
+def pytest_generate_tests(metafunc):
+    if "fa_backend" in metafunc.fixturenames:
+        backends = _backends(metafunc.config)
+        metafunc.parametrize("fa_backend", backends, ids=[b.name for b in backends], scope="session")
+
+
+@pytest.fixture(scope="session")
+def fa_profile(pytestconfig):
+    from fa_verify.profiles import DEFAULT_PROFILE, get_profile
+
+    return get_profile(pytestconfig.getoption("fa_profile") or DEFAULT_PROFILE)
+
+
+@pytest.fixture(scope="session")
+def fa_oracle(pytestconfig):
+    from fa_verify.check import Oracle
+
+    return Oracle(results=pytestconfig.getoption("fa_results"))
+
+
+@pytest.fixture
+def fa_search(request, fa_profile):
+    from hypothesis import settings
+
+    from fa_verify.check import results_recorder
+    from fa_verify.properties import FAILED, NOT_APPLICABLE, Selection, as_backend, search_property
+
+    results = request.config.getoption("fa_results")
+    # A known failure (xfail) needs no minimal counterexample: skip the shrinking.
+    selection = Selection.from_profile(fa_profile.name, database=settings().database,
+                                       shrink=request.node.get_closest_marker("xfail") is None)
+
+    def search(target, prop):
+        backend = as_backend(target)
+        record = results_recorder(results, backend, "pytest") if results else None
+        outcome = search_property(backend, prop, selection, on_result=record)
+        if outcome.status == NOT_APPLICABLE:
+            pytest.skip(outcome.message())
+        if outcome.status == FAILED:
+            pytest.fail(outcome.message(), pytrace=False)
+        return outcome
+
+    return search
