@@ -147,6 +147,12 @@ class Bound:
         }
 
 
+def _scaled(first_order, factor):
+    """first_order * factor, where a zero first-order term stays zero even if no factor exists."""
+    with np.errstate(invalid="ignore"):
+        return np.where(first_order == 0, 0.0, first_order * factor)
+
+
 def gamma(n, unit: float, mode: str = "worst-case", lam: float = DEFAULT_LAMBDA) -> np.ndarray:
     """Relative error bound of n accumulated roundings of size `unit`.
 
@@ -265,7 +271,7 @@ def error_bound(problem: AttentionProblem, precision: PrecisionModel, reference:
 
     live = np.isfinite(reference.lse)
     first_order = sum(out_terms[n] for n in OUT_TERMS[:5])
-    out_terms["second_order"] = first_order * out_terms["second_order"]  # holds the factor so far
+    out_terms["second_order"] = _scaled(first_order, out_terms["second_order"])  # held the factor
     pre_rounding = first_order + out_terms["second_order"] + reference.out_bound
     out_terms["output_rounding"] = np.where(
         live[..., None], 0.5 * ulp(abs_o + pre_rounding, precision.output), 0.0)
@@ -273,7 +279,7 @@ def error_bound(problem: AttentionProblem, precision: PrecisionModel, reference:
 
     lse_first = sum(lse_terms[n] for n in ("scores", "softmax", "online_rescale", "p_rounding",
                                            "row_sum", "log"))
-    lse_terms["second_order"] = lse_first * lse_terms["second_order"]
+    lse_terms["second_order"] = _scaled(lse_first, lse_terms["second_order"])
     ref_lse = np.where(live, reference.lse, 0.0)
     lse_terms["lse_rounding"] = np.where(live, unit_roundoff("fp32") * (np.abs(ref_lse) + lse_first), 0.0)
     lse_terms["reference"] = np.where(live, reference.lse_bound, 0.0)
