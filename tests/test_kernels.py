@@ -226,7 +226,7 @@ MUTANTS = load_mutants()
 
 
 def test_mutants_apply_to_the_current_sources(tmp_path):
-    assert {m.caught_by for m in MUTANTS} == {"oracle", "sanitizer"}
+    assert {m.caught_by for m in MUTANTS} == {"oracle", "sanitizer", "property"}
     for mutant in MUTANTS:
         path = mutant.materialise(tmp_path / mutant.name)
         assert path.read_text() != mutant.kernel_family.source_path.read_text()
@@ -251,8 +251,12 @@ def oracle_failures(family, module, dtype="fp16"):
     return failures
 
 
+#: Mutants the fixed grid misses by design (tests/test_judge.py shows the property suite finds them).
+GRID_MUTANTS = [m for m in MUTANTS if m.caught_by != "property"]
+
+
 @needs_cpu_runner
-@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
+@pytest.mark.parametrize("mutant", GRID_MUTANTS, ids=[m.name for m in GRID_MUTANTS])
 def test_mutant_is_caught(mutant, tmp_path):
     from fa_verify.cuda_cpu import CpuKernelModule
 

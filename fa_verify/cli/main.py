@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fa_verify.cli import backends_cmd, bench_cmd, build_cmd, check_cmd, report_cmd
+from fa_verify.cli import backends_cmd, bench_cmd, build_cmd, check_cmd, mutants_cmd, report_cmd
 from fa_verify.errors import FaVerifyError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
-_COMMANDS = (backends_cmd, bench_cmd, check_cmd, build_cmd, report_cmd)
+_COMMANDS = (backends_cmd, bench_cmd, check_cmd, build_cmd, report_cmd, mutants_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,17 +19,21 @@ except ModuleNotFoundError:  # Python 3.10
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.kernels.catalogue import FAMILIES, KernelFamily, kernels_dir
 
-CAUGHT_BY = ("oracle", "sanitizer")
+CAUGHT_BY = ("oracle", "sanitizer", "property")
 
 
 @dataclass(frozen=True)
 class Mutant:
     name: str
     family: str
+    #: the kind of bug (issue 5's classes), for the campaign's table
+    bug_class: str
     description: str
     find: str
     replace: str
-    #: "oracle" (the oracle comparison fails) or "sanitizer" (AddressSanitizer reports it)
+    #: what catches it in tests/test_kernels.py: "oracle" (the oracle comparison over the fixed
+    #: grid fails), "sanitizer" (AddressSanitizer reports it) or "property" (only the property
+    #: suite's search finds it: tests/test_judge.py)
     caught_by: str
 
     @property
@@ -55,8 +59,9 @@ class Mutant:
         return path
 
 
-def load_mutants(path: str | Path | None = None) -> list[Mutant]:
-    """The mutants listed in kernels/mutants/mutants.toml (or `path`)."""
+def load_mutants(path: str | Path | None = None, *, families=None, names=None) -> list[Mutant]:
+    """The mutants listed in kernels/mutants/mutants.toml (or `path`), optionally only those of
+    the given families and/or names (an unknown name, or a family without mutants, is an error)."""
     path = Path(path) if path else kernels_dir() / "mutants" / "mutants.toml"
     data = tomllib.loads(path.read_text())
     mutants = []
@@ -70,4 +75,13 @@ def load_mutants(path: str | Path | None = None) -> list[Mutant]:
         if mutant.caught_by not in CAUGHT_BY:
             raise InvalidArgumentError(f"{path}: mutant {mutant.name!r}: caught_by must be one of {CAUGHT_BY}")
         mutants.append(mutant)
-    return mutants
+    known_names = {m.name for m in mutants}
+    for name in names or ():
+        if name not in known_names:
+            raise InvalidArgumentError(f"mutant {name!r} is unknown; mutants: {', '.join(sorted(known_names))}")
+    known_families = {m.family for m in mutants}
+    for family in families or ():
+        if family not in known_families:
+            raise InvalidArgumentError(
+                f"no mutant of family {family!r}; families with mutants: {', '.join(sorted(known_families))}")
+    return [m for m in mutants if (not families or m.family in families) and (not names or m.name in names)]

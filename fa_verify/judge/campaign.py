@@ -1,0 +1,308 @@
+"""The property suite as a mutant killer: who kills each mutant, after how many examples and seconds.
+
+`run_suite(backend, selection)` searches every property of the suite on one target, one
+property at a time through `fa_verify.check.check_backend` (what `fa_verify check` runs), in
+the suite's order, and returns a `SuiteRun`:
+whether a property failed, the first one that did (the *killer*), every property that fails,
+the examples and wall seconds from the start of the suite to the first failing example, and
+the minimal counterexample Hypothesis shrank the killer's failure to. Only the killer's
+failure is shrunk; the properties after it search without shrinking (to list what else
+catches the bug, cheaply), or not at all with `stop_at_first=True`.
+
+`judge_mutant` runs the suite on a mutant through the CUDA-on-CPU runner and, when no
+property kills it, once more on its AddressSanitizer build (a kill there is "killed by
+sanitizer", reported apart). `false_positive_runs` runs the suite on the unmutated kernels with
+many Hypothesis seeds: any failure there is a false positive.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from fa_verify.check import check_backend
+from fa_verify.properties import FAILED, PROPERTIES, Selection, get_property
+from fa_verify.strategies import Shape
+
+#: Where a kill came from.
+BY_PROPERTY, BY_SANITIZER = "property", "sanitizer"
+
+
+@dataclass
+class Counterexample:
+    """The minimal failing problem of a kill, as its shape and options."""
+
+    shape: Shape
+    dtype: str
+    causal: str
+    distribution: str | None
+    scale: str
+
+    @classmethod
+    def of(cls, problem) -> "Counterexample":
+        shape = Shape(problem.batch, problem.heads, problem.kv_heads, problem.nq, problem.nk, problem.head_dim)
+        return cls(shape, problem.dtype, problem.causal_alignment if problem.causal else "no",
+                   dict(problem.tags).get("distribution"),
+                   "1/sqrt(D)" if problem.scale is None else f"{problem.scale:g}")
+
+    @property
+    def size(self) -> str:
+        """(B,H,Nq,Nk,D), with H/Hkv when they differ."""
+        s = self.shape
+        heads = f"{s.heads}" if s.kv_heads == s.heads else f"{s.heads}/{s.kv_heads}"
+        return f"({s.batch},{heads},{s.nq},{s.nk},{s.head_dim})"
+
+    def as_dict(self) -> dict:
+        s = self.shape
+        return {"B": s.batch, "H": s.heads, "Hkv": s.kv_heads, "Nq": s.nq, "Nk": s.nk, "D": s.head_dim,
+                "dtype": self.dtype, "causal": self.causal, "distribution": self.distribution,
+                "scale": self.scale, "size": self.size}
+
+
+@dataclass
+class SuiteRun:
+    """The property suite on one target."""
+
+    target: str
+    #: the Hypothesis seed of the search
+    seed: int | None
+    killed: bool = False
+    #: "property" or "sanitizer" (a property failed on the ASan build because ASan reported)
+    killed_by_kind: str | None = None
+    #: the first property (in suite order) that failed
+    killer: str | None = None
+    #: every property that failed, in suite order
+    killers: list = field(default_factory=list)
+    #: examples judged from the start of the suite up to and including the first failing one
+    examples_to_kill: int | None = None
+    #: wall seconds from the start of the suite (after the build) to the first failing example
+    seconds_to_kill: float | None = None
+    counterexample: Counterexample | None = None
+    #: the killer's failure, first lines
+    detail: str = ""
+    reproducer: str = ""
+    examples: int = 0
+    seconds: float = 0.0
+    #: per property: status, examples, examples to failure, seconds
+    properties: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"target": self.target, "seed": self.seed, "killed": self.killed,
+                "killed_by_kind": self.killed_by_kind, "killer": self.killer, "killers": list(self.killers),
+                "examples_to_kill": self.examples_to_kill,
+                "seconds_to_kill": None if self.seconds_to_kill is None else round(self.seconds_to_kill, 3),
+                "counterexample": None if self.counterexample is None else self.counterexample.as_dict(),
+                "detail": self.detail, "reproducer": self.reproducer or None,
+                "examples": self.examples, "seconds": round(self.seconds, 3),
+                "properties": list(self.properties)}
+
+
+def _first_lines(text: str, n: int = 3, width: int = 240) -> str:
+    return "\n".join(line[:width] for line in text.splitlines()[:n])
+
+
+def run_suite(backend, selection: Selection = Selection(), *, properties=None, stop_at_first: bool = False,
+              progress=None) -> SuiteRun:
+    """Search every property (or those named) on `backend`, in the suite's order.
+
+    The first failing property's counterexample is shrunk (if `selection.shrink`); later ones
+    search without shrinking, or are skipped when `stop_at_first`. progress(outcome) is called
+    after each property.
+    """
+    props = PROPERTIES if properties is None else [get_property(p) for p in properties]
+    run = SuiteRun(target=backend.name, seed=selection.seed)
+    start = time.perf_counter()
+    before = 0  # examples judged by the properties already searched
+    first_failure: list = []
+    seen: dict = {}  # this property's applicable examples and its first failing (count, problem, result)
+
+    def on_result(problem, result, seconds):
+        if result.failed and not first_failure:
+            first_failure.append(time.perf_counter())
+        if result.applicable:
+            seen["examples"] = seen.get("examples", 0) + 1
+            if result.failed and "failure" not in seen:
+                seen["failure"] = (seen["examples"], problem, result)
+
+    for prop in props:
+        search_selection = selection if not run.killed else replace(selection, shrink=False)
+        seen.clear()
+        began = time.perf_counter()
+        try:
+            outcome = check_backend(backend, search_selection, properties=[prop.name],
+                                    on_result=on_result).properties[0]
+        except Exception as exc:  # noqa: BLE001 - see _flaky_outcome
+            outcome = _flaky_outcome(exc, backend, prop, seen, time.perf_counter() - began)
+        run.properties.append({"property": outcome.property, "status": outcome.status,
+                               "examples": outcome.examples, "examples_to_failure": outcome.examples_to_failure,
+                               "seconds": round(outcome.seconds, 3)})
+        run.examples += outcome.examples
+        if progress is not None:
+            progress(outcome)
+        if outcome.status == FAILED:
+            run.killers.append(outcome.property)
+            if not run.killed:
+                run.killed, run.killed_by_kind, run.killer = True, BY_PROPERTY, outcome.property
+                run.examples_to_kill = before + (outcome.examples_to_failure or outcome.examples)
+                run.seconds_to_kill = (first_failure[0] if first_failure else time.perf_counter()) - start
+                if outcome.problem is not None:
+                    run.counterexample = Counterexample.of(outcome.problem)
+                detail = outcome.failure.detail if outcome.failure is not None else ""
+                run.detail = _first_lines(detail)
+                run.reproducer = outcome.reproducer
+                if stop_at_first:
+                    break
+        before += outcome.examples
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def _property_failure(exc):
+    """The PropertyFailure inside `exc` (an exception group Hypothesis raised), or None."""
+    from fa_verify.properties import PropertyFailure
+
+    if isinstance(exc, PropertyFailure):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):
+        found = _property_failure(inner)
+        if found is not None:
+            return found
+    return None
+
+
+def _flaky_outcome(exc, backend, prop, seen, seconds):
+    """A failure that Hypothesis could not reproduce when it replayed it (FlakyFailure: a
+    nondeterministic target, e.g. one that reads uninitialised memory) escapes the search; it
+    is still a failure of the property, at the first failing example (not shrunk)."""
+    from fa_verify.properties.search import PropertyOutcome
+
+    if _property_failure(exc) is None or "failure" not in seen:
+        raise exc
+    count, problem, result = seen["failure"]
+    detail = ("the failure did not reproduce when Hypothesis replayed it (the target is "
+              f"nondeterministic): {result.detail}")
+    return PropertyOutcome(property=prop.name, backend=backend.name, status=FAILED, examples=seen["examples"],
+                           examples_to_failure=count, seconds=seconds, problem=problem,
+                           failure=replace(result, detail=detail))
+
+
+def _sanitizer_report(run: SuiteRun) -> bool:
+    return "KernelSanitizerError" in run.detail or "AddressSanitizer" in run.detail
+
+
+@dataclass
+class MutantVerdict:
+    """What our suite did to one mutant: the plain run, and the ASan run when the plain one survived."""
+
+    name: str
+    family: str
+    bug_class: str
+    description: str
+    build_seconds: float
+    plain: SuiteRun
+    sanitizer: SuiteRun | None = None
+
+    @property
+    def killed(self) -> bool:
+        return self.plain.killed or (self.sanitizer is not None and self.sanitizer.killed)
+
+    @property
+    def kill(self) -> SuiteRun | None:
+        """The run that killed it (the plain one if it did)."""
+        if self.plain.killed:
+            return self.plain
+        if self.sanitizer is not None and self.sanitizer.killed:
+            return self.sanitizer
+        return None
+
+    def _until_kill(self, what: str):
+        """The killing run's `what` ("examples" or "seconds") until its kill; a kill on the ASan
+        build adds the whole plain run's."""
+        kill = self.kill
+        if kill is None:
+            return None
+        return getattr(kill, f"{what}_to_kill") + (getattr(self.plain, what) if kill is not self.plain else 0)
+
+    @property
+    def examples_to_kill(self) -> int | None:
+        return self._until_kill("examples")
+
+    @property
+    def seconds_to_kill(self) -> float | None:
+        """Builds excluded."""
+        return self._until_kill("seconds")
+
+    @property
+    def killed_by(self) -> str:
+        kill = self.kill
+        if kill is None:
+            return "SURVIVED"
+        if kill.killed_by_kind == BY_SANITIZER:
+            return f"sanitizer ({kill.killer})"
+        return kill.killer
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "family": self.family, "bug_class": self.bug_class,
+                "description": self.description, "killed": self.killed, "killed_by": self.killed_by,
+                "examples_to_kill": self.examples_to_kill,
+                "seconds_to_kill": None if self.seconds_to_kill is None else round(self.seconds_to_kill, 3),
+                "build_seconds": round(self.build_seconds, 3), "plain": self.plain.as_dict(),
+                "sanitizer": None if self.sanitizer is None else self.sanitizer.as_dict()}
+
+
+def judge_mutant(mutant, selection: Selection = Selection(), *, sanitizer: bool = True,
+                 stop_at_first: bool = False, progress=None) -> MutantVerdict:
+    """Run the property suite on `mutant` (fa_verify.kernels.mutants.Mutant) through the CPU runner; if it
+    survives and `sanitizer`, again on its AddressSanitizer build."""
+    from fa_verify.judge.mutants import MutantBackend
+
+    backend = MutantBackend(mutant)
+    began = time.perf_counter()
+    backend.build()
+    build_seconds = time.perf_counter() - began
+    plain = run_suite(backend, selection, stop_at_first=stop_at_first, progress=progress)
+    verdict = MutantVerdict(mutant.name, mutant.family, mutant.bug_class, mutant.description, build_seconds, plain)
+    if not plain.killed and sanitizer:
+        asan = MutantBackend(mutant, sanitize=True)
+        asan.build()
+        run = run_suite(asan, selection, stop_at_first=True, progress=progress)
+        if run.killed:
+            run.killed_by_kind = BY_SANITIZER if _sanitizer_report(run) else BY_PROPERTY
+        verdict.sanitizer = run
+    return verdict
+
+
+@dataclass
+class FalsePositiveReport:
+    """The suite on the unmutated kernels over many seeds."""
+
+    runs: list = field(default_factory=list)
+
+    @property
+    def failures(self) -> list:
+        return [r for r in self.runs if r.killed]
+
+    @property
+    def count(self) -> int:
+        return len(self.failures)
+
+    def as_dict(self) -> dict:
+        return {"runs": len(self.runs), "false_positives": self.count,
+                "examples": sum(r.examples for r in self.runs),
+                "seconds": round(sum(r.seconds for r in self.runs), 3),
+                "targets": sorted({r.target for r in self.runs}),
+                "seeds": sorted({r.seed for r in self.runs if r.seed is not None}),
+                "failures": [r.as_dict() for r in self.failures]}
+
+
+def false_positive_runs(backends, selection: Selection = Selection(), seeds=range(20), progress=None
+                        ) -> FalsePositiveReport:
+    """The whole suite on every backend (the unmutated kernels) with each Hypothesis seed."""
+    report = FalsePositiveReport()
+    for seed in seeds:
+        for backend in backends:
+            run = run_suite(backend, replace(selection, seed=seed))
+            report.runs.append(run)
+            if progress is not None:
+                progress(run)
+    return report

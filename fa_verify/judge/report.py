@@ -1,0 +1,272 @@
+"""The whole campaign: our suite and the other rules on every mutant and on the unmutated kernels.
+
+`run_campaign(...)` returns a `CampaignReport`; `.text()` is the table `fa_verify mutants`
+prints, `.as_dict()` its JSON document, `.passed` whether every mutant was killed by our
+suite (a property, or the sanitizer) and no correct kernel failed it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from fa_verify.judge.campaign import FalsePositiveReport, MutantVerdict, false_positive_runs, judge_mutant
+from fa_verify.properties import Selection
+
+FORMAT_VERSION = 1
+#: Properties whose verdict is a statistic over many elements (a z-test), not a bound or identity.
+STATISTICAL_PROPERTIES = frozenset({"unbiased_rounding"})
+#: Our suite's column name in the comparison.
+OURS = "fa_verify"
+
+
+@dataclass
+class RuleResults:
+    """One other rule on every mutant (stopping at its first failing case) and, in full, on the
+    unmutated kernels (a failure there is a false positive)."""
+
+    name: str
+    title: str
+    mutants: dict = field(default_factory=dict)      # mutant name -> RuleOutcome
+    unmutated: dict = field(default_factory=dict)    # backend name -> RuleOutcome
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "title": self.title,
+                "mutants": {k: v.as_dict() for k, v in self.mutants.items()},
+                "unmutated": {k: v.as_dict() for k, v in self.unmutated.items()}}
+
+
+@dataclass
+class CampaignReport:
+    selection: Selection
+    profile: str
+    mutants: list = field(default_factory=list)           # MutantVerdict
+    false_positives: FalsePositiveReport | None = None
+    rules: list = field(default_factory=list)             # RuleResults
+    seconds: float = 0.0
+
+    # --- summary ---------------------------------------------------------------------------------
+    @property
+    def survivors(self) -> list:
+        return [m for m in self.mutants if not m.killed]
+
+    @property
+    def sanitizer_only(self) -> list:
+        return [m for m in self.mutants if m.killed and not m.plain.killed]
+
+    @property
+    def statistical_only(self) -> list:
+        return [m for m in self.mutants
+                if m.plain.killed and set(m.plain.killers) <= STATISTICAL_PROPERTIES]
+
+    @property
+    def passed(self) -> bool:
+        fp = self.false_positives.count if self.false_positives is not None else 0
+        return not self.survivors and fp == 0
+
+    def _ours_summary(self) -> dict:
+        killed = [m for m in self.mutants if m.killed]
+        return {"rule": OURS, "title": "fa_verify property suite (+ ASan build for survivors)",
+                "mutants": len(self.mutants), "killed": len(killed),
+                "kill_rate": len(killed) / len(self.mutants) if self.mutants else None,
+                "false_positive_runs": None if self.false_positives is None else len(self.false_positives.runs),
+                "false_positives": None if self.false_positives is None else self.false_positives.count,
+                "mean_seconds_to_kill": _mean([m.seconds_to_kill for m in killed]),
+                "median_seconds_to_kill": _median([m.seconds_to_kill for m in killed]),
+                "mean_examples_to_kill": _mean([m.examples_to_kill for m in killed])}
+
+    def _rule_summary(self, rule: RuleResults) -> dict:
+        kills = [o for o in rule.mutants.values() if o.killed]
+        fps = [o for o in rule.unmutated.values() if o.killed]
+        return {"rule": rule.name, "title": rule.title, "mutants": len(rule.mutants), "killed": len(kills),
+                "kill_rate": len(kills) / len(rule.mutants) if rule.mutants else None,
+                "false_positive_runs": len(rule.unmutated), "false_positives": len(fps),
+                "false_positive_kernels": sorted(fps_name for fps_name, o in rule.unmutated.items() if o.killed),
+                "mean_seconds_to_kill": _mean([o.seconds for o in kills]),
+                "median_seconds_to_kill": _median([o.seconds for o in kills]),
+                "mean_examples_to_kill": _mean([o.cases for o in kills])}
+
+    def summary(self) -> list:
+        return [self._ours_summary()] + [self._rule_summary(r) for r in self.rules]
+
+    def as_dict(self) -> dict:
+        return {"format_version": FORMAT_VERSION, "passed": self.passed, "profile": self.profile,
+                "max_examples": self.selection.max_examples, "max_seq": self.selection.max_seq,
+                "seed": self.selection.seed, "seconds": round(self.seconds, 1),
+                "summary": self.summary(),
+                "survivors": [m.name for m in self.survivors],
+                "killed_only_by_sanitizer": [m.name for m in self.sanitizer_only],
+                "killed_only_by_statistical_property": [m.name for m in self.statistical_only],
+                "mutants": [m.as_dict() for m in self.mutants],
+                "false_positives": None if self.false_positives is None else self.false_positives.as_dict(),
+                "rules": [r.as_dict() for r in self.rules]}
+
+    # --- text ------------------------------------------------------------------------------------
+    def mutant_table(self) -> list[str]:
+        rule_names = [r.name for r in self.rules]
+        head = ["mutant", "bug class", "killed by", "examples", "seconds", "counterexample (B,H,Nq,Nk,D)",
+                "also caught by"] + rule_names
+        rows = []
+        for m in self.mutants:
+            kill = m.kill
+            others = [p for p in (m.plain.killers if m.plain.killed else []) if p != (kill.killer if kill else None)]
+            row = [m.name, m.bug_class, m.killed_by,
+                   "-" if kill is None else str(m.examples_to_kill),
+                   "-" if kill is None else f"{m.seconds_to_kill:.2f}",
+                   "-" if kill is None or kill.counterexample is None else _ce_text(kill.counterexample),
+                   _also(others)]
+            for rule in self.rules:
+                outcome = rule.mutants.get(m.name)
+                row.append("-" if outcome is None else
+                           f"killed ({outcome.cases} cases, {outcome.seconds:.1f}s)" if outcome.killed else "survived")
+            rows.append(row)
+        return _table(head, rows)
+
+    def summary_table(self) -> list[str]:
+        head = ["rule", "kill rate", "false positives", "mean s to kill", "median s to kill",
+                "mean examples/cases to kill"]
+        rows = []
+        for s in self.summary():
+            rate = "-" if s["kill_rate"] is None else f"{s['killed']}/{s['mutants']} ({100 * s['kill_rate']:.0f}%)"
+            fp = ("-" if s["false_positives"] is None else
+                  f"{s['false_positives']}/{s['false_positive_runs']}"
+                  + (f" ({', '.join(s['false_positive_kernels'])})" if s.get("false_positive_kernels") else ""))
+            rows.append([s["rule"], rate, fp, _num(s["mean_seconds_to_kill"], 2), _num(s["median_seconds_to_kill"], 2),
+                         _num(s["mean_examples_to_kill"], 1)])
+        return _table(head, rows)
+
+    def text(self) -> str:
+        lines = [f"fa_verify mutants: {len(self.mutants)} mutants, property suite profile {self.profile!r} "
+                 f"({self.selection.max_examples} examples per property, N <= {self.selection.max_seq}, "
+                 f"seed {self.selection.seed}); {self.seconds:.0f}s", ""]
+        lines += self.mutant_table()
+        lines.append("")
+        if self.false_positives is not None:
+            fp = self.false_positives
+            targets = sorted({r.target for r in fp.runs})
+            seeds = sorted({r.seed for r in fp.runs})
+            lines.append(f"false positives of the property suite on the unmutated kernels ({', '.join(targets)}; "
+                         f"{len(seeds)} seeds, {len(fp.runs)} suite runs, "
+                         f"{sum(r.examples for r in fp.runs)} examples): {fp.count}")
+            for run in fp.failures:
+                lines.append(f"  {run.target} seed {run.seed}: {run.killer}: {run.detail.splitlines()[0] if run.detail else ''}")
+            lines.append("")
+        lines += self.summary_table()
+        lines.append("")
+        for rule in self.rules:
+            for name, o in rule.unmutated.items():
+                if o.killed:
+                    lines.append(f"{rule.name} rejects the correct kernel {name}: {o.failure}")
+        if self.sanitizer_only:
+            lines.append("killed only by the sanitizer: " + ", ".join(m.name for m in self.sanitizer_only))
+        if self.statistical_only:
+            lines.append("killed only by a statistical property: "
+                         + ", ".join(f"{m.name} ({', '.join(m.plain.killers)})" for m in self.statistical_only))
+        if self.survivors:
+            lines.append("SURVIVED our suite: " + ", ".join(m.name for m in self.survivors))
+        verdict = "PASS" if self.passed else "FAIL"
+        lines.append(f"{verdict}: {len(self.mutants) - len(self.survivors)}/{len(self.mutants)} mutants killed by "
+                     f"the property suite"
+                     + (f", {self.false_positives.count} false positives" if self.false_positives is not None else ""))
+        return "\n".join(lines)
+
+
+def _also(names) -> str:
+    if not names:
+        return "-"
+    short = {"oracle_agreement": "oracle", "lse_agreement": "lse", "batch_head_independence": "batch/head",
+             "masked_key_independence": "masked keys", "unbiased_rounding": "rounding"}
+    text = ", ".join(short.get(n, n) for n in names[:3])
+    return text + (f" +{len(names) - 3}" if len(names) > 3 else "")
+
+
+def _ce_text(ce) -> str:
+    causal = "" if ce.causal == "no" else f" causal {ce.causal}"
+    return f"{ce.size} {ce.dtype}{causal} {ce.distribution or ''}".rstrip()
+
+
+def _num(x, digits) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _table(head, rows) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*map(str, r)) for r in rows]
+
+
+def _log(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def unmutated_backends(families):
+    """The CPU-runner backends of the unmutated kernel families."""
+    from fa_verify.backends.cuda_kernels import CpuKernelBackend
+
+    return [CpuKernelBackend(f) for f in families]
+
+
+def run_campaign(mutants, selection: Selection, *, profile: str = "ci", seeds=range(20), families=None,
+                 rules=(), sanitizer: bool = True, stop_at_first: bool = False, quiet: bool = False
+                 ) -> CampaignReport:
+    """Our suite on every mutant (then ASan for survivors), on the unmutated `families` with each
+    seed, and every rule in `rules` on each mutant and unmutated family."""
+    start = time.perf_counter()
+    report = CampaignReport(selection=selection, profile=profile)
+    families = list(dict.fromkeys(families if families is not None else (m.family for m in mutants)))
+    for i, mutant in enumerate(mutants, 1):
+        verdict: MutantVerdict = judge_mutant(mutant, selection, sanitizer=sanitizer, stop_at_first=stop_at_first)
+        report.mutants.append(verdict)
+        kill = verdict.kill
+        _log(f"[{i}/{len(mutants)}] {mutant.name}: "
+             + (f"killed by {verdict.killed_by} after {verdict.examples_to_kill} examples, "
+                f"{verdict.seconds_to_kill:.2f}s"
+                if kill else "SURVIVED") + f" (suite {verdict.plain.seconds:.1f}s)", quiet)
+    seeds = list(seeds)
+    if seeds:
+        backends = unmutated_backends(families)
+        _log(f"false positives: the suite on {', '.join(b.name for b in backends)} with {len(seeds)} seeds ...", quiet)
+        report.false_positives = false_positive_runs(
+            backends, selection, seeds,
+            progress=lambda run: _log(f"  {run.target} seed {run.seed}: "
+                                      + (f"FAILED {run.killer}" if run.killed else "passed")
+                                      + f" ({run.examples} examples, {run.seconds:.1f}s)", quiet))
+    from fa_verify.judge.mutants import MutantBackend
+
+    for rule in rules:
+        # The correct kernels first, every case: a case one of them fails is a false positive,
+        # and a mutant failing it says nothing about the mutant, so mutants skip it.
+        results = RuleResults(rule.name, rule.title)
+        false_alarms = {}
+        for backend in unmutated_backends(families):
+            outcome = rule.run(backend, stop_at_first=False)
+            results.unmutated[backend.name] = outcome
+            false_alarms[backend.family.name] = frozenset(outcome.failed_cases)
+            _log(f"{rule.name} on the correct {backend.name}: "
+                 + (f"FAILS {len(outcome.failed_cases)} of {outcome.cases} cases, first {outcome.failure}"
+                    if outcome.killed else f"passes {outcome.cases} cases") + f" ({outcome.seconds:.1f}s)", quiet)
+        for mutant in mutants:
+            skip = false_alarms.get(mutant.family, frozenset())
+            outcome = rule.run(MutantBackend(mutant), stop_at_first=True, skip=skip)
+            results.mutants[mutant.name] = outcome
+            skipped = f"; {outcome.skipped} cases the correct kernel fails left out" if outcome.skipped else ""
+            _log(f"{rule.name} on {mutant.name}: "
+                 + (f"killed after {outcome.cases} cases, {outcome.seconds:.1f}s" if outcome.killed
+                    else f"survived {outcome.cases} cases ({outcome.seconds:.1f}s)") + skipped, quiet)
+        report.rules.append(results)
+    report.seconds = time.perf_counter() - start
+    return report
+

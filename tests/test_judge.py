@@ -1,0 +1,230 @@
+"""Judging the harness: the mutants, the suite as a mutant killer, false positives, other rules.
+
+The bounded CI subset of `fa_verify mutants` (the full run is one documented command, README
+"Judging the harness"): every mutant once through the property suite with a small example
+budget (first kill only), one extra Hypothesis seed of the suite on each unmutated kernel, and
+the other rules on a few mutants with reduced grids. About 2 minutes on 2 cores once the
+mutants are built (the runner caches builds).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fa_verify.backends.cuda_kernels import CpuKernelBackend, cpu_runner_availability
+from fa_verify.judge import (
+    AssertCloseRule,
+    Case,
+    FlashAttentionRule,
+    KernelBenchRule,
+    MutantBackend,
+    judge_mutant,
+    run_suite,
+)
+from fa_verify.kernels.catalogue import FAMILIES
+from fa_verify.kernels.mutants import load_mutants
+from fa_verify.problem import AttentionProblem
+from fa_verify.properties import Selection
+
+CPU = cpu_runner_availability()
+needs_cpu_runner = pytest.mark.skipif(not CPU.available, reason=CPU.reason)
+
+MUTANTS = load_mutants()
+BY_NAME = {m.name: m for m in MUTANTS}
+#: Issue 5's bug classes, as mutants.toml names them: each must have a mutant.
+REQUIRED_CLASSES = (
+    "causal off-by-one", "causal alignment", "missing rescale of the accumulator",
+    "missing rescale of the running sum", "running max initialised to 0", "scale applied twice",
+    "scale not applied", "scale 1/D", "last partial K/V tile dropped", "last K/V tile read out of bounds",
+    "padding not masked", "P·V accumulated in fp16/bf16", "S computed in fp16/bf16", "LSE wrong",
+    "wrong batch/head/GQA offset", "missing __syncthreads", "fully masked rows give NaN",
+    "output rounded toward zero",
+)
+#: A small budget: CI runs every mutant once; the full campaign uses the ci profile's 20.
+SMALL = Selection.from_profile("ci", max_examples=8)
+
+
+# --- the mutants file ------------------------------------------------------------------------------
+
+
+def test_mutants_cover_the_bug_classes_and_apply_once(tmp_path):
+    assert len(MUTANTS) >= 14
+    assert len({m.name for m in MUTANTS}) == len(MUTANTS)
+    assert set(REQUIRED_CLASSES) <= {m.bug_class for m in MUTANTS}
+    assert {"fa2", "wmma"} <= {m.family for m in MUTANTS}
+    for m in MUTANTS:
+        assert m.family in FAMILIES and m.description and m.bug_class
+        assert m.caught_by in ("oracle", "sanitizer", "property")
+        original = m.kernel_family.source_path.read_text()
+        assert original.count(m.find) == 1, m.name  # one textual edit of the current source
+        assert m.materialise(tmp_path / m.name).read_text() != original
+
+
+def test_selecting_mutants_by_family_and_name():
+    assert {m.family for m in load_mutants(families=["wmma"])} == {"wmma"}
+    assert [m.name for m in load_mutants(names=["fa2-scale-twice"])] == ["fa2-scale-twice"]
+    with pytest.raises(ValueError, match="unknown"):
+        load_mutants(names=["no-such-mutant"])
+
+
+# --- the property suite kills every mutant ----------------------------------------------------------------
+
+
+@needs_cpu_runner
+@pytest.mark.parametrize("name", [m.name for m in MUTANTS])
+def test_the_suite_kills_every_mutant(name):
+    verdict = judge_mutant(BY_NAME[name], SMALL, stop_at_first=True)
+    assert verdict.killed, f"{name} ({verdict.description}) survived the property suite"
+    kill = verdict.kill
+    assert kill.examples_to_kill >= 1 and kill.seconds_to_kill >= 0
+    assert kill.counterexample is not None and kill.reproducer
+    if BY_NAME[name].caught_by == "sanitizer" and not verdict.plain.killed:
+        assert kill.killed_by_kind == "sanitizer", kill.detail
+
+
+@needs_cpu_runner
+def test_truncated_output_of_eager_attention_is_found_by_the_rounding_statistic_alone():
+    """Its error stays within the (same-precision) bounds: only unbiased_rounding sees it."""
+    run = run_suite(MutantBackend(BY_NAME["naive16-output-truncated"]), SMALL)
+    assert run.killers == ["unbiased_rounding"], run.killers
+
+
+def test_a_failure_that_does_not_replay_still_kills():
+    """A nondeterministic target (one reading uninitialised memory, say) fails once and passes
+    when Hypothesis replays the example: Hypothesis raises FlakyFailure, which is still a kill."""
+    import itertools
+
+    from fa_verify.backends.naive import naive_attention
+    from fa_verify.precision import PrecisionModel
+    from fa_verify.properties import as_backend
+
+    calls = itertools.count()
+
+    def run(problem):
+        out, lse = naive_attention(problem, PrecisionModel.fp32_accumulate(problem.dtype))
+        return (out + 1000 if next(calls) == 2 else out), lse  # far outside the hull of V, once
+
+    suite = run_suite(as_backend(run, name="flaky"), SMALL, properties=["convex_hull"])
+    assert suite.killed and suite.killer == "convex_hull" and suite.examples_to_kill == 2
+    assert "did not reproduce" in suite.detail
+
+
+@needs_cpu_runner
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_no_false_positive_on_the_unmutated_kernels(family):
+    """One seed besides the profile's (the campaign runs 20)."""
+    run = run_suite(CpuKernelBackend(family), Selection.from_profile("ci", max_examples=10, seed=1))
+    assert not run.killed, f"{family}: {run.killer}: {run.detail}"
+
+
+# --- the other rules ----------------------------------------------------------------------------------------
+
+
+def _case():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((1, 1, 8, 16)), rng.standard_normal((1, 1, 8, 16)), rng.standard_normal((1, 1, 8, 16))
+    return Case("tiny", AttentionProblem.from_float(q, k, v, "fp16"))
+
+
+def test_flash_attention_rule_judges_against_twice_the_baseline_error_plus_its_floor():
+    from fa_verify.backends.naive import naive_attention
+    from fa_verify.precision import PrecisionModel
+
+    rule, case = FlashAttentionRule(), _case()
+    ref, _ = naive_attention(case.problem, PrecisionModel.fp32_accumulate("fp16"))
+    assert rule.judge(ref, case) is None
+    bad = ref.copy()
+    bad[0, 0, 3, 5] += np.float16(0.25)
+    assert "max|out - out_ref|" in rule.judge(bad, case)
+    bad[0, 0, 3, 5] = np.nan
+    assert rule.judge(bad, case) is not None  # NaN fails, as NaN <= x is False in the test
+
+
+def test_the_rules_look_only_at_the_output():
+    case = _case()
+    from fa_verify.backends.naive import naive_attention
+    from fa_verify.precision import PrecisionModel
+
+    ref, _ = naive_attention(case.problem, PrecisionModel.fp32_accumulate("fp16"))
+    for rule in (FlashAttentionRule(), KernelBenchRule(), AssertCloseRule()):
+        assert rule.judge(ref, case) is None, rule.name
+
+
+@needs_cpu_runner
+def test_other_rules_on_a_few_mutants():
+    fa = FlashAttentionRule(seqlens=((113, 203),), head_dims=(64,))
+    causal_bug = fa.run(MutantBackend(BY_NAME["fa2-causal-off-by-one"]))
+    assert causal_bug.killed and "causal" in causal_bug.failure
+    lse_bug = fa.run(MutantBackend(BY_NAME["fa2-lse-without-max"]))
+    assert not lse_bug.killed and lse_bug.cases == lse_bug.total_cases == 12  # O is right: it passes
+    assert not fa.run(CpuKernelBackend("fa2")).killed
+
+    kb = KernelBenchRule(shape=(1, 2, 2, 64, 64, 64), trials=2)
+    assert kb.run(MutantBackend(BY_NAME["fa2-missing-syncthreads"])).killed
+    assert not kb.run(CpuKernelBackend("fa2")).killed
+
+    ac = AssertCloseRule(shape=(1, 2, 2, 64, 64, 64), seeds=(0,))
+    assert ac.run(MutantBackend(BY_NAME["wmma-no-scale"])).killed
+    assert not ac.run(CpuKernelBackend("naive")).killed  # fp32 throughout: within the defaults
+
+
+@needs_cpu_runner
+def test_assert_close_defaults_reject_a_correct_fp16_flash_kernel():
+    """P rounded to fp16 before P·V (FlashAttention-2's precision) moves some outputs by more
+    than fp16's default rtol of 1e-3 from the exactly rounded result."""
+    outcome = AssertCloseRule(seeds=(0,)).run(CpuKernelBackend("fa2"))
+    assert outcome.killed and outcome.failure.startswith("fp16")
+
+
+# --- the command --------------------------------------------------------------------------------------------
+
+
+@needs_cpu_runner
+def test_mutants_command_json(capsys):
+    from fa_verify.cli.main import main
+
+    code = main(["mutants", "--mutant", "fa2-scale-twice", "--mutant", "naive-lse-log2", "--seeds", "1",
+                 "--max-examples", "5", "--rule", "assert_close", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["passed"]
+    assert [m["name"] for m in doc["mutants"]] == ["fa2-scale-twice", "naive-lse-log2"]
+    assert all(m["killed"] for m in doc["mutants"])
+    assert doc["mutants"][1]["killed_by"] == "lse_agreement"
+    ours, ac = doc["summary"]
+    assert ours["rule"] == "fa_verify" and ours["kill_rate"] == 1.0 and ours["false_positives"] == 0
+    assert ac["rule"] == "assert_close" and ac["killed"] == 1  # the LSE bug is invisible to it
+    assert doc["false_positives"]["runs"] == 2  # fa2 and naive, one seed each
+
+
+@needs_cpu_runner
+def test_mutants_command_fails_on_a_surviving_mutant(tmp_path, capsys):
+    """An 'equivalent mutant' (a comment edit) survives: exit 1, and the table says so."""
+    path = tmp_path / "mutants.toml"
+    path.write_text('''
+[[mutant]]
+name = "fa2-comment"
+family = "fa2"
+bug_class = "none"
+description = "a comment edited: the kernel is unchanged"
+find = "// Epilogue: o = acc / l, lse = m + log l; rows that attended nothing get 0 and -inf."
+replace = "// Epilogue."
+caught_by = "property"
+''')
+    from fa_verify.cli.main import main
+
+    code = main(["mutants", "--mutants-file", str(path), "--seeds", "0", "--no-rules", "--no-sanitizer",
+                 "--max-examples", "3"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "SURVIVED our suite: fa2-comment" in out
+
+
+def test_mutants_command_usage_errors(capsys):
+    from fa_verify.cli.main import main
+
+    assert main(["mutants", "--mutant", "no-such-mutant"]) == 2
+    assert main(["mutants", "--family", "nope"]) == 2
+    assert main(["mutants", "--seeds", "-1"]) == 2
