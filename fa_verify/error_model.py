@@ -306,11 +306,11 @@ def _chunk(units: _Units, q, k, abs_v, allowed, lse, abs_o, row_scale, out_terms
     R = _rescale_counts(t, allowed)
 
     # Relative perturbations of p_ij (first order); times p they weight |v_j| (and |O|).
-    rel_scores = U.g_d * a + U.t_abs
+    with np.errstate(invalid="ignore"):  # 0 * inf where gamma_D has no finite value
+        rel_scores = U.g_d * a + U.t_abs
+        w_scores = p * rel_scores
     rel_softmax = U.u_s * (np.abs(t) + 3 * np.abs(x) + M) + U.eps_exp_p
     rel_rescale = R * (U.eps_exp + 4 * U.u_s * M)
-    with np.errstate(invalid="ignore"):  # 0 * inf where gamma_D has no finite value
-        w_scores = p * rel_scores
     w_scores[np.isnan(w_scores)] = np.inf  # no bound is no bound, even for a masked entry
     # Below the smallest normal an exp result's error is absolute (tiny_s with flush to zero).
     w_softmax = np.where(allowed, np.maximum(p * rel_softmax, U.tiny_s), 0.0)
@@ -319,11 +319,13 @@ def _chunk(units: _Units, q, k, abs_v, allowed, lse, abs_o, row_scale, out_terms
            else np.zeros_like(p))
 
     weights = np.concatenate([w_scores, w_softmax, w_rescale, w_p], axis=0)
-    through_v = (weights @ abs_v).reshape(4, *abs_o.shape)
-    sums = weights.sum(axis=-1).reshape(4, -1, 1)
-    for idx, name in enumerate(("scores", "softmax", "online_rescale", "p_rounding")):
-        out_terms[name][...] = through_v[idx] + abs_o * sums[idx]
-        lse_terms[name][...] = sums[idx, :, 0]
+    with np.errstate(invalid="ignore"):  # inf weights (no bound) times zero |v| or |O|
+        through_v = (weights @ abs_v).reshape(4, *abs_o.shape)
+        sums = weights.sum(axis=-1).reshape(4, -1, 1)
+        for idx, name in enumerate(("scores", "softmax", "online_rescale", "p_rounding")):
+            term = through_v[idx] + abs_o * sums[idx]
+            out_terms[name][...] = np.where(np.isnan(term), np.inf, term)
+            lse_terms[name][...] = sums[idx, :, 0]
 
     # P.V and the row sum: n keys, the rescale multiplies, the division. Products p v below the
     # normal range carry an absolute error up to tiny_pv each (p <= 1 after the max shift).
