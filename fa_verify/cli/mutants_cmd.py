@@ -48,6 +48,8 @@ def add_parser(sub) -> None:
     cmd.add_argument("--json", action="store_true", help="print one JSON document")
     cmd.add_argument("--save", default=None, metavar="PATH",
                      help="also write the JSON document to PATH (e.g. with the table printed)")
+    cmd.add_argument("--markdown", default=None, metavar="PATH",
+                     help="also write the two tables in Markdown to PATH (the README's tables)")
     cmd.set_defaults(handler=_run)
 
 
@@ -81,6 +83,9 @@ def _run(args) -> int:
     if args.save:
         with open(args.save, "w") as fh:
             fh.write(document + "\n")
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(report.markdown() + "\n")
     if args.json:
         print(document)
     else:

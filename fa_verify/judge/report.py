@@ -103,39 +103,41 @@ class CampaignReport:
                 "false_positives": None if self.false_positives is None else self.false_positives.as_dict(),
                 "rules": [r.as_dict() for r in self.rules]}
 
-    # --- text ------------------------------------------------------------------------------------
-    def mutant_table(self) -> list[str]:
-        rule_names = [r.name for r in self.rules]
-        head = ["mutant", "bug class", "killed by", "examples", "seconds", "counterexample (B,H,Nq,Nk,D)",
-                "also caught by"] + rule_names
+    # --- tables (text, or Markdown for the README) ---------------------------------------------
+    def mutant_table(self, markdown: bool = False) -> list[str]:
+        head = ["mutant", "bug class", "killed by", "examples", "seconds", "minimal counterexample (B,H,Nq,Nk,D)"]
+        head += [r.name for r in self.rules]
         rows = []
         for m in self.mutants:
             kill = m.kill
-            others = [p for p in (m.plain.killers if m.plain.killed else []) if p != (kill.killer if kill else None)]
-            row = [m.name, m.bug_class, m.killed_by,
+            row = [f"`{m.name}`" if markdown else m.name, m.bug_class, _killed_by(m, markdown),
                    "-" if kill is None else str(m.examples_to_kill),
                    "-" if kill is None else f"{m.seconds_to_kill:.2f}",
-                   "-" if kill is None or kill.counterexample is None else _ce_text(kill.counterexample),
-                   _also(others)]
+                   "-" if kill is None or kill.counterexample is None else _ce_text(kill.counterexample)]
             for rule in self.rules:
                 outcome = rule.mutants.get(m.name)
                 row.append("-" if outcome is None else
-                           f"killed ({outcome.cases} cases, {outcome.seconds:.1f}s)" if outcome.killed else "survived")
+                           f"{outcome.cases} ({outcome.seconds:.1f} s)" if outcome.killed else "survived")
             rows.append(row)
-        return _table(head, rows)
+        return (_markdown if markdown else _table)(head, rows)
 
-    def summary_table(self) -> list[str]:
-        head = ["rule", "kill rate", "false positives", "mean s to kill", "median s to kill",
-                "mean examples/cases to kill"]
+    def summary_table(self, markdown: bool = False) -> list[str]:
+        head = ["rule", "mutants killed", "false positives", "mean s to kill", "median s to kill",
+                "mean examples (cases) to kill"]
         rows = []
         for s in self.summary():
             rate = "-" if s["kill_rate"] is None else f"{s['killed']}/{s['mutants']} ({100 * s['kill_rate']:.0f}%)"
             fp = ("-" if s["false_positives"] is None else
-                  f"{s['false_positives']}/{s['false_positive_runs']}"
+                  f"{s['false_positives']} of {s['false_positive_runs']} "
+                  + ("suite runs" if s["rule"] == OURS else "kernels")
                   + (f" ({', '.join(s['false_positive_kernels'])})" if s.get("false_positive_kernels") else ""))
             rows.append([s["rule"], rate, fp, _num(s["mean_seconds_to_kill"], 2), _num(s["median_seconds_to_kill"], 2),
                          _num(s["mean_examples_to_kill"], 1)])
-        return _table(head, rows)
+        return (_markdown if markdown else _table)(head, rows)
+
+    def markdown(self) -> str:
+        """The two tables in Markdown, as the README shows them."""
+        return "\n".join(self.mutant_table(markdown=True) + [""] + self.summary_table(markdown=True))
 
     def text(self) -> str:
         lines = [f"fa_verify mutants: {len(self.mutants)} mutants, property suite profile {self.profile!r} "
@@ -173,13 +175,18 @@ class CampaignReport:
         return "\n".join(lines)
 
 
-def _also(names) -> str:
-    if not names:
-        return "-"
-    short = {"oracle_agreement": "oracle", "lse_agreement": "lse", "batch_head_independence": "batch/head",
-             "masked_key_independence": "masked keys", "unbiased_rounding": "rounding"}
-    text = ", ".join(short.get(n, n) for n in names[:3])
-    return text + (f" +{len(names) - 3}" if len(names) > 3 else "")
+def _killed_by(m: MutantVerdict, markdown: bool) -> str:
+    """The killer; "(+n)": n more properties fail too; a sanitizer-only or statistical-only kill
+    stands out."""
+    kill = m.kill
+    if kill is None:
+        return "**SURVIVED**" if markdown else "SURVIVED"
+    if kill is not m.plain:
+        return ("**sanitizer**" if markdown else "sanitizer") + f" (ASan build, {kill.killer})"
+    more = len(kill.killers) - 1
+    if set(kill.killers) <= STATISTICAL_PROPERTIES:
+        return (f"**{kill.killer}**" if markdown else kill.killer) + " only"
+    return kill.killer + (f" (+{more})" if more else "")
 
 
 def _ce_text(ce) -> str:
@@ -205,6 +212,11 @@ def _table(head, rows) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*map(str, r)) for r in rows]
+
+
+def _markdown(head, rows) -> list[str]:
+    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
 def _log(message: str, quiet: bool) -> None:
