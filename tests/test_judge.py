@@ -183,11 +183,12 @@ def test_assert_close_defaults_reject_a_correct_fp16_flash_kernel():
 
 
 @needs_cpu_runner
-def test_mutants_command_json(capsys):
+def test_mutants_command_json(capsys, tmp_path):
     from fa_verify.cli.main import main
 
+    markdown = tmp_path / "tables.md"
     code = main(["mutants", "--mutant", "fa2-scale-twice", "--mutant", "naive-lse-log2", "--seeds", "1",
-                 "--max-examples", "5", "--rule", "assert_close", "--json"])
+                 "--max-examples", "5", "--rule", "assert_close", "--json", "--markdown", str(markdown)])
     doc = json.loads(capsys.readouterr().out)
     assert code == 0 and doc["passed"]
     assert [m["name"] for m in doc["mutants"]] == ["fa2-scale-twice", "naive-lse-log2"]
@@ -197,6 +198,10 @@ def test_mutants_command_json(capsys):
     assert ours["rule"] == "fa_verify" and ours["kill_rate"] == 1.0 and ours["false_positives"] == 0
     assert ac["rule"] == "assert_close" and ac["killed"] == 1  # the LSE bug is invisible to it
     assert doc["false_positives"]["runs"] == 2  # fa2 and naive, one seed each
+    tables = markdown.read_text().splitlines()
+    assert tables[0].startswith("| mutant | bug class | killed by |") and tables[0].endswith("| assert_close |")
+    assert tables[2].startswith("| `fa2-scale-twice` |") and "| lse_agreement" in tables[3]
+    assert "| fa_verify | 2/2 (100%) | 0 of 2 suite runs |" in markdown.read_text()
 
 
 @needs_cpu_runner
