@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from fa_verify.cli.main import main
 from fa_verify.kernels import FAMILIES
+from fa_verify.kernels.mutants import load_mutants
 from fa_verify.kernels.nvcc import (
     NvccNotFoundError,
     check_build,
+    compile_file,
     find_nvcc,
     nvcc_candidates,
     parse_resource_usage,
@@ -91,6 +95,19 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
             assert e.dynamic_smem == FAMILIES[name].shared_bytes(int(d[1:]), dtype)
             # fits every sm_80+ GPU (sm_86/89 allow 99 KiB per block)
             assert e.dynamic_smem + e.static_smem <= 99 * 1024
+
+
+@needs_nvcc
+def test_every_mutant_compiles_for_sm80(tmp_path):
+    """A mutant is a bug a GPU would run, not one only the CPU runner's shim accepts."""
+    mutants = load_mutants()
+    sources = [m.materialise(tmp_path / m.name) for m in mutants]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda m, src: compile_file([m.kernel_family], "sm_80", NVCC, source_path=src),
+                                mutants, sources))
+    for m, r in zip(mutants, results):
+        assert r.ok, f"mutant {m.name} does not compile:\n{r.log}\n{r.command}"
+        assert [e.entry for e in r.entries] == m.kernel_family.entries()
 
 
 @needs_nvcc

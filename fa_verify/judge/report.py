@@ -110,7 +110,8 @@ class CampaignReport:
         rows = []
         for m in self.mutants:
             kill = m.kill
-            row = [f"`{m.name}`" if markdown else m.name, m.bug_class, _killed_by(m, markdown),
+            bug_class = m.bug_class.replace("_", "\\_") if markdown else m.bug_class  # not bold
+            row = [f"`{m.name}`" if markdown else m.name, bug_class, _killed_by(m, markdown),
                    "-" if kill is None else str(m.examples_to_kill),
                    "-" if kill is None else f"{m.seconds_to_kill:.2f}",
                    "-" if kill is None or kill.counterexample is None else _ce_text(kill.counterexample)]

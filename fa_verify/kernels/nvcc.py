@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fa_verify.errors import FaVerifyError, InvalidArgumentError
-from fa_verify.kernels.catalogue import FAMILIES, NVCC_OPTIONS, KernelFamily, kernels_dir
+from fa_verify.kernels.catalogue import FAMILIES, NVCC_OPTIONS, KernelFamily
 
 DEFAULT_ARCHS = ("sm_80", "sm_90")
 _WHEEL_BIN_DIRS = ("nvidia/cu13/bin", "nvidia/cuda_nvcc/bin")
@@ -165,14 +165,18 @@ def parse_resource_usage(text: str) -> dict[str, dict]:
     return usage
 
 
-def compile_file(families: list[KernelFamily], arch: str, nvcc: Path, extra_options=()) -> FileResult:
-    """nvcc -cubin one kernel file (all `families` must share it) for one arch; parse its entries."""
+def compile_file(families: list[KernelFamily], arch: str, nvcc: Path, extra_options=(),
+                 source_path: Path | None = None) -> FileResult:
+    """nvcc -cubin one kernel file (all `families` must share it) for one arch; parse its entries.
+
+    `source_path`: another copy of the families' source (a mutant's), with its fa_common.cuh
+    beside it."""
     import time
 
-    source_path = families[0].source_path
+    source_path = Path(source_path) if source_path else families[0].source_path
     with tempfile.TemporaryDirectory(prefix="fa_verify_nvcc_") as tmp:
         cmd = [str(nvcc), f"-arch={arch}", "-cubin", "-o", str(Path(tmp) / "kernels.cubin"),
-               "--resource-usage", *NVCC_OPTIONS, "-I", str(kernels_dir()),
+               "--resource-usage", *NVCC_OPTIONS, "-I", str(source_path.parent),
                *[f"-I{d}" for d in cuda_include_dirs(nvcc)], *extra_options, str(source_path)]
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
