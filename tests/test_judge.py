@@ -227,9 +227,15 @@ caught_by = "property"
     assert "SURVIVED our suite: fa2-comment" in out
 
 
-def test_mutants_command_usage_errors(capsys):
+def test_mutants_command_usage_errors(capsys, monkeypatch):
+    from fa_verify.backends.base import Availability
     from fa_verify.cli.main import main
 
     assert main(["mutants", "--mutant", "no-such-mutant"]) == 2
     assert main(["mutants", "--family", "nope"]) == 2
     assert main(["mutants", "--seeds", "-1"]) == 2
+    capsys.readouterr()
+    monkeypatch.setattr("fa_verify.backends.cuda_kernels.cpu_runner_availability",
+                        lambda: Availability(False, "g++ is not installed"))
+    assert main(["mutants", "--mutant", "fa2-scale-twice"]) == 2
+    assert "CUDA-on-CPU runner: g++ is not installed" in capsys.readouterr().err

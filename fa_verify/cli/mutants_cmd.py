@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
 
 
 def _run(args) -> int:
-    from fa_verify.errors import InvalidArgumentError
+    from fa_verify.backends.cuda_kernels import cpu_runner_availability
+    from fa_verify.errors import BackendUnavailableError, InvalidArgumentError
     from fa_verify.kernels.mutants import load_mutants
     from fa_verify.judge.report import run_campaign
     from fa_verify.judge.rules import RULES, get_rule
@@ -69,6 +70,9 @@ def _run(args) -> int:
         if family not in FAMILIES:
             raise InvalidArgumentError(f"--family {family!r} is unknown; kernel families: {', '.join(FAMILIES)}")
     mutants = load_mutants(args.mutants_file, families=args.family, names=args.mutant)
+    runner = cpu_runner_availability()
+    if not runner.available:
+        raise BackendUnavailableError(f"the mutants run through the CUDA-on-CPU runner: {runner.reason}")
     if not mutants:
         raise InvalidArgumentError("no mutant selected")
     profile = args.profile or DEFAULT_PROFILE
