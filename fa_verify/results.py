@@ -39,6 +39,11 @@ SOURCES = ("report", "check", "pytest")
 EXACTLY_ROUNDED, NAIVE_SAME_PRECISION = "exactly-rounded", "naive-same-precision"
 
 
+def utc_now() -> str:
+    """The time now, as results and reports stamp it."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
 class ResultsWarning(UserWarning):
     """A line of a results file was skipped (truncated, corrupt, or of another format version)."""
 
@@ -73,7 +78,7 @@ class ProblemDescriptor(Shape):
 
     @property
     def shape(self) -> Shape:
-        return Shape(self.batch, self.heads, self.kv_heads, self.nq, self.nk, self.head_dim)
+        return Shape.of(self)
 
     def rebuild(self):
         """The AttentionProblem again (needs a known distribution and seed)."""
@@ -203,7 +208,7 @@ def _record(problem, backend_name, precision, seconds, source, extra, **outcome)
         precision=precision if isinstance(precision, dict) else precision.as_dict(),
         problem=ProblemDescriptor.of(problem),
         seconds={k: float(v) for k, v in seconds.items()},
-        timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        timestamp=utc_now(),
         extra=dict(extra or {}), **outcome)
 
 
@@ -253,7 +258,6 @@ class ResultsStore:
                               stacklevel=2)
         return records
 
-    def keys(self, *, source: str | None = None, sweep: str | None = None) -> set:
-        """(backend, problem key) of the records already stored, optionally of one source/sweep."""
-        return {r.key() for r in self.read()
-                if (source is None or r.source == source) and (sweep is None or r.sweep == sweep)}
+    def keys(self, *, sweep: str | None = None) -> set:
+        """(backend, problem key) of the records already stored, optionally of one sweep."""
+        return {r.key() for r in self.read() if sweep is None or r.sweep == sweep}

@@ -153,6 +153,7 @@ def test_backends_are_registered():
 @pytest.mark.parametrize("family_name, dtype, mode", list(kernel_cases()))
 def test_kernel_matches_oracle_on_cpu(family_name, dtype, mode):
     backend = CpuKernelBackend(family_name)
+    ran = 0
     for shape in SHAPES:
         problem = make_problem(shape, dtype, seed=zlib.crc32(f"{family_name}-{dtype}-{mode}".encode()),
                                **CAUSAL_MODES[mode])
@@ -160,6 +161,8 @@ def test_kernel_matches_oracle_on_cpu(family_name, dtype, mode):
             continue
         out, lse = backend.run(problem)
         assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype))
+        ran += 1
+    assert ran, f"{family_name} supports none of the grid's shapes"
 
 
 @needs_cpu_runner
@@ -180,10 +183,18 @@ def test_causal_alignments_differ_and_rows_fully_masked():
 @needs_cpu_runner
 def test_outputs_start_as_nan_so_unwritten_elements_fail():
     """run_on_cpu fills outputs with NaN: a kernel that skipped an element would fail 'finite'."""
+
+    class WritesNothing:
+        def launch(self, *args):
+            pass
+
     family = get_family("fa2")
-    p = make_problem((1, 1, 1, 5, 7, 16), "fp32")
+    for dtype in ("fp32", "fp16", "bf16"):
+        p = make_problem((1, 1, 1, 5, 7, 16), dtype)
+        o, lse = run_on_cpu(family, p, module=WritesNothing())
+        assert np.isnan(o.view(p.q.dtype).astype(np.float32)).all() and np.isnan(lse).all()
     o, lse = run_on_cpu(family, p)
-    assert np.isfinite(o).all() and np.isfinite(lse).all()
+    assert np.isfinite(o.view(p.q.dtype).astype(np.float32)).all() and np.isfinite(lse).all()
 
 
 @needs_cpu_runner
@@ -341,6 +352,7 @@ def test_pycuda_worker_reports_crashes_and_timeouts_and_restarts(tmp_path):
 @pytest.mark.parametrize("family_name, dtype, mode", list(kernel_cases()))
 def test_kernel_matches_oracle_on_gpu(family_name, dtype, mode):
     backend = PyCudaKernelBackend(family_name)
+    ran = 0
     for shape in SHAPES + [(2, 8, 2, 257, 300, 128), (1, 2, 2, 100, 1000, 256)]:
         problem = make_problem(shape, dtype, seed=1, **CAUSAL_MODES[mode])
         if backend.supports(problem) is not None:
@@ -348,6 +360,8 @@ def test_kernel_matches_oracle_on_gpu(family_name, dtype, mode):
         out, lse = backend.run(problem)
         assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype),
                                reference=reference(problem))
+        ran += 1
+    assert ran, f"{family_name} supports none of the grid's shapes"
 
 
 @needs_gpu

@@ -105,11 +105,11 @@ def cpu_module(family: KernelFamily, sanitize: bool = False):
         return _CPU_MODULES[key]
 
 
-def run_on_cpu(family: KernelFamily, problem: AttentionProblem, module=None, sanitize: bool = False,
-               fill: float = np.nan) -> tuple[np.ndarray, np.ndarray]:
+def run_on_cpu(family: KernelFamily, problem: AttentionProblem, module=None,
+               sanitize: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(o as uint16 bits or float32, lse) of `problem` run by `module` (default: the family's).
 
-    Outputs start filled with `fill` (NaN), so an element the kernel never writes is visible.
+    Outputs start as NaN, so an element the kernel never writes is visible.
     """
     module = module or cpu_module(family, sanitize=sanitize)
     launch = family.launch(problem)
@@ -117,16 +117,13 @@ def run_on_cpu(family: KernelFamily, problem: AttentionProblem, module=None, san
     if q.dtype == np.uint16:
         o = np.full(q.shape, 0x7E00 if problem.dtype == "fp16" else 0x7FC0, dtype=np.uint16)  # NaN bits
     else:
-        o = np.full(q.shape, fill, dtype=q.dtype)
-    lse = np.full(problem.out_shape[:3], fill, dtype=np.float32)
+        o = np.full(q.shape, np.nan, dtype=q.dtype)
+    lse = np.full(problem.out_shape[:3], np.nan, dtype=np.float32)
     args = [q, k, v, o, lse, *launch.scalars]
     if launch.scratch_dtype:
         scratch = np.zeros(max(1, launch.scratch_elements), dtype=numpy_dtype(launch.scratch_dtype))
         args.append(_bits(scratch))
-    result = module.launch(launch.entry, launch.grid, launch.block, launch.shared_bytes, args)
-    # The runner writes outputs into the arrays passed (or returns the arrays after the launch).
-    if isinstance(result, (list, tuple)) and len(result) == len(args):
-        o, lse = result[3], result[4]
+    module.launch(launch.entry, launch.grid, launch.block, launch.shared_bytes, args)  # writes o, lse
     return o, lse
 
 

@@ -92,7 +92,10 @@ def _sha256(data: bytes | str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _shim_digest() -> str:
-    files = sorted(SHIM_DIR.iterdir()) + [RUNTIME_SOURCE, Path(__file__)]
+    # Everything that shapes the compiled unit: shim headers, runtime, this builder, the rewrite.
+    here = Path(__file__).parent
+    files = sorted(SHIM_DIR.iterdir()) + [RUNTIME_SOURCE, Path(__file__), here / "_rewrite.py",
+                                          here / "_trampolines.py"]
     return _sha256("".join(f.name + _sha256(f.read_bytes()) for f in files if f.is_file()))
 
 

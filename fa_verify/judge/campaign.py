@@ -40,8 +40,7 @@ class Counterexample:
 
     @classmethod
     def of(cls, problem) -> "Counterexample":
-        shape = Shape(problem.batch, problem.heads, problem.kv_heads, problem.nq, problem.nk, problem.head_dim)
-        return cls(shape, problem.dtype, problem.causal_alignment if problem.causal else "no",
+        return cls(Shape.of(problem), problem.dtype, problem.causal_alignment if problem.causal else "no",
                    dict(problem.tags).get("distribution"),
                    "1/sqrt(D)" if problem.scale is None else f"{problem.scale:g}")
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fa_verify.backends.naive import naive_attention
+from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch
 from fa_verify.dtypes import numpy_dtype
 from fa_verify.judge.campaign import Counterexample
 from fa_verify.precision import PrecisionModel
@@ -207,29 +208,16 @@ KB_TRIALS, KB_SEED = 5, 42
 KB_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 1e-2}
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch
-
-
-def _to_torch(torch, x: np.ndarray, dtype: str):
-    kind = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    return torch.from_numpy(np.asarray(x, dtype=np.float32)).to(kind)
-
-
 def torch_sdpa(problem: AttentionProblem) -> np.ndarray:
     """torch.nn.functional.scaled_dot_product_attention on the problem's inputs in its dtype
     (KernelBench's reference model), non-causal MHA; fp32 attention cast to the dtype without torch."""
-    torch = _torch()
+    torch = import_torch()
     if torch is None or problem.causal or problem.kv_heads != problem.heads:
         return naive_attention(problem, PrecisionModel.fp32_accumulate(problem.dtype))[0]
-    q, k, v = (_to_torch(torch, x, problem.dtype) for x in (problem.q, problem.k, problem.v))
+    q, k, v = (to_torch(x) for x in (problem.q, problem.k, problem.v))
     with torch.no_grad():
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    return out.float().numpy().astype(numpy_dtype(problem.dtype))
+    return to_numpy(out)
 
 
 class KernelBenchRule(Rule):
@@ -294,10 +282,10 @@ class AssertCloseRule(Rule):
     def judge(self, out, case):
         p = case.problem
         ref, _ = naive_attention(p, PrecisionModel.fp32_accumulate(p.dtype))
-        torch = _torch()
+        torch = import_torch()
         if torch is not None:
             try:
-                torch.testing.assert_close(_to_torch(torch, out, p.dtype), _to_torch(torch, ref, p.dtype))
+                torch.testing.assert_close(to_torch(_in_dtype(out, p.dtype)), to_torch(_in_dtype(ref, p.dtype)))
             except AssertionError as exc:
                 lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
                 return "; ".join(lines[:3])

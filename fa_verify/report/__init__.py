@@ -10,11 +10,11 @@ summary.md from the templates, figures from `plots`), `summary` (summary.json).
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from pathlib import Path
 
 from fa_verify.report.data import ReportData, build
 from fa_verify.report.run_info import RunInfo
+from fa_verify.results import utc_now
 
 OUTPUTS = ("index.html", "summary.json", "summary.md")
 
@@ -30,7 +30,7 @@ def write_report(records, out_dir, *, run: RunInfo | None = None,
     from fa_verify.report.render import render_html, render_markdown
     from fa_verify.report.summary import summary_json
 
-    generated = generated or datetime.now(timezone.utc).isoformat(timespec="seconds")
+    generated = generated or utc_now()
     environment = None if run is not None and run.environment else collect()
     data = build(records, run=run, environment=environment, generated=generated)
     out = Path(out_dir)

@@ -74,6 +74,3 @@ class Column:
 def column_of(problem) -> Column:
     return Column(DTYPE_NAMES.index(problem.dtype), bool(problem.causal))
 
-
-#: Every column, in table order (a table shows those that hold records).
-ALL_COLUMNS = tuple(Column(i, c) for i in range(len(DTYPE_NAMES)) for c in (False, True))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 
 from fa_verify.backends.naive import naive_attention
 from fa_verify.dtypes import round_to
@@ -31,6 +30,7 @@ from fa_verify.results import (
     ProblemDescriptor,
     record_from_error,
     record_from_verdict,
+    utc_now,
 )
 from fa_verify.strategies import make_problem
 from fa_verify.verdict import check_attention
@@ -105,7 +105,7 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
 
     info = RunInfo(sweep=sweep.name, sweep_description=sweep.description,
                    backends=[b.name for b in backends], budget_s=sweep.budget_s,
-                   started=_now(), environment=collect())
+                   started=utc_now(), environment=collect())
     budgets = {b.name: Budget(sweep.budget_s) for b in backends}
     warmed = set()
     points = sweep.ordered()
@@ -142,7 +142,7 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
         raise
     finally:
         progress.close()
-        info.finished = _now()
+        info.finished = utc_now()
         if out_dir is not None:
             info.save(out_dir)
     return info
@@ -159,5 +159,3 @@ def _warm_up(backend, problem) -> None:
         pass
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")

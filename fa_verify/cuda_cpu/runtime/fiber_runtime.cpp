@@ -104,7 +104,6 @@ struct Fiber : ThreadHead {
     Context ctx;
     Fiber* next = nullptr;  // ring of fibers that have not exited, in schedule order
     Fiber* prev = nullptr;
-    unsigned int linear = 0;
     int state = kRunnable;
     // The warp operation this fiber waits in.
     int w_op = 0;
@@ -406,7 +405,6 @@ void run_block(const LaunchConfig& cfg, std::uint64_t block_linear) {
     for (unsigned int i = 0; i < n; ++i) {
         Fiber& f = g_fibers[i];
         f = Fiber{};
-        f.linear = i;
         f.thread_idx = uint3{i % bx, (i / bx) % by, i / (bx * by)};
         f.lane = i % 32;
         f.warp = i / 32;
