@@ -12,6 +12,7 @@ NaN-padding property checks kernels' reads *outside* the inputs instead. Use
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -91,10 +92,7 @@ class AttentionProblem:
         return cls(round_to(q, dtype), round_to(k, dtype), round_to(v, dtype), **kwargs)
 
     def replace(self, **changes) -> "AttentionProblem":
-        fields = dict(q=self.q, k=self.k, v=self.v, causal=self.causal,
-                      causal_alignment=self.causal_alignment, scale=self.scale, tags=self.tags)
-        fields.update(changes)
-        return AttentionProblem(**fields)
+        return dataclasses.replace(self, **changes)
 
     # --- shape -----------------------------------------------------------------------------
     @property

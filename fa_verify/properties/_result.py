@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from fa_verify.errors import AttentionMismatch
 
 PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
-STATUSES = (PASSED, FAILED, NOT_APPLICABLE)
 
 
 @dataclass(frozen=True)

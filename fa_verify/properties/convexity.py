@@ -44,7 +44,7 @@ def weight_slack(problem, precision) -> tuple[np.ndarray, np.ndarray]:
 
 def attended_range(problem, v=None) -> tuple[np.ndarray, np.ndarray]:
     """(min, max) over the keys each row attends of v (default: the problem's), [B,H,Nq,D]."""
-    v = problem.kv64()[1] if v is None else np.repeat(v.astype(np.float64), problem.group_size, axis=1)
+    v = np.repeat((problem.v if v is None else v).astype(np.float64), problem.group_size, axis=1)
     last = np.maximum(problem.key_limit() - 1, 0)[None, None, :, None]
     lo = np.take_along_axis(np.minimum.accumulate(v, axis=2), last, axis=2)
     hi = np.take_along_axis(np.maximum.accumulate(v, axis=2), last, axis=2)

@@ -18,9 +18,6 @@ from fa_verify.properties import (
     rounding,
 )
 
-MASKING = ("any", "causal", "non-causal")
-
-
 @dataclass(frozen=True)
 class Property:
     """A property of the suite: its check function and the problems it is meaningful on."""
