@@ -3,7 +3,8 @@
 `check_backend(backend, selection)` searches every property of `fa_verify.properties` (or the
 ones named) on the target and returns a `CheckOutcome`: per property passed, failed (with
 the minimal counterexample, examples-to-failure and a reproducer) or not applicable.
-`results_recorder` turns every oracle verdict into a record of a `ResultsStore`, for reports.
+`results_recorder` turns every oracle verdict, and every failing example, into a record of a
+`ResultsStore`, for reports.
 """
 
 from __future__ import annotations
@@ -34,12 +35,18 @@ class CheckOutcome:
     def examples(self) -> int:
         return sum(p.examples for p in self.properties)
 
+    @property
+    def checked(self) -> bool:
+        """Some example was judged (every property not applicable checks nothing)."""
+        return self.examples > 0
+
     def counts(self) -> dict:
         return {status: sum(p.status == status for p in self.properties)
                 for status in (PASSED, FAILED, NOT_APPLICABLE)}
 
     def as_dict(self) -> dict:
-        return {"backend": self.backend, "passed": self.passed, "examples": self.examples,
+        return {"backend": self.backend, "passed": self.passed, "checked": self.checked,
+                "examples": self.examples,
                 "seconds": round(self.seconds, 3), "counts": self.counts(),
                 "properties": [p.as_dict() for p in self.properties]}
 
@@ -62,29 +69,48 @@ def check_backend(backend: Backend, selection: Selection = Selection(), properti
     return outcome
 
 
-def results_recorder(path, backend: Backend, source: str):
-    """An `on_result` callback appending a Record per oracle verdict to the ResultsStore at `path`."""
-    from fa_verify.results import ResultsStore, record_from_verdict
+def results_recorder(path, backend: Backend, source: str, seed: int | None = None):
+    """An `on_result` callback appending to the ResultsStore at `path` a Record per oracle
+    verdict, and a failing Record for every failing example no failing verdict stands for: the
+    target raised, crashed or timed out (rule RUN_ERROR), or a property without an oracle
+    verdict failed (rule: the property's name); the cause is in the record's extra["error"].
+    Passing examples of such properties measure no error against the oracle: nothing to record.
+    `seed` (the search's Hypothesis seed) goes into every record's extra."""
+    from fa_verify.properties.search import TARGET_RAISED
+    from fa_verify.results import RUN_ERROR, ResultsStore, record_from_failure, record_from_verdict
 
     store = ResultsStore(path)
 
     def record(problem, result, seconds):
+        extra = {"property": result.name}
+        if result.seed is not None:
+            extra["property_seed"] = result.seed
+        if seed is not None:
+            extra["search_seed"] = seed
+        precision = backend.precision(problem.dtype)
         for verdict in result.verdicts:
-            store.append(record_from_verdict(problem, backend.name, backend.precision(problem.dtype),
-                                             verdict, seconds, source, extra={"property": result.name}))
+            store.append(record_from_verdict(problem, backend.name, precision, verdict, seconds, source,
+                                             extra=extra))
+        if result.failed and all(v.passed for v in result.verdicts):
+            rule = RUN_ERROR if result.detail.startswith(TARGET_RAISED) else result.name
+            store.append(record_from_failure(problem, backend.name, precision, rule, result.detail,
+                                             seconds, source, extra=extra))
 
     return record
 
 
-def reproducer(backend_name: str, problem: AttentionProblem) -> str:
-    """A one-line command that checks oracle agreement of `problem` on the backend named
-    `backend_name`: a built-in, or MODULE:FUNC with the callable protocol's defaults."""
+def reproducer(backend_name: str, problem: AttentionProblem, properties=("oracle_agreement",),
+               seed: int = 0) -> str:
+    """A one-line command that checks `properties` (names; seeded ones with `seed`) of `problem`
+    on the backend named `backend_name`: a built-in, or MODULE:FUNC with the callable
+    protocol's defaults."""
     if ":" in backend_name:
         backend = CallableBackend(load_callable(backend_name), name=backend_name)
     else:
         backend = get_backend(backend_name)
-    return property_reproducer(backend_expression(backend, problem.dtype),
-                               get_property("oracle_agreement"), problem, 0)
+    expression = backend_expression(backend, problem.dtype)
+    return " && ".join(property_reproducer(expression, get_property(name), problem, seed)
+                       for name in properties)
 
 
 class Oracle:

@@ -6,6 +6,8 @@ Options:
   --fa-profile NAME   ci (default), thorough or gpu: examples per property, problem sizes;
                       also loads the Hypothesis profile "fa_verify-NAME" for @given tests
   --fa-results FILE   append every oracle comparison's metrics to FILE, for `fa_verify report`
+  --fa-seed N|random  the Hypothesis seed of fa_search (default: the profile's); random draws
+                      one per session, printed in the header and recorded with --fa-results
 Fixtures:
   fa_backend   parametrises a test over the selected backends
   fa_search    fa_search(target, property) searches one property on a target (a Backend or a
@@ -21,10 +23,11 @@ from __future__ import annotations
 import pytest
 
 _BACKENDS = pytest.StashKey[list]()
+_SEED_DRAWN = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser):
-    from fa_verify.cli.check_cmd import SHARED_OPTIONS
+    from fa_verify.cli.check_cmd import SEED_HELP, SHARED_OPTIONS, parse_seed
 
     group = parser.getgroup("fa_verify", "fa_verify: attention kernel properties")
     group.addoption("--fa-backend", action="append", default=None, metavar="NAME",
@@ -32,9 +35,15 @@ def pytest_addoption(parser):
                          "repeatable; default: every available built-in backend")
     for name, kwargs in SHARED_OPTIONS.items():
         group.addoption(f"--fa-{name}", **kwargs)
+    group.addoption("--fa-seed", type=parse_seed, default=None, metavar="N|random",
+                    help=SEED_HELP.replace("--seed", "--fa-seed") + " (default: the profile's)")
 
 
 def pytest_configure(config):
+    from fa_verify.cli.check_cmd import resolve_seed
+
+    # Drawn once here: pytest-xdist hands the parsed options, this seed included, to its workers.
+    config.option.fa_seed, config.stash[_SEED_DRAWN] = resolve_seed(config.getoption("fa_seed"))
     if config.getoption("fa_backend") is not None:
         _backends(config)  # a bad --fa-backend is a usage error now, not a collection error later
     profile = config.getoption("fa_profile")
@@ -44,6 +53,14 @@ def pytest_configure(config):
         from fa_verify.profiles import hypothesis_profile_name
 
         settings.load_profile(hypothesis_profile_name(profile))
+
+
+def pytest_report_header(config):
+    seed = config.getoption("fa_seed")
+    if seed is not None:
+        how = "drawn by --fa-seed random; " if config.stash.get(_SEED_DRAWN, False) else ""
+        return f"fa_verify: Hypothesis seed {seed} ({how}replay with --fa-seed {seed})"
+    return None
 
 
 def _backends(config) -> list:
@@ -99,11 +116,12 @@ def fa_search(request, fa_profile):
     results = request.config.getoption("fa_results")
     # A known failure (xfail) needs no minimal counterexample: skip the shrinking.
     selection = Selection.from_profile(fa_profile.name, database=settings().database,
-                                       shrink=request.node.get_closest_marker("xfail") is None)
+                                       shrink=request.node.get_closest_marker("xfail") is None,
+                                       seed=request.config.getoption("fa_seed"))
 
     def search(target, prop):
         backend = as_backend(target)
-        record = results_recorder(results, backend, "pytest") if results else None
+        record = results_recorder(results, backend, "pytest", seed=selection.seed) if results else None
         outcome = search_property(backend, prop, selection, on_result=record)
         if outcome.status == NOT_APPLICABLE:
             pytest.skip(outcome.message())

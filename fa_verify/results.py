@@ -191,10 +191,18 @@ def record_from_verdict(problem, backend_name: str, precision, verdict, seconds,
 def record_from_error(problem, backend_name: str, precision, error: BaseException, seconds,
                       source: str, extra: dict | None = None, *, sweep: str | None = None) -> Record:
     """A failing Record (rule RUN_ERROR) for a run that raised `error` instead of returning."""
-    extra = {"error": f"{type(error).__name__}: {error}", **(extra or {})}
+    return record_from_failure(problem, backend_name, precision, RUN_ERROR, f"{type(error).__name__}: {error}",
+                               seconds, source, extra, sweep=sweep)
+
+
+def record_from_failure(problem, backend_name: str, precision, rule: str, cause: str, seconds,
+                        source: str, extra: dict | None = None, *, sweep: str | None = None) -> Record:
+    """A failing Record without error measurements: `rule` failed (RUN_ERROR: the run raised;
+    or a property judged without the oracle), `cause` says how (kept in extra["error"])."""
+    extra = {"error": cause, **(extra or {})}
     return _record(problem, backend_name, precision, seconds, source, extra,
                    out_errors=None, lse_errors=None, bound_ratio=None, lse_bound_ratio=None,
-                   baseline_ratio=None, passed=False, rule=RUN_ERROR, sweep=sweep)
+                   baseline_ratio=None, passed=False, rule=rule, sweep=sweep)
 
 
 def _record(problem, backend_name, precision, seconds, source, extra, **outcome) -> Record:

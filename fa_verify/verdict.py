@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fa_verify.causes import got_expected, tiny_scale_note
 from fa_verify.dtypes import finfo, unit_roundoff
 from fa_verify.error_model import DEFAULT_LAMBDA, Bound, error_bound
 from fa_verify.errors import AttentionMismatch, InvalidArgumentError
@@ -98,6 +99,8 @@ class Verdict:
     #: normalised_error / (baseline_factor * baseline_error + baseline_floor); fails above 1
     baseline_ratio: float | None = None
     summary: ErrorSummary | None = field(default=None, repr=False)
+    #: the likely cause where the numbers alone mislead (`fa_verify.causes`), "" otherwise
+    cause: str = ""
 
     @property
     def share_over(self) -> float:
@@ -114,11 +117,13 @@ class Verdict:
         lines = [f"{head} ({self.problem}; precision {self.precision})"]
         if self.detail:
             lines.append(self.detail)
+        if self.cause:
+            lines.append(self.cause)
         if self.worst_index is not None:
             lines.append(
                 f"Mismatched elements: {self.over_count} / {self.total} ({_pct(self.over_count, self.total)}) "
-                f"exceed the error-model bound; worst at {list(self.worst_index)}: got {_g(self.worst_value)}, "
-                f"reference {_g(self.worst_reference)} ± {_g(self.worst_reference_bound, 2)}, "
+                f"exceed the error-model bound; worst at {list(self.worst_index)}: "
+                f"{got_expected(self.worst_value, self.worst_reference, 'reference', f' ± {_g(self.worst_reference_bound, 2)}')}, "
                 f"error {_g(self.worst_error, 2)} = {_r(self.bound_ratio)} × bound {_g(self.worst_bound, 2)} "
                 f"(dominant term: {self.dominant_term})")
         if self.unbounded_count:
@@ -129,8 +134,8 @@ class Verdict:
         if self.lse_bound_ratio is not None and self.lse_worst_index is not None:
             lines.append(
                 f"LSE: {self.lse_over_count} / {self.lse_total} rows ({_pct(self.lse_over_count, self.lse_total)}) "
-                f"exceed the bound; worst at {list(self.lse_worst_index)}: got {_g(self.lse_worst_value)}, "
-                f"reference {_g(self.lse_worst_reference)}, error {_g(self.lse_worst_error, 2)} = "
+                f"exceed the bound; worst at {list(self.lse_worst_index)}: "
+                f"{got_expected(self.lse_worst_value, self.lse_worst_reference, 'reference')}, error {_g(self.lse_worst_error, 2)} = "
                 f"{_r(self.lse_bound_ratio)} × bound {_g(self.lse_worst_bound, 2)} "
                 f"(dominant term: {self.lse_dominant_term})")
         if self.baseline_ratio is not None:
@@ -263,7 +268,8 @@ def check_attention(out, problem: AttentionProblem, lse=None, precision=None, re
         parts = []
         if bad.any():
             where = _index(int(np.argmax(bad)), bad.shape)
-            parts.append(f"out holds {int(bad.sum())} non-finite values (first {got[where]} at {list(where)})")
+            parts.append(f"out holds {int(bad.sum())} NaN/Inf values where the reference is finite "
+                         f"(first {got[where]} at {list(where)})")
         if lse_bad.any():
             where = _index(int(np.argmax(lse_bad)), lse_bad.shape)
             parts.append(f"lse holds {int(lse_bad.sum())} NaN/Inf values where the reference is finite "
@@ -341,7 +347,8 @@ def check_attention(out, problem: AttentionProblem, lse=None, precision=None, re
     failures.sort(key=lambda item: order[item[0]])
     rule = failures[0][0] if failures else None
     detail = "; ".join(d for _, d in failures if d)
-    return Verdict(passed=not failures, rule=rule, detail=detail, summary=summary, **info, **fields)
+    cause = tiny_scale_note(errors, got, reference.out, precision.output) if failures else ""
+    return Verdict(passed=not failures, rule=rule, detail=detail, summary=summary, cause=cause, **info, **fields)
 
 
 def assert_attention_close(out, problem: AttentionProblem, lse=None, precision=None, **kwargs) -> Verdict:

@@ -2,13 +2,36 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import secrets
 import sys
 
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
 
 _CAUSAL = {"yes": (True,), "no": (False,), "both": (False, True)}
+#: The value of --seed (--fa-seed) that draws a new seed per run.
+RANDOM_SEED = "random"
+SEED_HELP = ("Hypothesis seed: an integer, or 'random' to draw one per run (printed first and recorded, so "
+             "a CI run explores new examples each time and a failure replays with --seed N)")
+
+
+def parse_seed(text: str):
+    """--seed's value: an int, or RANDOM_SEED."""
+    if text == RANDOM_SEED:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor {RANDOM_SEED!r}") from None
+
+
+def resolve_seed(seed):
+    """(the seed to search with, whether it was drawn): RANDOM_SEED draws a 32-bit one."""
+    if seed == RANDOM_SEED:
+        return secrets.randbelow(2**32), True
+    return seed, False
 
 #: Options `fa_verify check` shares with the pytest plugin (--fa-<name> there): name -> kwargs.
 SHARED_OPTIONS = {
@@ -44,7 +67,7 @@ def add_parser(sub) -> None:
                      help="examples per property (default: the profile's; ci: 20)")
     cmd.add_argument("--max-seq", type=int, default=None,
                      help="largest Nq or Nk drawn (default: the profile's; ci: 64)")
-    cmd.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
+    cmd.add_argument("--seed", type=parse_seed, default=0, help=SEED_HELP + " (default 0)")
     for name, kwargs in SHARED_OPTIONS.items():
         cmd.add_argument(f"--{name}", **kwargs)
     cmd.add_argument("--json", action="store_true", help="print one JSON document")
@@ -89,21 +112,32 @@ def _print_property(outcome) -> None:
     print(f"  {label} " + outcome.message().replace("\n", "\n       "), flush=True)
 
 
+def _verdict(outcome) -> str:
+    if not outcome.checked:
+        return "NOTHING CHECKED"
+    return "PASS" if outcome.passed else "FAIL"
+
+
 def _run(args) -> int:
     from fa_verify.check import check_backend, results_recorder
     from fa_verify.properties import Selection, get_property
 
     for name in args.properties or ():
         get_property(name)  # an unknown name is a usage error before anything runs
-    outcomes = []
+    seed, drawn = resolve_seed(args.seed)
+    if drawn:  # first, so that even a run that dies later can be replayed
+        print(f"seed {seed} (--seed random; replay with --seed {seed})", flush=True,
+              file=sys.stderr if args.json else sys.stdout)
+    outcomes, skipped = [], []
     for backend in _targets(args):
         dtypes = tuple(d for d in (args.dtype or backend.dtypes) if d in backend.dtypes)
         if not dtypes:
+            skipped.append(f"{backend.name} runs {', '.join(backend.dtypes)}, not --dtype {', '.join(args.dtype)}")
             continue
         selection = Selection.from_profile(args.profile or DEFAULT_PROFILE, dtypes=dtypes,
                                            causal=_CAUSAL[args.causal], max_examples=args.max_examples,
-                                           max_seq=args.max_seq, seed=args.seed)
-        record = results_recorder(args.results, backend, "check") if args.results else None
+                                           max_seq=args.max_seq, seed=seed)
+        record = results_recorder(args.results, backend, "check", seed=seed) if args.results else None
         print(f"checking {backend.name} ({', '.join(dtypes)}) ...", file=sys.stderr, flush=True)
         if not args.json:
             print(backend.name)
@@ -112,10 +146,29 @@ def _run(args) -> int:
         outcomes.append(outcome)
         if not args.json:
             counts = outcome.counts()
-            print(f"{'PASS' if outcome.passed else 'FAIL'} {backend.name}: {counts['passed']} passed, "
+            print(f"{_verdict(outcome)} {backend.name}: {counts['passed']} passed, "
                   f"{counts['failed']} failed, {counts['not applicable']} not applicable; "
                   f"{outcome.examples} examples in {outcome.seconds:.1f}s")
+    # Nothing judged is no pass: say why and exit 2 (a usage error: the selection is empty).
+    error = None if any(o.checked for o in outcomes) else _nothing_checked(outcomes, skipped)
+    for reason in skipped if error is None else ():
+        print(f"skipped {reason}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"passed": all(o.passed for o in outcomes),
-                          "targets": [o.as_dict() for o in outcomes]}, indent=2))
+        document = {"passed": error is None and all(o.passed for o in outcomes), "seed": seed,
+                    "seed_drawn": drawn, "targets": [o.as_dict() for o in outcomes]}
+        if error is not None:
+            document["error"] = error
+        print(json.dumps(document, indent=2))
+    if error is not None:
+        print(f"fa_verify check: error: {error}", file=sys.stderr)
+        return 2
     return 0 if all(o.passed for o in outcomes) else 1
+
+
+def _nothing_checked(outcomes, skipped) -> str:
+    """Why no example was judged: targets without the dtypes asked for, properties not applicable."""
+    reasons = list(skipped)
+    for outcome in outcomes:
+        why = sorted({p.reason for p in outcome.properties if p.reason})
+        reasons.append(f"{outcome.backend}: every property was not applicable ({'; '.join(why) or 'none ran'})")
+    return "nothing to check: " + ("; ".join(reasons) or "no target selected")

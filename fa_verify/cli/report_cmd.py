@@ -64,7 +64,13 @@ def _run(args) -> int:
         source = Path(args.source)
         if not source.exists():
             raise InvalidArgumentError(f"--from {str(source)!r}: no such file")
-        return _render(ResultsStore(source).read(), out, RunInfo.load(source.parent))
+        records = ResultsStore(source).read()
+        if not records:  # rendering nothing would read as "all pass"
+            raise InvalidArgumentError(
+                f"--from {str(source)!r}: no valid record found (the file is empty, or each line "
+                f"was skipped with a warning); give a results file written by 'fa_verify report', "
+                f"'fa_verify check --results' or pytest --fa-results")
+        return _render(records, out, RunInfo.load(source.parent))
 
     backends = _backends(args.backend)
     store = ResultsStore(out / RESULTS)

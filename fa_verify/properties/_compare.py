@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fa_verify.causes import got_expected
+
 
 @dataclass(frozen=True)
 class Mismatch:
@@ -29,7 +31,7 @@ class Mismatch:
     def describe(self, what: str) -> str:
         share = 100.0 * self.count / self.total if self.total else 0.0
         head = f"{what}: {self.count} / {self.total} elements ({share:.3g}%)"
-        where = f"at {list(self.index)}: got {self.got:.6g}, expected {self.want:.6g}"
+        where = f"at {list(self.index)}: {got_expected(self.got, self.want)}"
         if self.tolerance is None:
             return f"{head} differ; first {where}"
         ratio = self.error / self.tolerance if self.tolerance > 0 else float("inf")

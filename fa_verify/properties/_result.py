@@ -27,6 +27,8 @@ class PropertyResult:
     #: largest error / tolerance seen (tolerance-based checks), None otherwise
     worst_ratio: float | None = None
     verdicts: tuple = ()
+    #: the seed a seeded property drew its own choices from (set by search_property)
+    seed: int | None = None
 
     @property
     def passed(self) -> bool:

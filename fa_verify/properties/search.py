@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypothesis import Phase, Verbosity, given, reject, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import ExampleDatabase
-from hypothesis.errors import Unsatisfiable
+from hypothesis.errors import Flaky, Unsatisfiable
 
 from fa_verify import strategies as fst
 from fa_verify.errors import BackendOutputError, FaVerifyError, KernelRunError
@@ -116,6 +116,14 @@ class _Abort(Exception):
     """Stops Hypothesis after a setup error, which is re-raised as itself."""
 
 
+#: How the detail of a failure begins when the target raised (crashed, timed out) instead of
+#: returning: records tell such failures from wrong numbers by it.
+TARGET_RAISED = "the target raised"
+#: Prefixed to a failure that did not repeat when Hypothesis replayed its example.
+NOT_REPEATED = ("the failure did not repeat when the example was run again: the target's results vary "
+                "from run to run (nondeterministic). First run: ")
+
+
 def _target_failure(prop: Property, problem, exc: BaseException) -> PropertyResult:
     """A failed result for a target that raised: the exception and where it came from (the
     innermost frame), so that a bug in the target is told from one elsewhere."""
@@ -126,7 +134,7 @@ def _target_failure(prop: Property, problem, exc: BaseException) -> PropertyResu
     if tb is not None:
         where = f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
     return PropertyResult(prop.name, FAILED, problem.describe(),
-                          detail=f"the target raised {type(exc).__name__}: {exc}{where}")
+                          detail=f"{TARGET_RAISED} {type(exc).__name__}: {exc}{where}")
 
 
 def search_property(backend, prop, selection: Selection = Selection(), on_result=None) -> PropertyOutcome:
@@ -134,7 +142,10 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
     Backend or a run(problem) function). `on_result(problem, result, seconds)` sees every result.
 
     Failures of the target — wrong numbers, a broken output protocol, a crash or any exception
-    it raises — are counterexamples; other fa_verify errors (setup, misuse) are raised.
+    it raises — are counterexamples; other fa_verify errors (setup, misuse) are raised. A failure
+    that does not repeat when its example is run again (a nondeterministic target) is still a
+    failure, reported at the last example that failed, with both runs' values where the
+    property compares two runs (determinism).
     """
     backend, prop = as_backend(backend), get_property(prop)
     outcome = PropertyOutcome(property=prop.name, backend=backend.name)
@@ -157,6 +168,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
             raise _Abort from None
         except Exception as exc:  # noqa: BLE001 - whatever the target raises is a finding
             result = _target_failure(prop, problem, exc)
+        if prop.seeded:
+            result = replace(result, seed=seed)
         if on_result is not None:
             on_result(problem, result, time.perf_counter() - began)
         if not result.applicable:
@@ -194,9 +207,14 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         search()
     except _Abort:
         raise setup_error[0] from None
-    except PropertyFailure:
-        # Hypothesis replays the minimal example last, so it is the one recorded.
+    except (PropertyFailure, Flaky) as exc:
+        if not last:  # a Flaky error of Hypothesis' own (its strategy), not of the target
+            raise
+        # Hypothesis replays the minimal example last, so it is the one recorded; a Flaky
+        # error means the replay passed: the last example that failed is reported.
         problem, seed, result = last
+        if isinstance(exc, Flaky):
+            result = replace(result, detail=NOT_REPEATED + result.detail)
         outcome.status, outcome.failure, outcome.problem = FAILED, result, problem
         outcome.seed = seed if prop.seeded else None
         outcome.reproducer = reproducer(backend_expression(backend, problem.dtype), prop, problem, seed)

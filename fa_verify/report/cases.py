@@ -1,5 +1,8 @@
 """The worst cases: one per failing backend and rule, and the passing runs nearest their bound,
-each with a one-line reproducer (`fa_verify.check.reproducer` on the rebuilt problem)."""
+each with a one-line reproducer (`fa_verify.check.reproducer` on the rebuilt problem) that
+replays what judged the run: the property recorded with it (`fa_verify check --results`, the
+pytest plugin), else oracle agreement of the output and, when the run returned an LSE, of the
+LSE (a report sweep judges both)."""
 
 from __future__ import annotations
 
@@ -29,12 +32,20 @@ class Case:
     count: int = 1
 
 
+def replayed_properties(record) -> tuple:
+    """The properties whose check judged `record`, to replay it."""
+    if "property" in record.extra:
+        return (record.extra["property"],)
+    return ("oracle_agreement",) + (("lse_agreement",) if record.lse_errors is not None else ())
+
+
 def _case(record, count: int = 1) -> Case:
     from fa_verify.check import reproducer
 
     p = record.problem
     try:
-        command = reproducer(record.backend, p.rebuild())
+        command = reproducer(record.backend, p.rebuild(), replayed_properties(record),
+                             record.extra.get("property_seed", 0))
     except Exception:  # noqa: BLE001 - no distribution/seed, or a MODULE:FUNC not importable here
         command = None
     return Case(backend=record.backend,
