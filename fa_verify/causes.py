@@ -28,7 +28,7 @@ def got_expected(got: float, expected: float, what: str = "expected", spread: st
     a NaN where `what` is finite, or NaN on both sides (the expected value derives from the
     target's own output, which is NaN)."""
     if math.isnan(got) and math.isnan(expected):
-        return (f"got NaN, and the {what} (derived from the target's own output) is NaN too, where "
+        return (f"got NaN, and the {what} value (derived from the target's own output) is NaN too, where "
                 f"the exact result is finite (attention of finite inputs is finite)")
     if math.isnan(got) and math.isfinite(expected):
         return f"got NaN where the {what} is finite ({_number(expected)}{spread})"
