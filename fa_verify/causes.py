@@ -27,11 +27,12 @@ def got_expected(got: float, expected: float, what: str = "expected", spread: st
     """"got X, expected Y" (`spread`, e.g. " ± 1e-15", follows Y), naming a NaN for what it is:
     a NaN where `what` is finite, or NaN on both sides (the expected value derives from the
     target's own output, which is NaN)."""
+    noun = "the expected value" if what == "expected" else f"the {what}"
     if math.isnan(got) and math.isnan(expected):
-        return (f"got NaN, and the {what} value (derived from the target's own output) is NaN too, where "
-                f"the exact result is finite (attention of finite inputs is finite)")
+        return (f"got NaN, and {noun} (derived from the target's own output) is NaN too, where the exact "
+                f"result is finite (attention of finite inputs is finite)")
     if math.isnan(got) and math.isfinite(expected):
-        return f"got NaN where the {what} is finite ({_number(expected)}{spread})"
+        return f"got NaN where {noun} is finite ({_number(expected)}{spread})"
     return f"got {_number(got)}, {what} {_number(expected)}{spread}"
 
 

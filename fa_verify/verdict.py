@@ -120,10 +120,11 @@ class Verdict:
         if self.cause:
             lines.append(self.cause)
         if self.worst_index is not None:
+            got = got_expected(self.worst_value, self.worst_reference, "reference",
+                               f" ± {_g(self.worst_reference_bound, 2)}")
             lines.append(
                 f"Mismatched elements: {self.over_count} / {self.total} ({_pct(self.over_count, self.total)}) "
-                f"exceed the error-model bound; worst at {list(self.worst_index)}: "
-                f"{got_expected(self.worst_value, self.worst_reference, 'reference', f' ± {_g(self.worst_reference_bound, 2)}')}, "
+                f"exceed the error-model bound; worst at {list(self.worst_index)}: {got}, "
                 f"error {_g(self.worst_error, 2)} = {_r(self.bound_ratio)} × bound {_g(self.worst_bound, 2)} "
                 f"(dominant term: {self.dominant_term})")
         if self.unbounded_count:
@@ -135,7 +136,8 @@ class Verdict:
             lines.append(
                 f"LSE: {self.lse_over_count} / {self.lse_total} rows ({_pct(self.lse_over_count, self.lse_total)}) "
                 f"exceed the bound; worst at {list(self.lse_worst_index)}: "
-                f"{got_expected(self.lse_worst_value, self.lse_worst_reference, 'reference')}, error {_g(self.lse_worst_error, 2)} = "
+                f"{got_expected(self.lse_worst_value, self.lse_worst_reference, 'reference')}, "
+                f"error {_g(self.lse_worst_error, 2)} = "
                 f"{_r(self.lse_bound_ratio)} × bound {_g(self.lse_worst_bound, 2)} "
                 f"(dominant term: {self.lse_dominant_term})")
         if self.baseline_ratio is not None:
