@@ -113,25 +113,15 @@ def run_suite(backend, selection: Selection = Selection(), *, properties=None, s
     start = time.perf_counter()
     before = 0  # examples judged by the properties already searched
     first_failure: list = []
-    seen: dict = {}  # this property's applicable examples and its first failing (count, problem, result)
 
     def on_result(problem, result, seconds):
         if result.failed and not first_failure:
             first_failure.append(time.perf_counter())
-        if result.applicable:
-            seen["examples"] = seen.get("examples", 0) + 1
-            if result.failed and "failure" not in seen:
-                seen["failure"] = (seen["examples"], problem, result)
 
     for prop in props:
         search_selection = selection if not run.killed else replace(selection, shrink=False)
-        seen.clear()
-        began = time.perf_counter()
-        try:
-            outcome = check_backend(backend, search_selection, properties=[prop.name],
-                                    on_result=on_result).properties[0]
-        except Exception as exc:  # noqa: BLE001 - see _flaky_outcome
-            outcome = _flaky_outcome(exc, backend, prop, seen, time.perf_counter() - began)
+        outcome = check_backend(backend, search_selection, properties=[prop.name],
+                                on_result=on_result).properties[0]
         run.properties.append({"property": outcome.property, "status": outcome.status,
                                "examples": outcome.examples, "examples_to_failure": outcome.examples_to_failure,
                                "seconds": round(outcome.seconds, 3)})
@@ -154,35 +144,6 @@ def run_suite(backend, selection: Selection = Selection(), *, properties=None, s
         before += outcome.examples
     run.seconds = time.perf_counter() - start
     return run
-
-
-def _property_failure(exc):
-    """The PropertyFailure inside `exc` (an exception group Hypothesis raised), or None."""
-    from fa_verify.properties import PropertyFailure
-
-    if isinstance(exc, PropertyFailure):
-        return exc
-    for inner in getattr(exc, "exceptions", ()):
-        found = _property_failure(inner)
-        if found is not None:
-            return found
-    return None
-
-
-def _flaky_outcome(exc, backend, prop, seen, seconds):
-    """A failure that Hypothesis could not reproduce when it replayed it (FlakyFailure: a
-    nondeterministic target, e.g. one that reads uninitialised memory) escapes the search; it
-    is still a failure of the property, at the first failing example (not shrunk)."""
-    from fa_verify.properties.search import PropertyOutcome
-
-    if _property_failure(exc) is None or "failure" not in seen:
-        raise exc
-    count, problem, result = seen["failure"]
-    detail = ("the failure did not reproduce when Hypothesis replayed it (the target is "
-              f"nondeterministic): {result.detail}")
-    return PropertyOutcome(property=prop.name, backend=backend.name, status=FAILED, examples=seen["examples"],
-                           examples_to_failure=count, seconds=seconds, problem=problem,
-                           failure=replace(result, detail=detail))
 
 
 def _sanitizer_report(run: SuiteRun) -> bool:
