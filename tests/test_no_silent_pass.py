@@ -155,17 +155,27 @@ def test_seed_random_is_printed_first_recorded_and_replays(capsys, tmp_path):
     assert _problem_keys(tmp_path / "a.jsonl") == _problem_keys(tmp_path / "b.jsonl")
 
 
-def test_the_plugins_seed_random_is_in_the_header_and_the_records(pytester):
+def test_the_plugin_records_a_target_that_raises_and_its_random_seed(pytester):
     pytester.makepyfile(test_kernel="""
         from fa_verify.backends import get_backend
 
         def test_agreement(fa_search):
             assert fa_search(get_backend("numpy-tiled"), "oracle_agreement").examples > 0
+
+        def test_a_kernel_that_throws(fa_search):
+            def throws(problem):
+                raise RuntimeError("launch failed")
+            fa_search(throws, "oracle_agreement")
     """)
     result = pytester.runpytest_subprocess("--fa-seed", "random", "--fa-results", "r.jsonl")
-    result.assert_outcomes(passed=1)
+    result.assert_outcomes(passed=1, failed=1)
     header = [line for line in result.outlines if line.startswith("fa_verify: Hypothesis seed ")]
     assert header and "drawn by --fa-seed random" in header[0]
     seed = int(header[0].split()[3])
-    records = [json.loads(line) for line in (pytester.path / "r.jsonl").read_text().splitlines()]
-    assert records and {r["extra"]["search_seed"] for r in records} == {seed}
+    records = ResultsStore(pytester.path / "r.jsonl").read()
+    assert records and {r.extra["search_seed"] for r in records} == {seed}
+    raised = [r for r in records if r.rule == RUN_ERROR]
+    assert raised and all("RuntimeError: launch failed" in r.extra["error"] for r in raised)
+    rendered = subprocess.run([sys.executable, "-m", "fa_verify", "report", "--from", "r.jsonl", "--out", "out"],
+                              cwd=pytester.path, capture_output=True, text=True)
+    assert rendered.returncode == 1 and f"{len(raised)} failing" in rendered.stderr

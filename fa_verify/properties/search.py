@@ -121,7 +121,7 @@ class _Abort(Exception):
 TARGET_RAISED = "the target raised"
 #: Prefixed to a failure that did not repeat when Hypothesis replayed its example.
 NOT_REPEATED = ("the failure did not repeat when the example was run again: the target's results vary "
-                "from run to run (nondeterministic). First run: ")
+                "from run to run (nondeterministic). When it failed: ")
 
 
 def _target_failure(prop: Property, problem, exc: BaseException) -> PropertyResult:
