@@ -55,12 +55,22 @@ def pytest_configure(config):
         settings.load_profile(hypothesis_profile_name(profile))
 
 
-def pytest_report_header(config):
+def _seed_line(config) -> str | None:
     seed = config.getoption("fa_seed")
-    if seed is not None:
-        how = "drawn by --fa-seed random; " if config.stash.get(_SEED_DRAWN, False) else ""
-        return f"fa_verify: Hypothesis seed {seed} ({how}replay with --fa-seed {seed})"
-    return None
+    if seed is None:
+        return None
+    how = "drawn by --fa-seed random; " if config.stash.get(_SEED_DRAWN, False) else ""
+    return f"fa_verify: Hypothesis seed {seed} ({how}replay with --fa-seed {seed})"
+
+
+def pytest_report_header(config):
+    return _seed_line(config)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    # Again at the end for a drawn seed: the header is not shown under -q.
+    if config.stash.get(_SEED_DRAWN, False):
+        terminalreporter.write_line(_seed_line(config))
 
 
 def _backends(config) -> list:

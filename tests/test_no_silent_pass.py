@@ -169,9 +169,10 @@ def test_the_plugin_records_a_target_that_raises_and_its_random_seed(pytester):
     """)
     result = pytester.runpytest_subprocess("--fa-seed", "random", "--fa-results", "r.jsonl")
     result.assert_outcomes(passed=1, failed=1)
-    header = [line for line in result.outlines if line.startswith("fa_verify: Hypothesis seed ")]
-    assert header and "drawn by --fa-seed random" in header[0]
-    seed = int(header[0].split()[3])
+    lines = [line for line in result.outlines if line.startswith("fa_verify: Hypothesis seed ")]
+    assert len(lines) == 2 and lines[0] == lines[1]  # in the header, and at the end (-q hides the header)
+    assert "drawn by --fa-seed random" in lines[0]
+    seed = int(lines[0].split()[3])
     records = ResultsStore(pytester.path / "r.jsonl").read()
     assert records and {r.extra["search_seed"] for r in records} == {seed}
     raised = [r for r in records if r.rule == RUN_ERROR]
