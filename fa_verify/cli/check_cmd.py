@@ -67,7 +67,7 @@ def add_parser(sub) -> None:
                      help="examples per property (default: the profile's; ci: 20)")
     cmd.add_argument("--max-seq", type=int, default=None,
                      help="largest Nq or Nk drawn (default: the profile's; ci: 64)")
-    cmd.add_argument("--seed", type=parse_seed, default=0, help=SEED_HELP + " (default 0)")
+    cmd.add_argument("--seed", type=parse_seed, default=0, metavar="N|random", help=SEED_HELP + " (default 0)")
     for name, kwargs in SHARED_OPTIONS.items():
         cmd.add_argument(f"--{name}", **kwargs)
     cmd.add_argument("--json", action="store_true", help="print one JSON document")
