@@ -1,6 +1,7 @@
 """Our CUDA kernels (kernels/*.cu) as backends: each kernel family x runner.
 
-Runners: "pycuda" (a GPU, through a restartable PyCUDA worker process) and "cpu" (the same
+Runners: "pycuda" (a GPU, through a restartable PyCUDA worker process on the device
+$FA_VERIFY_CUDA_DEVICE names) and "cpu" (the same
 source compiled by g++ through fa_verify's CUDA-on-CPU runner). Backend names are
 "<label>-<runner>": fa2-pycuda, fa2-cpu, wmma-pycuda, wmma-cpu, naive-cuda-pycuda,
 naive-cuda-cpu, naive16-cuda-pycuda, naive16-cuda-cpu. The launch (entry, grid, block, dynamic shared memory) and the precision model
@@ -62,12 +63,12 @@ class PyCudaKernelBackend(KernelBackend):
         return pycuda_availability()
 
     def supports(self, problem: AttentionProblem) -> str | None:
-        limit = None
-        if self.availability().available:
-            from fa_verify.kernels.pycuda_runner import device_shared_limit
+        if not self.availability().available:
+            return self.family.supports(problem)
+        from fa_verify.kernels.pycuda_runner import arch_problem, device_properties
 
-            limit = device_shared_limit()
-        return self.family.supports(problem, shared_limit=limit)
+        arch, _, limit = device_properties()
+        return arch_problem(self.family, arch) or self.family.supports(problem, shared_limit=limit)
 
     def _run(self, problem: AttentionProblem):
         from fa_verify.kernels.pycuda_runner import shared_worker

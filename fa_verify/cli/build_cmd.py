@@ -68,8 +68,7 @@ def _run(args) -> int:
     header = f"{'entry':<18} {'arch':<6} {'regs':>5} {'threads':>7} {'smem static':>11} " \
              f"{'smem dynamic':>12} {'stack':>6} {'spill st':>8} {'spill ld':>8}"
     for r in results:
-        status = "ok" if r.ok else "FAILED"
-        print(f"\n{r.source} [{r.arch}]: {status} in {r.seconds:.1f} s")
+        print(f"\n{r.source} [{r.arch}]: {'ok' if r.ok else 'FAILED'} in {r.seconds:.1f} s")
         if r.log.strip():
             print("\n".join("  " + line for line in r.log.strip().splitlines()),
                   file=sys.stdout if r.ok else sys.stderr)

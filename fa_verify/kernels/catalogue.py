@@ -111,6 +111,9 @@ class KernelFamily:
     #: dtype of the trailing scratch array: None (no scratch), "fp32", or "input" (the problem dtype)
     scratch: str | None = None
     notes: str = ""
+    #: oldest GPU architecture the source compiles for (80 = sm_80; 0: whatever nvcc targets), and why
+    min_arch: int = 0
+    min_arch_reason: str = ""
 
     # --- what exists --------------------------------------------------------------------------
     @property
@@ -238,7 +241,8 @@ WMMA = KernelFamily(
     configs={16: TileConfig(64, 32, 128), 32: TileConfig(64, 32, 128), 64: TileConfig(64, 32, 128),
              96: TileConfig(64, 32, 128), 128: TileConfig(64, 32, 128), 256: TileConfig(32, 32, 128)},
     precision_model=PrecisionModel.flash, smem_regions=_wmma_smem,
-    notes="tensor-core sums may not round as IEEE fp32 additions; judged by the FA2 model")
+    notes="tensor-core sums may not round as IEEE fp32 additions; judged by the FA2 model",
+    min_arch=80, min_arch_reason="bf16 wmma fragments")
 
 NAIVE = KernelFamily(
     name="naive", label="naive-cuda", source="naive.cu",

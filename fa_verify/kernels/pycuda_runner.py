@@ -1,24 +1,36 @@
 """Launch the kernels on a GPU through PyCUDA, in this process or in a restartable worker.
 
-`PyCudaKernels` compiles a family's .cu with `SourceModule(no_extern_c=True)` for the device's
-arch (PyCUDA caches the binary on disk, keyed on the source, its headers and the options; this
-class caches the loaded module per process), sets the dynamic shared memory attribute where a
-launch needs more than 48 KiB, launches, and synchronises after every launch so a fault is
-reported at the launch that caused it. Arrays are numpy (fp16 / bf16 travel as uint16 bits) or
-torch CUDA tensors (in-process only; `pycuda.autoprimaryctx` shares torch's context).
+`PyCudaKernels` compiles a family's .cu with `pycuda.compiler.compile(no_extern_c=True)`, run
+by the nvcc that `fa_verify build --nvcc` uses (kernels/nvcc.py: PATH, $CUDA_HOME, the pip
+wheels) for the device's arch, keeps the cubin in fa_verify's own cache (written under a
+temporary name and renamed, so a parallel process never loads half a file), loads it, sets
+the dynamic shared memory attribute where a launch needs more than 48 KiB, launches, and
+synchronises after every launch so a fault is reported at the launch that caused it. Arrays
+are numpy (fp16 / bf16 travel as uint16 bits) or torch CUDA tensors (in-process only, each in
+the primary context of the tensors' own device, the one torch uses).
+
+One rule picks the device everywhere: $FA_VERIFY_CUDA_DEVICE (default 0) for numpy problems,
+the tensors' device for torch ones.
 
 An illegal address poisons a CUDA context for good, so the backends run launches in a worker
-process (`PyCudaWorker`): a CUDA error there is reported as KernelRunError, the worker's death
-as KernelCrashError, a hang as KernelTimeoutError (fa_verify.errors, as the CPU runner reports
-them); the worker is discarded and the next launch starts a fresh one.
+process (`PyCudaWorker`), which talks over its own pipes (never stdout, where the driver
+writes device printf): a fault is reported as KernelRunError, the worker's death as
+KernelCrashError, a hang as KernelTimeoutError (fa_verify.errors, as the CPU runner reports
+them), and the worker is restarted. Errors that leave the context usable (out of memory,
+more shared memory than the device has) are reported as BackendUnavailableError and keep
+the worker.
 
-Nothing here can run without a CUDA driver and a GPU; `pycuda_availability` says why not.
+`pycuda_availability` says precisely why the path cannot run here: pycuda missing, no driver
+library, a stub library, a driver older than the toolkit, no device, an arch nvcc cannot target.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import pickle
+import re
 import signal
 import struct
 import subprocess
@@ -26,12 +38,15 @@ import sys
 import tempfile
 import threading
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
 from fa_verify.backends.base import Availability
 from fa_verify.errors import (
+    BackendUnavailableError,
     FaVerifyError,
+    InvalidArgumentError,
     KernelBuildError,
     KernelCrashError,
     KernelRunError,
@@ -47,42 +62,110 @@ from fa_verify.kernels.catalogue import (
 )
 
 PYCUDA_MISSING = "pycuda is not installed (pip install 'fa-verify[cuda]'; needs a CUDA driver)"
+#: The device numpy problems run on (an index among the visible CUDA devices).
+DEVICE_ENV = "FA_VERIFY_CUDA_DEVICE"
 #: Seconds a launch (with its copies) may take in the worker before it is killed.
 DEFAULT_TIMEOUT = 120.0
-#: Seconds the worker may take to compile one kernel file (nvcc; PyCUDA caches the result on disk).
+#: Seconds the worker may take to compile one kernel file (nvcc; the cubin is cached on disk).
 COMPILE_TIMEOUT = 900.0
+
+
+def selected_device() -> int:
+    """The device index numpy problems run on: $FA_VERIFY_CUDA_DEVICE, default 0."""
+    value = os.environ.get(DEVICE_ENV, "0")
+    if not value.isdigit():
+        raise InvalidArgumentError(f"{DEVICE_ENV}={value!r} must be a device index such as 0 or 1")
+    return int(value)
+
+
+def _driver_load_problem(exc: ImportError) -> str:
+    """Why `import pycuda.driver` failed, in terms of the driver (PyCUDA itself is installed)."""
+    text = str(exc)
+    missing = re.search(r"undefined symbol: (\w+)", text)
+    if missing:
+        return (f"the CUDA driver library is older than the CUDA toolkit pycuda was built with (it lacks "
+                f"{missing.group(1)}): update the NVIDIA driver, or rebuild pycuda against the driver's CUDA version")
+    if "libcuda" in text:
+        return ("pycuda is installed but the CUDA driver library (libcuda.so.1) is not found: no NVIDIA driver is "
+                f"installed here, or it is not on the library path ({text})")
+    return f"pycuda is installed but does not import: {text}"
+
+
+def _release(version: str) -> int:
+    """'13.0.88' or '13.0' -> 13000, CUDA's integer version."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return major * 1000 + minor * 10
 
 
 @lru_cache(maxsize=1)
 def pycuda_availability() -> Availability:
-    """Whether PyCUDA, a driver and a GPU are here (checked once; creates no context)."""
+    """Whether PyCUDA, a driver, the selected device and a usable nvcc are here (checked once; no context)."""
+    if importlib.util.find_spec("pycuda") is None:
+        return Availability(False, PYCUDA_MISSING)
     try:
         import pycuda.driver as cuda
-    except ImportError:
-        return Availability(False, PYCUDA_MISSING)
-    except Exception as exc:  # pycuda present but libcuda missing or broken
-        return Availability(False, f"pycuda cannot load the CUDA driver: {exc}")
+    except ImportError as exc:
+        return Availability(False, _driver_load_problem(exc))
     try:
         cuda.init()
         count = cuda.Device.count()
-    except Exception as exc:
+    except cuda.Error as exc:
+        if "stub library" in str(exc):
+            return Availability(False, "the CUDA driver library loaded here is a stub (libcuda.so from the toolkit's "
+                                       "stubs or a test stub), not a driver: no NVIDIA driver is installed")
         return Availability(False, f"the CUDA driver does not start: {exc}")
+    try:
+        index = selected_device()
+    except InvalidArgumentError as exc:
+        return Availability(False, str(exc))
     if count == 0:
-        return Availability(False, "no CUDA GPU is visible (CUDA_VISIBLE_DEVICES?)")
+        return Availability(False, "the CUDA driver sees no device (CUDA_VISIBLE_DEVICES?)")
+    if index >= count:
+        return Availability(False, f"{DEVICE_ENV}={index} but the driver sees {count} device(s)")
+    from fa_verify.kernels.nvcc import NvccNotFoundError, find_nvcc, nvcc_version, supported_archs
+
+    try:
+        nvcc = find_nvcc()
+    except NvccNotFoundError as exc:
+        return Availability(False, f"PyCUDA compiles the kernels with nvcc: {exc}")
+    driver, toolkit = cuda.get_driver_version(), nvcc_version(nvcc)
+    if re.match(r"\d+\.\d+", toolkit) and driver < _release(toolkit):
+        return Availability(False, f"the CUDA driver supports CUDA {driver // 1000}.{driver % 1000 // 10} but nvcc "
+                                   f"({nvcc}) is CUDA {toolkit}, whose cubins need a newer driver: update the driver "
+                                   "or put an older toolkit's nvcc first (CUDA_HOME)")
+    arch = "sm_%d%d" % cuda.Device(index).compute_capability()
+    known = supported_archs(nvcc)
+    if known and arch not in known:
+        return Availability(False, f"nvcc {toolkit} ({nvcc}) cannot generate code for device {index} ({arch})")
     return Availability(True)
 
 
 @lru_cache(maxsize=1)
-def device_shared_limit() -> int:
-    """Dynamic shared memory a block of device 0 may opt in to (bytes)."""
+def device_properties() -> tuple[str, str, int]:
+    """(arch such as 'sm_80', name, opt-in dynamic shared memory per block) of the selected device."""
     import pycuda.driver as cuda
 
     cuda.init()
-    dev = cuda.Device(int(os.environ.get("FA_VERIFY_CUDA_DEVICE", "0")))
+    return _properties(cuda.Device(selected_device()))
+
+
+def _properties(dev) -> tuple[str, str, int]:
+    import pycuda.driver as cuda
+
+    major, minor = dev.compute_capability()
     try:
-        return int(dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN))
+        limit = int(dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN))
     except (AttributeError, cuda.Error):
-        return DEFAULT_SHARED_LIMIT
+        limit = DEFAULT_SHARED_LIMIT
+    return f"sm_{major}{minor}", dev.name(), limit
+
+
+def arch_problem(family: KernelFamily, arch: str) -> str | None:
+    """Why `family` cannot be built for `arch`, or None."""
+    if int(arch[3:]) < family.min_arch:
+        return (f"{family.source} needs compute capability {family.min_arch // 10}.{family.min_arch % 10} or newer "
+                f"({family.min_arch_reason}); this device is {arch}")
+    return None
 
 
 def _pointer(x) -> np.uintp:
@@ -94,40 +177,81 @@ def _pointer(x) -> np.uintp:
     return np.uintp(int(x))
 
 
+# --- compiling: fa_verify's nvcc, fa_verify's cache ----------------------------------------------------------
+
+def cubin_cache_dir() -> Path:
+    """$FA_VERIFY_CACHE/pycuda, else ~/.cache/fa_verify/pycuda."""
+    from fa_verify.cuda_cpu import default_cache_dir
+
+    return default_cache_dir().parent / "pycuda"
+
+
+def compile_cubin(family: KernelFamily, arch: str) -> bytes:
+    """The family's cubin for `arch`, compiled once per source, headers, options and nvcc, then cached.
+
+    Raises NvccNotFoundError (a setup error) or KernelBuildError with nvcc's output."""
+    from pycuda.compiler import compile as pycuda_compile
+    from pycuda.driver import CompileError
+
+    from fa_verify.kernels.nvcc import cuda_include_dirs, find_nvcc, nvcc_version
+
+    problem = arch_problem(family, arch)
+    if problem:
+        raise BackendUnavailableError(problem)
+    nvcc = find_nvcc()
+    options = [*NVCC_OPTIONS, *(f"-I{d}" for d in cuda_include_dirs(nvcc))]
+    source = family.source_path.read_text()
+    headers = sorted(p for p in kernels_dir().iterdir() if p.suffix in (".cuh", ".h"))
+    key = hashlib.sha256("\0".join([source, *(p.read_text() for p in headers), *options, arch, str(nvcc),
+                                    nvcc_version(nvcc)]).encode()).hexdigest()[:24]
+    path = cubin_cache_dir() / f"{family.source}-{arch}-{key}.cubin"
+    if path.is_file():
+        return path.read_bytes()
+    try:
+        cubin = pycuda_compile(source, nvcc=str(nvcc), options=options, no_extern_c=True, arch=arch,
+                               include_dirs=[str(kernels_dir())], cache_dir=False)
+    except CompileError as exc:
+        raise KernelBuildError(f"nvcc could not compile {family.source} for {arch}: {exc}",
+                               log=getattr(exc, "stderr", "") or str(exc)) from None
+    write_atomically(path, cubin)
+    return cubin
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write under a temporary name in the same folder, then rename: readers see all of it or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
 class PyCudaKernels:
-    """The compiled modules of every family on the current context's device (in-process)."""
+    """The loaded modules of every family on the current context's device (in-process)."""
 
     def __init__(self):
         import pycuda.driver as cuda
 
         self._cuda = cuda
-        dev = cuda.Context.get_device()
-        major, minor = dev.compute_capability()
-        self.arch = f"sm_{major}{minor}"
-        self.device_name = dev.name()
-        try:
-            self.shared_limit = int(dev.get_attribute(cuda.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN))
-        except (AttributeError, cuda.Error):
-            self.shared_limit = DEFAULT_SHARED_LIMIT
+        self.arch, self.device_name, self.shared_limit = _properties(cuda.Context.get_device())
         self._modules: dict[str, object] = {}
         self._shared_set: dict[str, int] = {}
 
     def module(self, family: KernelFamily):
         if family.name not in self._modules:
-            from pycuda.compiler import SourceModule
-
-            source = family.source_path.read_text()
-            self._modules[family.name] = SourceModule(
-                source, no_extern_c=True, arch=self.arch, options=list(NVCC_OPTIONS),
-                include_dirs=[str(kernels_dir())])
+            self._modules[family.name] = self._cuda.module_from_buffer(compile_cubin(family, self.arch))
         return self._modules[family.name]
 
     def function(self, family: KernelFamily, launch: Launch):
         func = self.module(family).get_function(launch.entry)
         if launch.shared_bytes > DEFAULT_SHARED_LIMIT and self._shared_set.get(launch.entry, 0) < launch.shared_bytes:
             if launch.shared_bytes > self.shared_limit:
-                raise FaVerifyError(f"{launch.entry} needs {launch.shared_bytes} bytes of shared memory; "
-                                    f"{self.device_name} allows {self.shared_limit}")
+                raise BackendUnavailableError(f"{launch.entry} needs {launch.shared_bytes} bytes of shared memory; "
+                                              f"{self.device_name} allows {self.shared_limit}")
             func.set_attribute(self._cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.shared_bytes)
             self._shared_set[launch.entry] = launch.shared_bytes
         return func
@@ -141,8 +265,17 @@ class PyCudaKernels:
         if family.scratch:
             args.append(_pointer(scratch))
         func = self.function(family, launch)
-        func(*args, grid=launch.grid, block=launch.block, shared=launch.shared_bytes)
+        func(*args, grid=tuple(int(g) for g in launch.grid), block=tuple(int(b) for b in launch.block),
+             shared=int(launch.shared_bytes))
         self._cuda.Context.synchronize()  # every launch checked: a fault surfaces here
+
+    def allocate(self, nbytes: int, entry: str):
+        """Device memory; running out is reported as BackendUnavailableError (the context stays usable)."""
+        try:
+            return self._cuda.mem_alloc(max(1, nbytes))
+        except self._cuda.MemoryError as exc:
+            raise BackendUnavailableError(f"{entry}: out of memory on {self.device_name} allocating {nbytes} bytes "
+                                          f"({exc}); try a smaller problem") from None
 
     def run_numpy(self, family: KernelFamily, launch: Launch, q: np.ndarray, k: np.ndarray,
                   v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -152,61 +285,103 @@ class PyCudaKernels:
         q, k, v = (np.ascontiguousarray(x) for x in (q, k, v))
         o = np.empty_like(q)
         lse = np.empty((B, H, Nq), dtype=np.float32)
-        buffers = [cuda.mem_alloc(max(1, x.nbytes)) for x in (q, k, v, o, lse)]
-        scratch = None
+        sizes = [x.nbytes for x in (q, k, v, o, lse)]
+        if launch.scratch_dtype:
+            sizes.append(launch.scratch_elements * (4 if launch.scratch_dtype == "fp32" else 2))
+        buffers = []
         try:
+            for size in sizes:
+                buffers.append(self.allocate(size, launch.entry))
             for buf, x in zip(buffers[:3], (q, k, v)):
                 cuda.memcpy_htod(buf, x)
             # NaN-filled outputs: an element the kernel never writes shows up as NaN.
             cuda.memcpy_htod(buffers[3], np.full(o.shape, 0xFFFF if o.itemsize == 2 else np.nan,
                                                  dtype=np.uint16 if o.itemsize == 2 else o.dtype))
             cuda.memcpy_htod(buffers[4], np.full(lse.shape, np.nan, np.float32))
-            if launch.scratch_dtype:
-                itemsize = 4 if launch.scratch_dtype == "fp32" else 2
-                scratch = cuda.mem_alloc(max(1, launch.scratch_elements * itemsize))
-            self.launch(family, launch, *buffers, scratch=scratch)
+            self.launch(family, launch, *buffers[:5], scratch=buffers[5] if len(buffers) > 5 else None)
             cuda.memcpy_dtoh(o, buffers[3])
             cuda.memcpy_dtoh(lse, buffers[4])
         finally:
-            for buf in buffers + ([scratch] if scratch is not None else []):
+            for buf in buffers:
                 buf.free()
         return o, lse
 
 
-def run_torch(family: KernelFamily, q, k, v, *, causal: bool = False,
-              causal_alignment: str = "bottom-right", scale: float | None = None, kernels=None):
-    """(o, lse) of torch CUDA tensors q [B,H,Nq,D], k/v [B,Hkv,Nk,D], in this process.
+# --- torch CUDA tensors, in this process ---------------------------------------------------------------
 
-    Shares torch's CUDA context (pycuda.autoprimaryctx). A fault here poisons that context: use
-    the backends (worker process) when a kernel may be broken.
-    """
+def check_torch_inputs(q, k, v) -> str:
+    """The fa_verify dtype of q, k, v [B,H,Nq,D] / [B,Hkv,Nk,D], after checking shapes; InvalidArgumentError."""
     import torch
-    import pycuda.autoprimaryctx  # noqa: F401
 
     dtype = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(q.dtype)
     if dtype is None or not (q.dtype == k.dtype == v.dtype):
-        raise FaVerifyError(f"q, k, v must share one of fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
-    (B, H, Nq, D), (_, Hkv, Nk, _) = q.shape, k.shape
-    launch = family.launch_for(B, H, Hkv, Nq, Nk, D, dtype, causal=causal,
-                               causal_alignment=causal_alignment, scale=scale)
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    o = torch.empty_like(q)
-    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+        raise InvalidArgumentError(f"q, k, v must share one of fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise InvalidArgumentError(f"q must be [B,H,Nq,D] and k, v one [B,Hkv,Nk,D] shape; got q {tuple(q.shape)}, "
+                                   f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    (B, H, _, D), (Bk, Hkv, _, Dk) = q.shape, k.shape
+    if B != Bk or D != Dk:
+        raise InvalidArgumentError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B or D")
+    if Hkv == 0 or H % Hkv:
+        raise InvalidArgumentError(f"q's heads H={H} must be a multiple of k/v's heads Hkv={Hkv} (MHA, GQA, MQA)")
+    if not (q.device == k.device == v.device):
+        raise InvalidArgumentError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    return dtype
+
+
+def torch_outputs(q, launch: Launch):
+    """(o, lse, scratch) on q's device, o and lse NaN-filled so an element never written shows as NaN."""
+    import torch
+
+    B, H, _, Nq = launch.scalars[:4]
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((B, H, Nq), float("nan"), dtype=torch.float32, device=q.device)
     scratch = None
     if launch.scratch_dtype:
         scratch_dtype = torch.float32 if launch.scratch_dtype == "fp32" else q.dtype
         scratch = torch.empty(max(1, launch.scratch_elements), dtype=scratch_dtype, device=q.device)
+    return o, lse, scratch
+
+
+_TORCH_KERNELS: dict[int, tuple[object, PyCudaKernels]] = {}
+
+
+def run_torch(family: KernelFamily, q, k, v, *, causal: bool = False,
+              causal_alignment: str = "bottom-right", scale: float | None = None):
+    """(o, lse) of torch CUDA tensors q [B,H,Nq,D], k/v [B,Hkv,Nk,D], in this process, without copies.
+
+    Runs in the primary context of the tensors' device (the one torch uses). A fault here poisons
+    that context: use the backends (worker process) when a kernel may be broken.
+    """
+    import torch
+
+    dtype = check_torch_inputs(q, k, v)
+    if not q.is_cuda:
+        raise InvalidArgumentError(f"run_torch takes CUDA tensors; q is on {q.device}")
+    (B, H, Nq, D), (_, Hkv, Nk, _) = q.shape, k.shape
+    launch = family.launch_for(B, H, Hkv, Nq, Nk, D, dtype, causal=causal,
+                               causal_alignment=causal_alignment, scale=scale)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    o, lse, scratch = torch_outputs(q, launch)
     torch.cuda.synchronize(q.device)
-    global _IN_PROCESS
-    if kernels is None:
-        if _IN_PROCESS is None:
-            _IN_PROCESS = PyCudaKernels()
-        kernels = _IN_PROCESS
-    kernels.launch(family, launch, q, k, v, o, lse, scratch=scratch)
+    import pycuda.driver as cuda
+
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if index not in _TORCH_KERNELS:
+        cuda.init()
+        context = cuda.Device(index).retain_primary_context()
+        context.push()
+        try:
+            _TORCH_KERNELS[index] = (context, PyCudaKernels())
+        finally:
+            cuda.Context.pop()
+    context, kernels = _TORCH_KERNELS[index]
+    context.push()
+    try:
+        kernels.launch(family, launch, q, k, v, o, lse, scratch=scratch)
+    finally:
+        cuda.Context.pop()
     return o, lse
-
-
-_IN_PROCESS: PyCudaKernels | None = None
 
 
 # --- the worker process ---------------------------------------------------------------------------
@@ -226,73 +401,115 @@ def _receive(stream):
     return pickle.loads(stream.read(size))
 
 
-def worker_main() -> None:
-    """The worker's loop: ("compile", family) -> ("ok",); (family, launch, q, k, v) -> ("ok", o, lse);
-    any failure -> ("error", kind, message), after which the worker exits (its context may be poisoned)."""
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # stray prints must not corrupt the protocol
-    import pycuda.autoinit  # noqa: F401  (one context for the life of this worker)
+#: Errors after which the worker's context is still usable (fa_verify's own: no CUDA call failed,
+#: or only an allocation did): it answers and keeps running.
+_RECOVERABLE = (FaVerifyError,)
 
-    kernels = PyCudaKernels()
-    _send(stdout, ("ready", kernels.arch, kernels.device_name, kernels.shared_limit))
-    while True:
-        try:
-            request = _receive(stdin)
-        except EOFError:
-            return
-        try:
-            if request[0] == "compile":
-                kernels.module(FAMILIES[request[1]])
-                _send(stdout, ("ok",))
-                continue
-            family_name, launch, q, k, v = request
-            o, lse = kernels.run_numpy(FAMILIES[family_name], launch, q, k, v)
-            _send(stdout, ("ok", o, lse))
-        except Exception as exc:  # a CUDA error leaves the context unusable: report and exit
-            _send(stdout, ("error", type(exc).__name__, str(exc)))
-            return
+
+def worker_main(read_fd: int, write_fd: int) -> None:
+    """The worker's loop over its own pipes: ("compile", family) -> ("ok",); (family, launch, q, k, v) ->
+    ("ok", o, lse); a failure -> ("error", kind, message, recoverable); after an unrecoverable one
+    the worker exits (its context may be poisoned)."""
+    inbox, outbox = os.fdopen(read_fd, "rb"), os.fdopen(write_fd, "wb")
+    os.dup2(2, 1)  # the driver's device printf and any C-level output land in the log, not the protocol
+    sys.stdout = sys.stderr
+    import pycuda.driver as cuda
+
+    cuda.init()
+    context = cuda.Device(selected_device()).retain_primary_context()
+    context.push()
+    try:
+        kernels = PyCudaKernels()
+        import fa_verify
+
+        _send(outbox, ("ready", kernels.arch, kernels.device_name, kernels.shared_limit,
+                       str(Path(fa_verify.__file__).parent)))
+        while True:
+            try:
+                request = _receive(inbox)
+            except EOFError:
+                return
+            try:
+                if request[0] == "compile":
+                    kernels.module(FAMILIES[request[1]])
+                    _send(outbox, ("ok",))
+                    continue
+                family_name, launch, q, k, v = request
+                o, lse = kernels.run_numpy(FAMILIES[family_name], launch, q, k, v)
+                _send(outbox, ("ok", o, lse))
+            except Exception as exc:
+                recoverable = isinstance(exc, _RECOVERABLE)
+                _send(outbox, ("error", type(exc).__name__, str(exc), recoverable))
+                if not recoverable:  # a CUDA error may leave the context unusable
+                    return
+    finally:
+        context.pop()
+
+
+def _package_root() -> str:
+    """The folder holding this fa_verify package, so the worker imports the same one."""
+    return str(Path(__file__).resolve().parent.parent.parent)
 
 
 class PyCudaWorker:
-    """A worker process owning one CUDA context; restarted after any failure."""
+    """A worker process owning the selected device's context; restarted after an unrecoverable failure."""
 
-    #: The worker's command line; tests substitute a fake worker that speaks the same protocol.
-    COMMAND = (sys.executable, "-c", "from fa_verify.kernels.pycuda_runner import worker_main; worker_main()")
+    #: The worker's command line, to which the two pipe descriptors are appended; tests substitute
+    #: a fake worker that speaks the same protocol.
+    COMMAND = (sys.executable, "-c", "import sys; from fa_verify.kernels.pycuda_runner import worker_main; "
+                                     "worker_main(int(sys.argv[1]), int(sys.argv[2]))")
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT, command=None):
         self.timeout = timeout
         self.command = list(command or self.COMMAND)
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
-        self.arch = self.device_name = None
+        self.arch = self.device_name = self.package = None
         self.starts = 0
         self._compiled: set[str] = set()  # families this worker has compiled
 
     def _start(self) -> None:
         self._log = tempfile.TemporaryFile()  # a file, not a pipe: a chatty worker never blocks
-        self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self._log)
+        to_worker_r, to_worker_w = os.pipe()
+        from_worker_r, from_worker_w = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        try:
+            self._proc = subprocess.Popen(self.command + [str(to_worker_r), str(from_worker_w)],
+                                          pass_fds=(to_worker_r, from_worker_w), stdin=subprocess.DEVNULL,
+                                          stdout=self._log, stderr=self._log, env=env)
+        finally:
+            os.close(to_worker_r)
+            os.close(from_worker_w)
+        self._to, self._from = os.fdopen(to_worker_w, "wb"), os.fdopen(from_worker_r, "rb")
         self.starts += 1
         self._compiled = set()
         reply = self._call(None, timeout=3 * self.timeout, startup=True)
-        _, self.arch, self.device_name, self.shared_limit = reply
+        _, self.arch, self.device_name, self.shared_limit, self.package = reply
 
     def _stop(self) -> None:
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
             self._proc = None
+            self._to.close()
+            self._from.close()
+
+    def log(self) -> str:
+        """What the worker wrote to stdout and stderr (device printf, warnings), last 4000 characters."""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-4000:].strip()
 
     def _call(self, request, timeout: float, startup: bool = False):
         """Send a request (None at startup) and wait for the reply within `timeout` seconds."""
-        proc = self._proc
+        to, frm = self._to, self._from
         result: list = []
 
         def exchange():
             try:
                 if request is not None:
-                    _send(proc.stdin, request)
-                result.append(_receive(proc.stdout))
+                    _send(to, request)
+                result.append(_receive(frm))
             except (EOFError, OSError, pickle.UnpicklingError) as exc:
                 result.append(exc)
 
@@ -305,10 +522,9 @@ class PyCudaWorker:
             raise KernelTimeoutError(f"{what} timed out after {timeout:g} s (PyCUDA worker killed)")
         reply = result[0]
         if isinstance(reply, Exception):
-            code = proc.wait()
-            self._log.seek(0)
-            stderr = self._log.read().decode(errors="replace")[-4000:].strip()
-            self._proc = None
+            code = self._proc.wait()
+            stderr = self.log()
+            self._stop()
             if code < 0:
                 try:
                     how = signal.Signals(-code).name
@@ -333,15 +549,26 @@ class PyCudaWorker:
                 reply = self._call((family.name, launch, q, k, v), timeout=self.timeout)
                 if reply[0] == "ok":
                     return reply[1], reply[2]
-            self._stop()  # the context is poisoned
-            _, kind, message = reply
-            if kind == "CompileError":
-                raise KernelBuildError(f"PyCUDA could not compile {family.source}: {message}", log=message)
-            raise KernelRunError(f"{launch.entry} failed on the GPU: {kind}: {message}")
+            _, kind, message, recoverable = reply
+            if not recoverable:
+                self._stop()  # the context may be poisoned
+            raise _worker_error(kind, message, launch, self.device_name)
 
     def close(self) -> None:
         with self._lock:
             self._stop()
+
+
+def _worker_error(kind: str, message: str, launch: Launch, device: str) -> FaVerifyError:
+    """The exception for the worker's ("error", kind, message) reply."""
+    from fa_verify.kernels.nvcc import NvccNotFoundError
+
+    by_kind = {cls.__name__: cls for cls in (NvccNotFoundError, BackendUnavailableError, InvalidArgumentError)}
+    if kind in by_kind:
+        return by_kind[kind](message)
+    if kind == "KernelBuildError":
+        return KernelBuildError(message, log=message)
+    return KernelRunError(f"{launch.entry} failed on {device}: {kind}: {message}")
 
 
 _WORKER: PyCudaWorker | None = None

@@ -1,0 +1,111 @@
+"""The fake CUDA driver's launches (test support): one cuLaunchKernel run on the CUDA-on-CPU runner.
+
+fake_driver.c calls `run` with the GIL held, in the process that loaded the fake driver. The
+entry name says the kernel family, dtype and head dimension (`<family>_<dtype>_d<D>`, the
+catalogue's naming); the parameter buffer is unpacked by the catalogue's signature, each
+pointer becomes a numpy view of the fake device allocation it points into, and the same
+entry of a CPU build of the same .cu (`fa_verify.backends.cuda_kernels.cpu_module`, which
+reads kernels_dir() as PyCUDA's compile did) runs the launch. What the kernel prints goes to
+file descriptor 1, as a driver flushes device printf. Returns a CUresult.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import os
+import struct
+import sys
+
+import numpy as np
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_NOT_SUPPORTED = 801
+CUDA_ERROR_ILLEGAL_ADDRESS = 700
+CUDA_ERROR_LAUNCH_TIMEOUT = 702
+CUDA_ERROR_MISALIGNED_ADDRESS = 716
+CUDA_ERROR_LAUNCH_FAILED = 719
+
+#: (struct code, size) of each parameter kind of the catalogue's signatures; native alignment.
+_KINDS = {"ptr": "P", "int": "i", "float": "f"}
+
+
+def _allocation(address: int) -> tuple[int, int] | None:
+    driver = ctypes.CDLL("libcuda.so.1")  # already loaded: the fake driver itself
+    base, size = ctypes.c_size_t(), ctypes.c_size_t()
+    found = driver.fa_fake_cuda_allocation(ctypes.c_size_t(address), ctypes.byref(base), ctypes.byref(size))
+    return (base.value, size.value) if found else None
+
+
+def _say(message: str) -> None:
+    print(f"fake CUDA driver: {message}", file=sys.stderr, flush=True)
+
+
+def _view(address: int, dtype) -> np.ndarray | int:
+    """The allocation from `address` to its end as an array, or a CUresult when it is not one."""
+    if address == 0:
+        return CUDA_ERROR_ILLEGAL_ADDRESS
+    found = _allocation(address)
+    if found is None:
+        _say(f"pointer {address:#x} is not in any allocation")
+        return CUDA_ERROR_ILLEGAL_ADDRESS
+    base, size = found
+    itemsize = np.dtype(dtype).itemsize
+    if (address - base) % itemsize:
+        return CUDA_ERROR_MISALIGNED_ADDRESS
+    count = (base + size - address) // itemsize
+    memory = (ctypes.c_char * (count * itemsize)).from_address(address)
+    return np.frombuffer(memory, dtype=dtype)
+
+
+def run(entry: str, grid, block, shared: int, params: bytes, device: int) -> int:
+    from fa_verify.backends.cuda_kernels import cpu_module
+    from fa_verify.errors import (
+        FaVerifyError,
+        InvalidArgumentError,
+        KernelCrashError,
+        KernelDeadlockError,
+        KernelTimeoutError,
+    )
+    from fa_verify.kernels.catalogue import FAMILIES
+
+    family_name, dtype, _ = entry.rsplit("_", 2) if entry.count("_") >= 2 else (entry, "", "")
+    family = FAMILIES.get(family_name)
+    if family is None or entry not in family.entries():
+        _say(f"{entry} is not a catalogued kernel entry; the fake driver runs only those")
+        return CUDA_ERROR_NOT_SUPPORTED
+    layout = "".join(_KINDS[kind] for kind in family.signature)
+    if struct.calcsize(layout) != len(params):
+        _say(f"{entry} takes {struct.calcsize(layout)} bytes of parameters ({layout}); the launch packed {len(params)}")
+        return CUDA_ERROR_INVALID_VALUE
+    values = list(struct.unpack(layout, params))
+    element = np.uint16 if dtype in ("fp16", "bf16") else np.float32
+    scratch = np.float32 if family.scratch == "fp32" else element
+    for position, dtype_of in enumerate((element, element, element, element, np.float32, scratch)[:layout.count("P")]):
+        index = position if position < 5 else len(values) - 1
+        view = _view(values[index], dtype_of)
+        if isinstance(view, int):
+            return view
+        values[index] = view
+    module = cpu_module(family)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            module.launch(entry, tuple(grid), tuple(block), shared, values)
+    except (KernelTimeoutError, KernelDeadlockError) as exc:
+        _say(str(exc))
+        return CUDA_ERROR_LAUNCH_TIMEOUT
+    except KernelCrashError as exc:
+        _say(str(exc))
+        return CUDA_ERROR_ILLEGAL_ADDRESS
+    except InvalidArgumentError as exc:
+        _say(str(exc))
+        return CUDA_ERROR_INVALID_VALUE
+    except FaVerifyError as exc:  # a sanitizer report, a build error
+        _say(str(exc))
+        return CUDA_ERROR_LAUNCH_FAILED
+    finally:
+        if module.last_output:
+            os.write(1, module.last_output.encode())  # device printf reaches the process's stdout
+    return CUDA_SUCCESS
