@@ -1,0 +1,305 @@
+"""The PyCUDA path on the FAKE CUDA driver (tests/fake_cuda_driver): no GPU is involved.
+
+PyCUDA, built against a stub libcuda, runs in child processes whose library path holds the
+fake driver: host memory as device memory, settable devices, injectable faults, each launch
+run by the CUDA-on-CPU runner. What these tests show is that fa_verify drives PyCUDA and the
+driver API correctly (compiling with nvcc for the device's arch, loading, opt-in, packing,
+copies, errors, devices, worker protocol); they say nothing of how a GPU computes.
+
+They skip, naming what is missing, where PyCUDA has not been built against the stub
+(`python3 tests/fake_cuda_driver/build.py pycuda`, as .ci/run does) or a real driver is here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fake_cuda_driver import build
+
+try:
+    build.pycuda_dir()
+    build.build_library("fake")
+    FAKE = None
+except build.FakeDriverUnavailable as exc:
+    FAKE = str(exc)
+pytestmark = pytest.mark.skipif(FAKE is not None, reason=f"fake driver unavailable: {FAKE}")
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: Child-process prelude: a problem maker and a JSON answer on the last line of stdout.
+PRELUDE = """
+import json, sys
+import numpy as np
+from fa_verify.problem import AttentionProblem
+
+def problem(B, H, Hkv, Nq, Nk, D, dtype="fp16", seed=0, **causal):
+    rng = np.random.default_rng(seed)
+    return AttentionProblem.from_float(rng.standard_normal((B, H, Nq, D)), rng.standard_normal((B, Hkv, Nk, D)),
+                                       rng.standard_normal((B, Hkv, Nk, D)), dtype, **causal)
+
+def answer(**values):
+    print(json.dumps(values))
+"""
+
+
+def on_fake_driver(code: str, *, env_extra=None, driver="fake", omit=(), cwd=None, timeout=600, **settings):
+    """Run `code` (after PRELUDE) in a child process on the fake driver; its JSON answer, or fail with its output."""
+    env = build.environment(driver=driver, omit=omit, **settings)
+    env.update(env_extra or {})
+    proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env, cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- the kernels, through PyCUDA on the fake driver ----------------------------------------------------
+
+
+def test_fake_driver_runs_every_family_bit_identical_to_the_cpu_runner():
+    """Each -pycuda backend on the fake driver returns what its -cpu twin returns, bit for bit, and passes the oracle."""
+    answer = on_fake_driver("""
+        from fa_verify.backends.cuda_kernels import CpuKernelBackend, PyCudaKernelBackend
+        from fa_verify.kernels import FAMILIES
+        from fa_verify.verdict import check_attention
+        rows = []
+        for name, family in FAMILIES.items():
+            for dtype in family.dtypes:
+                p = problem(1, 4, 2, 70, 45, 64, dtype, seed=len(rows), causal=True)
+                gpu, cpu = PyCudaKernelBackend(name), CpuKernelBackend(name)
+                assert gpu.availability().available, gpu.availability().reason
+                (o, lse), (o2, lse2) = gpu.run(p), cpu.run(p)
+                same = o.tobytes() == o2.tobytes() and lse.tobytes() == lse2.tobytes()
+                rows.append([name, dtype, same, check_attention(o, p, lse=lse, precision=gpu.precision(dtype)).passed])
+        answer(rows=rows)
+    """)
+    assert len(answer["rows"]) == 10
+    for name, dtype, same, passed in answer["rows"]:
+        assert same and passed, (name, dtype, same, passed)
+
+
+def test_fake_driver_needs_the_shared_memory_opt_in_and_the_runner_sets_it():
+    """fa2 D=128 needs > 48 KiB: the fake refuses the launch without the opt-in, as a driver does; the runner opts in."""
+    answer = on_fake_driver("""
+        import pycuda.driver as cuda
+        from fa_verify.backends.cuda_kernels import PyCudaKernelBackend
+        from fa_verify.kernels.pycuda_runner import compile_cubin
+        from fa_verify.kernels import FAMILIES
+        p = problem(1, 1, 1, 20, 20, 128, "fp32")
+        launch = FAMILIES["fa2"].launch(p)
+        o, lse = PyCudaKernelBackend("fa2").run(p)
+        cuda.init()
+        ctx = cuda.Device(0).make_context()
+        func = cuda.module_from_buffer(compile_cubin(FAMILIES["fa2"], "sm_80")).get_function(launch.entry)
+        buffers = [cuda.mem_alloc(4 * 20 * 128) for _ in range(4)] + [cuda.mem_alloc(4 * 20)]
+        scalars = [np.int32(x) for x in launch.scalars[:5]] + [np.float32(launch.scalars[5])] + [np.int32(x) for x in launch.scalars[6:]]
+        try:
+            func(*buffers, *scalars, grid=launch.grid, block=launch.block, shared=launch.shared_bytes)
+            refused = ""
+        except cuda.Error as exc:
+            refused = str(exc)
+        ctx.pop()
+        answer(shared=launch.shared_bytes, finite=bool(np.isfinite(lse).all()), refused=refused)
+    """)
+    assert answer["shared"] > 48 * 1024 and answer["finite"]
+    assert "cuLaunchKernel failed: invalid value" in answer["refused"]
+
+
+def test_fake_driver_fault_in_a_launch_is_a_kernel_error_and_the_worker_restarts():
+    answer = on_fake_driver("""
+        import os
+        from fa_verify.errors import KernelRunError
+        from fa_verify.kernels import FAMILIES
+        from fa_verify.kernels.pycuda_runner import PyCudaWorker
+        from fa_verify.backends.cuda_kernels import _bits
+        p = problem(1, 1, 1, 8, 8, 16, "fp32")
+        worker = PyCudaWorker(timeout=120)
+        try:
+            worker.run(FAMILIES["naive"], FAMILIES["naive"].launch(p), p.q, p.k, p.v)
+            error = "none"
+        except KernelRunError as exc:
+            error = str(exc)
+        starts = worker.starts
+        worker.close()
+        answer(error=error, starts=starts)
+    """, faults="cuLaunchKernel=719")
+    assert "unspecified launch failure" in answer["error"] and "fake driver device 0" in answer["error"]
+
+
+# --- the ten points of issue 13, each on the fake driver --------------------------------------------------
+
+BACKENDS = "from fa_verify.kernels.pycuda_runner import pycuda_availability\nanswer(reason=pycuda_availability().reason)\n"
+
+
+@pytest.mark.parametrize("driver, omit, expected", [
+    (None, (), "the CUDA driver library (libcuda.so.1) is not found"),
+    ("stub", (), "is a stub"),
+    ("stub", ("cuCtxCreate_v4",), "older than the CUDA toolkit pycuda was built with (it lacks cuCtxCreate_v4)"),
+])
+def test_fake_driver_point1_availability_names_the_driver_problem_not_pycuda(driver, omit, expected):
+    """No driver library, a stub, a driver lacking a newer entry point: each said as such, never 'pycuda is not installed'."""
+    env_extra = {"LD_LIBRARY_PATH": ""} if driver is None else None
+    answer = on_fake_driver(BACKENDS, driver=driver or "", omit=omit, env_extra=env_extra)
+    assert expected in answer["reason"], answer["reason"]
+
+
+def test_fake_driver_point1_backends_command_explains_why_pycuda_is_unavailable():
+    env = build.environment(driver="stub")
+    proc = subprocess.run([sys.executable, "-m", "fa_verify", "backends"], env=env, capture_output=True, text=True,
+                          cwd=REPO)
+    assert proc.returncode == 0
+    lines = [line for line in proc.stdout.splitlines() if "-pycuda" in line]
+    assert len(lines) == 4 and all("unavailable: the CUDA driver library loaded here is a stub" in line
+                                   for line in lines), proc.stdout
+
+
+def test_fake_driver_point2_compiles_with_fa_verifys_nvcc_not_the_one_on_path():
+    """nvcc only under $CUDA_HOME (as fa_verify build finds it): the run works; no nvcc anywhere: a setup error."""
+    from fa_verify.kernels.nvcc import find_nvcc
+
+    root = build.toolkit()[1].parent
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "nvcc").exists())
+    code = """
+        from fa_verify.backends.cuda_kernels import PyCudaKernelBackend
+        from fa_verify.kernels.pycuda_runner import pycuda_availability
+        b = PyCudaKernelBackend("naive")
+        reason = pycuda_availability().reason
+        lse = None if reason else b.run(problem(1, 1, 1, 8, 8, 16, "fp32"))[1]
+        answer(reason=reason, finite=lse is not None and bool(np.isfinite(lse).all()))
+    """
+    assert (root / "bin" / "nvcc").is_file() and find_nvcc()
+    found = on_fake_driver(code, env_extra={"PATH": path, "CUDA_HOME": str(root)})
+    assert found == {"reason": "", "finite": True}
+    missing = on_fake_driver(code, env_extra={"PATH": path, "CUDA_HOME": "", "CUDA_PATH": "", "PYTHONNOUSERSITE": "1"})
+    if "nvcc" in missing["reason"]:  # pip wheels of nvcc in site-packages are found too: then there is nothing to miss
+        assert missing["reason"].startswith("PyCUDA compiles the kernels with nvcc: nvcc was not found")
+
+
+def test_fake_driver_point3_a_driver_older_than_the_toolkit_is_named():
+    answer = on_fake_driver(BACKENDS, driver_version=12040)
+    assert "the CUDA driver supports CUDA 12.4 but nvcc" in answer["reason"]
+    assert "is CUDA 13" in answer["reason"] or "is CUDA 1" in answer["reason"]
+
+
+def test_fake_driver_point4_wmma_on_sm75_is_unsupported_not_a_compile_error():
+    answer = on_fake_driver("""
+        from fa_verify.backends.cuda_kernels import PyCudaKernelBackend
+        answer(wmma=PyCudaKernelBackend("wmma").supports(problem(1, 1, 1, 8, 8, 64, "fp16")),
+               naive=PyCudaKernelBackend("naive").supports(problem(1, 1, 1, 8, 8, 64, "fp16")))
+    """, devices="7.5:65536")
+    assert answer["wmma"] == ("wmma.cu needs compute capability 8.0 or newer (bf16 wmma fragments); "
+                              "this device is sm_75")
+    assert answer["naive"] is None
+
+
+def test_fake_driver_point5_one_rule_picks_the_device():
+    """FA_VERIFY_CUDA_DEVICE=1 on two fake devices: availability, the shared-memory limit and the worker all use device 1."""
+    answer = on_fake_driver("""
+        from fa_verify.backends.cuda_kernels import PyCudaKernelBackend
+        from fa_verify.kernels import FAMILIES
+        from fa_verify.kernels.pycuda_runner import PyCudaWorker, pycuda_availability
+        p = problem(1, 2, 1, 9, 12, 16, "fp32")
+        worker = PyCudaWorker()
+        o, lse = worker.run(FAMILIES["naive"], FAMILIES["naive"].launch(p), p.q, p.k, p.v)
+        big = problem(1, 1, 1, 8, 8, 256, "fp32")
+        answer(available=pycuda_availability().available, arch=worker.arch, name=worker.device_name,
+               fa2_d256=PyCudaKernelBackend("fa2").supports(big), finite=bool(np.isfinite(lse).all()))
+        worker.close()
+    """, devices="8.0:49152,9.0:232448", env_extra={"FA_VERIFY_CUDA_DEVICE": "1"})
+    assert answer["available"] and answer["arch"] == "sm_90" and "device 1" in answer["name"]
+    assert answer["fa2_d256"] is None and answer["finite"]  # device 0 (48 KiB) could not run fa2 D=256
+    outside = on_fake_driver(BACKENDS, devices="8.0", env_extra={"FA_VERIFY_CUDA_DEVICE": "1"})
+    assert outside["reason"] == "FA_VERIFY_CUDA_DEVICE=1 but the driver sees 1 device(s)"
+
+
+def test_fake_driver_point6_device_printf_does_not_corrupt_the_worker_protocol(tmp_path):
+    """A kernel that printfs (the fake driver writes it to fd 1, as a driver does) runs; its text is in the worker's log."""
+    kernels = tmp_path / "kernels"
+    shutil.copytree(REPO / "kernels", kernels, ignore=shutil.ignore_patterns("mutants"))
+    source = (kernels / "naive.cu").read_text()
+    first = source.index("{", source.index("__global__")) + 1
+    (kernels / "naive.cu").write_text(source[:first] + ' if (threadIdx.x == 0 && blockIdx.x == 0) printf("hello from the kernel\\n"); '
+                                      + source[first:])
+    answer = on_fake_driver("""
+        from fa_verify.kernels import FAMILIES
+        from fa_verify.kernels.pycuda_runner import PyCudaWorker
+        p = problem(1, 1, 1, 8, 8, 16, "fp32")
+        worker = PyCudaWorker(timeout=120)
+        o, lse = worker.run(FAMILIES["naive"], FAMILIES["naive"].launch(p), p.q, p.k, p.v)
+        o, lse = worker.run(FAMILIES["naive"], FAMILIES["naive"].launch(p), p.q, p.k, p.v)
+        answer(finite=bool(np.isfinite(lse).all()), starts=worker.starts, log=worker.log())
+        worker.close()
+    """, env_extra={"FA_VERIFY_KERNELS_DIR": str(kernels)})
+    assert answer["finite"] and answer["starts"] == 1
+    assert "hello from the kernel" in answer["log"]
+
+
+def test_fake_driver_point8_a_half_written_pycuda_cache_entry_is_never_loaded(tmp_path):
+    """PyCUDA's cache writes in place; fa_verify's is written under a temporary name and renamed."""
+    code = """
+        from fa_verify.backends.cuda_kernels import PyCudaKernelBackend
+        lse = PyCudaKernelBackend("naive").run(problem(1, 1, 1, 8, 8, 16, "fp32"))[1]
+        answer(finite=bool(np.isfinite(lse).all()))
+    """
+    env = {"PYCUDA_CACHE_DIR": str(tmp_path)}
+    assert on_fake_driver(code, env_extra=env)["finite"]
+    for cached in tmp_path.rglob("*"):
+        if cached.is_file():
+            cached.write_bytes(b"")  # a concurrent PyCUDA writer has opened the entry ("wb") and not yet written
+    assert on_fake_driver(code, env_extra=env)["finite"]
+
+
+def test_fake_driver_point9_out_of_memory_and_shared_memory_keep_the_worker():
+    answer = on_fake_driver("""
+        from fa_verify.errors import BackendUnavailableError
+        from fa_verify.kernels import FAMILIES
+        from fa_verify.kernels.pycuda_runner import PyCudaWorker
+        worker = PyCudaWorker(timeout=120)
+        errors = []
+        for family, p in (("naive", problem(1, 4, 4, 200, 200, 64, "fp32")),     # ~1.3 MB: over 1 MiB
+                          ("fa2", problem(1, 1, 1, 8, 8, 128, "fp32"))):         # > 48 KiB of shared memory
+            try:
+                worker.run(FAMILIES[family], FAMILIES[family].launch(p), p.q, p.k, p.v)
+            except BackendUnavailableError as exc:
+                errors.append(str(exc))
+        p = problem(1, 1, 1, 8, 8, 16, "fp32")
+        lse = worker.run(FAMILIES["naive"], FAMILIES["naive"].launch(p), p.q, p.k, p.v)[1]
+        answer(errors=errors, starts=worker.starts, finite=bool(np.isfinite(lse).all()))
+        worker.close()
+    """, memory=1 << 20, devices="8.0:49152")
+    oom, shared = answer["errors"]
+    assert "out of memory on fa_verify fake driver device 0" in oom and "failed on" not in oom
+    assert "needs" in shared and "allows 49152" in shared
+    assert answer["starts"] == 1 and answer["finite"]
+
+
+def test_fake_driver_point10_the_worker_imports_the_callers_fa_verify(tmp_path):
+    """A caller that found fa_verify through sys.path (not PYTHONPATH, not the current folder) gets a worker running that copy."""
+    copy = tmp_path / "checkout"
+    shutil.copytree(REPO / "fa_verify", copy / "fa_verify", ignore=shutil.ignore_patterns("__pycache__"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = build.environment()
+    env["PYTHONPATH"] = str(build.pycuda_dir())  # pycuda only: fa_verify comes from the copy
+    env["FA_VERIFY_KERNELS_DIR"] = str(REPO / "kernels")
+    code = PRELUDE.replace("import json, sys", f"import json, sys\nsys.path.insert(0, {str(copy)!r})") + textwrap.dedent("""
+        from fa_verify.kernels import FAMILIES
+        from fa_verify.kernels.pycuda_runner import PyCudaWorker
+        p = problem(1, 1, 1, 8, 8, 16, "fp32")
+        worker = PyCudaWorker(timeout=120)
+        worker.run(FAMILIES["naive"], FAMILIES["naive"].launch(p), p.q, p.k, p.v)
+        answer(package=worker.package)
+        worker.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=elsewhere, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["package"] == str(copy / "fa_verify")
