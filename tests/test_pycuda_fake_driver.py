@@ -86,6 +86,17 @@ def test_fake_driver_runs_every_family_bit_identical_to_the_cpu_runner():
         assert same and passed, (name, dtype, same, passed)
 
 
+def test_fake_driver_runs_the_pycuda_tests_of_test_kernels():
+    """tests/test_kernels.py's PyCUDA tests (every family x dtype x causal mode against the oracle, and
+    agreement with the CPU runner), which skip without a driver, all pass on the fake driver."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "pycuda",
+                           str(REPO / "tests" / "test_kernels.py")], env=build.environment(), cwd=REPO,
+                          capture_output=True, text=True, timeout=1200)
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 0 and "skipped" not in summary, proc.stdout[-6000:]
+    assert int(summary.split(" passed")[0].split()[-1]) >= 32, summary
+
+
 def test_fake_driver_needs_the_shared_memory_opt_in_and_the_runner_sets_it():
     """fa2 D=128 needs > 48 KiB: the fake refuses the launch without the opt-in, as a driver does; the runner opts in."""
     answer = on_fake_driver("""

@@ -95,11 +95,12 @@ def _digest(*parts) -> str:
 def build_library(kind: str = "fake", omit: tuple[str, ...] = ()) -> Path:
     """The folder holding `kind` ("stub" or "fake") as libcuda.so.1 and libcuda.so; built once.
 
-    omit: entry points left out, as an older driver lacks them (e.g. "cuCtxCreate_v4")."""
+    omit: entry points of the stub left out, as an older driver lacks them (e.g. "cuCtxCreate_v4");
+    the fake's own definitions stay."""
     _refuse_on_real_driver()
     _, include, version = toolkit()
     sources = [HERE / "generate_stub.py"] + ([HERE / "fake_driver.c"] if kind == "fake" else [])
-    key = _digest(kind, include, version, sorted(omit), *(p.read_bytes() for p in sources))
+    key = _digest(kind, HERE, include, version, sorted(omit), *(p.read_bytes() for p in sources))
     folder = cache_dir() / f"{kind}-{key}"
     if (folder / "libcuda.so.1").is_file():
         return folder
