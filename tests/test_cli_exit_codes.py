@@ -83,9 +83,27 @@ def test_report_exit_codes(tmp_path):
     assert exit_code("report", "--from", str(tmp_path / "missing.jsonl"))[0] == 2
 
 
+#: A "mutant" that changes nothing but a comment: no check can kill it, so the campaign must exit 1.
+EQUIVALENT_MUTANT = """
+[[mutant]]
+name = "naive-comment-only"
+family = "naive"
+bug_class = "none (equivalent mutant)"
+description = "a comment added; the kernel is unchanged"
+find = "// naive.cu: standard attention"
+replace = "// naive.cu (an equivalent copy): standard attention"
+caught_by = "oracle"
+"""
+
+
 @needs_cpu_runner
-def test_mutants_exit_codes():
+def test_mutants_exit_codes(tmp_path):
     code, out = exit_code("mutants", "--mutant", "fa2-causal-off-by-one", "--seeds", "0", "--no-rules",
                           "--first-kill", "--no-sanitizer", "--max-examples", "5")
     assert code == 0, out
+    mutants = tmp_path / "mutants.toml"
+    mutants.write_text(EQUIVALENT_MUTANT)
+    code, out = exit_code("mutants", "--mutants-file", str(mutants), "--seeds", "0", "--no-rules", "--no-sanitizer",
+                          "--max-examples", "2", "--first-kill")
+    assert code == 1, out
     assert exit_code("mutants", "--mutant", "no-such-mutant")[0] == 2

@@ -86,6 +86,25 @@ def test_fake_driver_runs_every_family_bit_identical_to_the_cpu_runner():
         assert same and passed, (name, dtype, same, passed)
 
 
+def test_stub_driver_pycuda_compiles_every_kernel_for_sm80_and_sm90():
+    """The compile path as the runner takes it (pycuda.compiler.compile, fa_verify's nvcc), with only the stub
+    driver loaded: no device is needed to build the cubins; each is an ELF for its architecture."""
+    answer = on_fake_driver("""
+        from fa_verify.kernels import FAMILIES
+        from fa_verify.kernels.pycuda_runner import compile_cubin
+        archs = {}
+        for family in FAMILIES.values():
+            for arch in ("sm_80", "sm_90"):
+                cubin = compile_cubin(family, arch)
+                archs[f"{family.name} {arch}"] = [cubin[:4].decode("latin-1"), cubin[49],
+                                                  all(entry.encode() in cubin for entry in family.entries())]
+        answer(archs=archs)
+    """, driver="stub")
+    assert len(answer["archs"]) == 8
+    for what, (magic, sm, entries) in answer["archs"].items():
+        assert magic == "\x7fELF" and sm == int(what[-2:]) and entries, what
+
+
 def test_fake_driver_runs_the_pycuda_tests_of_test_kernels():
     """tests/test_kernels.py's PyCUDA tests (every family x dtype x causal mode against the oracle, and
     agreement with the CPU runner), which skip without a driver, all pass on the fake driver."""

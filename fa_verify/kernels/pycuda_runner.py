@@ -552,15 +552,15 @@ class PyCudaWorker:
             _, kind, message, recoverable = reply
             if not recoverable:
                 self._stop()  # the context may be poisoned
-            raise _worker_error(kind, message, launch, self.device_name)
+            raise _worker_error(kind, message, launch, self.device_name, self.log())
 
     def close(self) -> None:
         with self._lock:
             self._stop()
 
 
-def _worker_error(kind: str, message: str, launch: Launch, device: str) -> FaVerifyError:
-    """The exception for the worker's ("error", kind, message) reply."""
+def _worker_error(kind: str, message: str, launch: Launch, device: str, log: str) -> FaVerifyError:
+    """The exception for the worker's ("error", kind, message) reply; `log`: what the worker printed."""
     from fa_verify.kernels.nvcc import NvccNotFoundError
 
     by_kind = {cls.__name__: cls for cls in (NvccNotFoundError, BackendUnavailableError, InvalidArgumentError)}
@@ -568,7 +568,7 @@ def _worker_error(kind: str, message: str, launch: Launch, device: str) -> FaVer
         return by_kind[kind](message)
     if kind == "KernelBuildError":
         return KernelBuildError(message, log=message)
-    return KernelRunError(f"{launch.entry} failed on {device}: {kind}: {message}")
+    return KernelRunError(f"{launch.entry} failed on {device}: {kind}: {message}", detail=log)
 
 
 _WORKER: PyCudaWorker | None = None

@@ -33,8 +33,8 @@
 
 typedef struct { int major, minor, optin_shared; size_t memory, used; } Device;
 struct CUctx_st { int device; int refs; CUresult sticky; };
-struct CUmod_st { struct CUctx_st *ctx; unsigned char *image; size_t size; };
-struct CUfunc_st { struct CUmod_st *module; char name[256]; int max_dynamic_shared; };
+struct CUmod_st { struct CUctx_st *ctx; unsigned char *image; size_t size; struct CUfunc_st *functions; };
+struct CUfunc_st { struct CUmod_st *module; char name[256]; int max_dynamic_shared; struct CUfunc_st *next; };
 typedef struct Allocation { uintptr_t base; size_t size; int device; struct Allocation *next; } Allocation;
 
 static Device devices[MAX_DEVICES];
@@ -334,6 +334,7 @@ CUresult cuModuleLoadDataEx(CUmodule *module, const void *data, unsigned int n, 
 }
 
 CUresult cuModuleUnload(CUmodule module) {
+    for (struct CUfunc_st *f = module->functions, *next; f; f = next) { next = f->next; free(f); }
     free(module->image);
     free(module);
     return CUDA_SUCCESS;
@@ -347,10 +348,14 @@ CUresult cuModuleGetFunction(CUfunction *function, CUmodule module, const char *
     key[0] = 0;
     memcpy(key + 1, name, n + 1);  /* symbol names sit between NULs in the string table */
     if (!memmem(module->image, module->size, key, n + 2)) return CUDA_ERROR_NOT_FOUND;
+    for (struct CUfunc_st *f = module->functions; f; f = f->next)  /* one handle per name, as a driver */
+        if (strcmp(f->name, name) == 0) { *function = f; return CUDA_SUCCESS; }  /* keeps its attributes */
     struct CUfunc_st *f = calloc(1, sizeof *f);
     f->module = module;
     memcpy(f->name, name, n + 1);
     f->max_dynamic_shared = DEFAULT_SHARED;
+    f->next = module->functions;
+    module->functions = f;
     *function = f;
     return CUDA_SUCCESS;
 }
