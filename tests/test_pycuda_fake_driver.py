@@ -20,7 +20,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from fake_cuda_driver import build
@@ -144,12 +143,12 @@ def test_fake_driver_needs_the_shared_memory_opt_in_and_the_runner_sets_it():
 
 
 def test_fake_driver_fault_in_a_launch_is_a_kernel_error_and_the_worker_restarts():
+    """An injected launch failure is the kernel's error; the poisoned worker is replaced by a fresh one."""
     answer = on_fake_driver("""
         import os
         from fa_verify.errors import KernelRunError
         from fa_verify.kernels import FAMILIES
         from fa_verify.kernels.pycuda_runner import PyCudaWorker
-        from fa_verify.backends.cuda_kernels import _bits
         p = problem(1, 1, 1, 8, 8, 16, "fp32")
         worker = PyCudaWorker(timeout=120)
         try:
@@ -157,11 +156,13 @@ def test_fake_driver_fault_in_a_launch_is_a_kernel_error_and_the_worker_restarts
             error = "none"
         except KernelRunError as exc:
             error = str(exc)
-        starts = worker.starts
+        os.environ["FA_FAKE_CUDA_FAULTS"] = ""  # the next worker's driver has no fault
+        lse = worker.run(FAMILIES["naive"], FAMILIES["naive"].launch(p), p.q, p.k, p.v)[1]
+        answer(error=error, starts=worker.starts, finite=bool(np.isfinite(lse).all()))
         worker.close()
-        answer(error=error, starts=starts)
     """, faults="cuLaunchKernel=719")
     assert "unspecified launch failure" in answer["error"] and "fake driver device 0" in answer["error"]
+    assert answer["starts"] == 2 and answer["finite"]
 
 
 # --- the ten points of issue 13, each on the fake driver --------------------------------------------------

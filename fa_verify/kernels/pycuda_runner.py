@@ -129,7 +129,8 @@ def pycuda_availability() -> Availability:
     except NvccNotFoundError as exc:
         return Availability(False, f"PyCUDA compiles the kernels with nvcc: {exc}")
     driver, toolkit = cuda.get_driver_version(), nvcc_version(nvcc)
-    if re.match(r"\d+\.\d+", toolkit) and driver < _release(toolkit):
+    # cubins run on any driver of their CUDA major version (minor version compatibility), never an older major
+    if re.match(r"\d+\.\d+", toolkit) and driver // 1000 < _release(toolkit) // 1000:
         return Availability(False, f"the CUDA driver supports CUDA {driver // 1000}.{driver % 1000 // 10} but nvcc "
                                    f"({nvcc}) is CUDA {toolkit}, whose cubins need a newer driver: update the driver "
                                    "or put an older toolkit's nvcc first (CUDA_HOME)")

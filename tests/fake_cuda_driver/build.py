@@ -105,8 +105,12 @@ def build_library(kind: str = "fake", omit: tuple[str, ...] = ()) -> Path:
     if (folder / "libcuda.so.1").is_file():
         return folder
     work = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=cache_dir().mkdir(parents=True, exist_ok=True) or cache_dir()))
-    subprocess.run([sys.executable, str(HERE / "generate_stub.py"), "--cuda-include", str(include),
-                    "-o", str(work / "stub.c"), *[f"--omit={name}" for name in omit]], check=True)
+    generate = subprocess.run([sys.executable, str(HERE / "generate_stub.py"), "--cuda-include", str(include),
+                               "-o", str(work / "stub.c"), *[f"--omit={name}" for name in omit]],
+                              capture_output=True, text=True)
+    if generate.returncode or not shutil.which("cc"):
+        shutil.rmtree(work, ignore_errors=True)
+        raise FakeDriverUnavailable(f"generating the {kind} driver needs a C compiler (cc): {generate.stderr.strip()}")
     command = ["cc", "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", "-o", str(work / "libcuda.so.1"),
                str(work / "stub.c")]
     if kind == "fake":

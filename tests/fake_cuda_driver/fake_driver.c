@@ -317,8 +317,8 @@ CUresult cuModuleLoadData(CUmodule *module, const void *data) {
     memcpy(&flags, image + 48, 4);
     int arch = (flags >> 8) & 0xFF, sm = devices[ctx->device].major * 10 + devices[ctx->device].minor;
     if (arch / 10 != sm / 10 || arch > sm) return CUDA_ERROR_NO_BINARY_FOR_GPU;  /* cubins run within one major */
-    int built_by = toolkit_version(image, size);
-    if (built_by > driver_version) return CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
+    int built_by = toolkit_version(image, size);  /* a cubin needs a driver of its CUDA major version or newer */
+    if (built_by / 1000 > driver_version / 1000) return CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
     struct CUmod_st *mod = calloc(1, sizeof *mod);
     mod->ctx = ctx;
     mod->size = size;
