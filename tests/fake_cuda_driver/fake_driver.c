@@ -1,7 +1,7 @@
 /* A FAKE CUDA driver (test support; no GPU, no NVIDIA code): libcuda.so.1 for PyCUDA in CI.
  *
  * Linked with the stub generated from the toolkit's headers (generate_stub.py), whose weak
- * entry points answer CUDA_ERROR_NOT_SUPPORTED; this file defines the ~40 entry points that
+ * entry points answer CUDA_ERROR_NOT_SUPPORTED; this file defines the 34 entry points that
  * fa_verify's PyCUDA runner reaches. Host memory stands in for device memory. A module load
  * keeps the cubin only to check what a driver checks (ELF, architecture, the toolkit that
  * built it, the entry names); the cubin is never executed: cuLaunchKernel hands the entry
