@@ -10,8 +10,9 @@ from fa_verify.bench.timing import best_times
 from fa_verify.oracle import reference
 from fa_verify.problem import AttentionProblem
 
-#: The issue's targets: certified time <= 3x plain float64, bound <= 1e-12 of the row scale.
-TARGET_RATIO = 3.0
+#: The targets: certified time <= 1.5x plain float64 (its P.[V | |V|] GEMM alone is 1.5x
+#: plain's two GEMMs), bound <= 1e-12 of the row scale.
+TARGET_RATIO = 1.5
 TARGET_BOUND = 1e-12
 
 
