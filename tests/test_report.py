@@ -97,10 +97,16 @@ def test_rendered_numbers_equal_the_stored_metrics(gold_records, rendered):
 def test_summary_json_is_strict_and_matches_the_records(gold_records, rendered):
     text = (rendered / "summary.json").read_text()
     summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
-    assert summary["format_version"] == 1
+    assert summary["format_version"] == 2
     assert summary["totals"]["records"] == len(gold_records)
-    assert summary["totals"]["failed"] == sum(not r.passed for r in gold_records)
-    assert summary["passed"] is False
+    declared = [r for r in gold_records if r.extra.get("declared_deviation")]
+    assert len(declared) == 3 and {r.backend for r in declared} == {"torch-sdpa-flash-cpu"}
+    assert summary["totals"]["deviations"] == 3
+    assert summary["totals"]["failed"] == sum(not r.passed for r in gold_records) - 3
+    assert summary["passed"] is False  # the crashed run
+    [deviation] = summary["deviations"]
+    assert (deviation["convention"], deviation["rule"], deviation["property"], deviation["runs"]) \
+        == ("masked-row-lse-zero", "masked_rows", "fully_masked_rows", 3)
     fa3 = {row["name"]: row for row in summary["fa3"]["rows"]}
     assert fa3["numpy-tiled"]["runs"] == 4  # fp16 and bf16, seeds 0 and 1
     assert summary["fa3"]["paper"]["FlashAttention-2 (fp16)"] == 1.9e-4
