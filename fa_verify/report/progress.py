@@ -31,11 +31,11 @@ class Progress:
     def share(self) -> float:
         return self.runs / self.total_runs if self.total_runs else 1.0
 
-    def skip(self, kind: str, runs: int = 1, work: float = 0.0, planned: bool = True) -> None:
-        """`runs` runs of `kind` will not run; `planned`: they were counted in the totals."""
-        self.skipped[kind] += runs
+    def skip(self, kind: str, work: float = 0.0, planned: bool = True) -> None:
+        """A run of `kind` will not run; `planned`: it was counted in the totals."""
+        self.skipped[kind] += 1
         if planned:
-            self.total_runs -= runs
+            self.total_runs -= 1
             self.total_work -= work
 
     def begin(self, label: str) -> None:

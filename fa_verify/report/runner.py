@@ -118,13 +118,13 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
     warmed = set()
     points = sweep.ordered()
     plans = [_plan(point, backends, done) for point in points]
-    runs = [(point, name) for point, (_, todo) in zip(points, plans)
-            for name, skip in todo.items() if skip is None]
-    progress = Progress(len(runs), sum(point.work for point, _ in runs), stream)
+    planned = [point for point, (_, todo) in zip(points, plans)
+               for skip in todo.values() if skip is None]
+    progress = Progress(len(planned), sum(point.work for point in planned), stream)
     try:
         for point, (descriptor, todo) in zip(points, plans):
             for name, skip in todo.items():
-                if skip == RECORDED:
+                if skip is RECORDED:
                     progress.skip("already recorded", planned=False)
                 elif skip is not None:
                     info.skips.append(Skip(name, asdict(descriptor), "unsupported", skip))
@@ -165,7 +165,7 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
 
 
 #: A planned skip: the store already holds the run (--resume).
-RECORDED = "recorded"
+RECORDED = object()
 
 
 def _problem(point):
