@@ -33,7 +33,7 @@ def _problem(n: int, head_dim: int, seed: int) -> AttentionProblem:
                                        tags=(("distribution", "normal"), ("seed", seed)))
 
 
-def run(sizes=(1024, 4096), head_dim: int = 128, repeats: int = 3, mpmath_n: int = 64,
+def run(sizes=(1024, 4096), head_dim: int = 128, repeats: int = 5, mpmath_n: int = 64,
         seed: int = 0, progress=None) -> dict:
     """Time both paths per size; report ratios, the largest certified bound, and mpmath's time."""
     rows = []
