@@ -363,7 +363,8 @@ def test_progress_counts_the_runs_it_will_make_and_says_what_it_skipped(tmp_path
 def test_progress_takes_budget_skips_out_of_its_total(tmp_path):
     stream = io.StringIO()
     stingy = Sweep("stingy", "", TINY.points, budget_s=0.0)
-    run_sweep(stingy, [get_backend("numpy-tiled")], ResultsStore(tmp_path / "r.jsonl"), stream=stream)
+    run_sweep(stingy, [get_backend("numpy-tiled")], ResultsStore(tmp_path / "r.jsonl"),
+              stream=stream)
     bars, last = _bar_lines(stream)
     skipped = len(TINY.points) - 1
     assert bars[0] == (0, 0, len(TINY.points))

@@ -24,7 +24,7 @@ result is far more accurate than any fp32 kernel can be.
 Assumptions: IEEE binary64 round-to-nearest; a BLAS that obeys the gamma_n bound (any
 order, FMA, not Strassen); numpy's exp and log within 4 ulp (EPS_EXP; 0.69 ulp measured).
 Underflow of p (x < -708) and of products p*v is covered by an absolute term (tau, below
-1e-300 of max|v|). Scores cannot overflow: |q k| <= D * (3.4e38)^2 < 1e308.
+1e-300 of max|v|, per row). Scores cannot overflow: |q k| <= D * (3.4e38)^2 < 1e308.
 """
 
 from __future__ import annotations
@@ -104,12 +104,12 @@ def _bounds(problem, l, m, magnitude, rounds, v_max):
         # D computed from the same perturbed sums: true D <= D_hat (1+alpha) / ((1-alpha)(1-u)).
         coefficient = coefficient * (1 + alpha) / ((1 - alpha) * (1 - U64)) * _BOUND_SLACK
         log_l = np.log(l)
-        tau = (4 * (problem.nk + rounds) * _SMALLEST_SUBNORMAL
-               * (1 + v_max[..., None, :]) / (l * (1 - alpha))[..., None])
+        tau = (4 * (problem.nk + rounds) * _SMALLEST_SUBNORMAL * (1 + v_max[..., None])
+               / (l * (1 - alpha)))
         lse_bound = (-np.log1p(-alpha) + EPS_EXP * np.abs(log_l)
                      + 2 * U64 * (np.abs(m) + np.abs(log_l))) * _BOUND_SLACK
     bounded = alpha < 1  # beyond, the argument bounds nothing (signs flip): no bound, inf
-    return (np.where(bounded, coefficient, np.inf), np.where(bounded[..., None], tau, np.inf),
+    return (np.where(bounded, coefficient, np.inf), np.where(bounded, tau, np.inf),
             np.where(bounded, lse_bound, np.inf))
 
 
@@ -139,8 +139,8 @@ def certified_reference(problem: AttentionProblem, digits: int = mp_path.DEFAULT
     k, v = problem.kv64()
     mask = problem.mask if problem.causal else None
     # Every head is filled in by the loop below.
-    out, row_scale, tau = (np.empty((B, H, Nq, D)) for _ in range(3))
-    lse, coefficient, lse_bound = (np.empty((B, H, Nq)) for _ in range(3))
+    out, row_scale = (np.empty((B, H, Nq, D)) for _ in range(2))
+    lse, coefficient, tau, lse_bound = (np.empty((B, H, Nq)) for _ in range(4))
 
     heads_per_chunk = max(1, _CHUNK_ENTRIES // (Nq * problem.nk))
     limits = problem.key_limit()
@@ -154,7 +154,7 @@ def certified_reference(problem: AttentionProblem, digits: int = mp_path.DEFAULT
                 out[sl] = np.where(live[..., None], num / l[..., None], 0.0)
                 row_scale[sl] = np.where(live[..., None], dabs / l[..., None], 0.0)
                 lse[sl] = np.where(live, m + np.log(l), -np.inf)
-            v_max = np.abs(v[sl]).max(axis=-2)
+            v_max = np.abs(v[sl]).max(axis=(-2, -1))
             magnitude = _norm_magnitude(q[sl], k[sl], limits)
             c, t, lb = _bounds(problem, l, m, magnitude, rounds, v_max)
             loose = np.nonzero(live & ~(c <= threshold))
@@ -164,10 +164,10 @@ def certified_reference(problem: AttentionProblem, digits: int = mp_path.DEFAULT
                                               _gemm_magnitude(q[sl], k[sl], mask, loose))
                 c, t, lb = _bounds(problem, l, m, magnitude, rounds, v_max)
             coefficient[sl] = np.where(live, c, 0.0)
-            tau[sl] = np.where(live[..., None], t, 0.0)
+            tau[sl] = np.where(live, t, 0.0)
             lse_bound[sl] = np.where(live, lb, 0.0)
 
-    out_bound = coefficient[..., None] * row_scale + tau
+    out_bound = coefficient[..., None] * row_scale + tau[..., None]
     redo = [tuple(int(x) for x in idx) for idx in np.argwhere(~(coefficient <= threshold))]
     if redo:
         mp_coefficient, mp_lse_bound = mp_row_bounds(problem, redo, digits)
