@@ -166,13 +166,10 @@ class Deviation:
     convention: str
     differs: str
     rule: str
+    #: the property that sees it, and the command that runs it on the backend
     property: str
+    command: str
     runs: int
-
-    @property
-    def command(self) -> str:
-        """The property that sees the convention, run on the backend."""
-        return f"python3 -m fa_verify check {self.backend} --property {self.property}"
 
 
 def deviations(records) -> list[Deviation]:
@@ -182,8 +179,9 @@ def deviations(records) -> list[Deviation]:
         for c in deviation_of(r) or ():
             key = (r.backend, c["name"])
             if key not in groups:
-                groups[key] = Deviation(r.backend, c["name"], c["differs"], c["rule"],
-                                        c["property"], 0)
+                groups[key] = Deviation(
+                    r.backend, c["name"], c["differs"], c["rule"], c["property"],
+                    f"python3 -m fa_verify check {r.backend} --property {c['property']}", 0)
             groups[key].runs += 1
     return [groups[key] for key in sorted(groups)]
 
