@@ -9,6 +9,8 @@ from hypothesis import given, settings, strategies as st
 from fa_verify import AttentionProblem, InvalidArgumentError
 from fa_verify.dtypes import finfo
 from fa_verify.oracle import FALLBACK_THRESHOLD, reference
+from fa_verify.oracle import certified
+from fa_verify.oracle.certified import certified_reference
 
 
 def _problem(q, k, v, dtype, **kw):
@@ -19,6 +21,15 @@ def _normal(rng, b, h, hkv, nq, nk, d, dtype="fp16", spread=1.0, **kw):
     """Normal inputs; q and k multiplied by `spread` (spread**2 scales the logits)."""
     return _problem(rng.standard_normal((b, h, nq, d)) * spread,
                     rng.standard_normal((b, hkv, nk, d)) * spread,
+                    rng.standard_normal((b, hkv, nk, d)), dtype, **kw)
+
+
+def _split_support(rng, b, h, hkv, nq, nk, d, dtype, big=300.0, **kw):
+    """q large where k is small and vice versa: |q||k| far below the norms' product (the free
+    Cauchy-Schwarz bound is loose), and logits in the hundreds (peaky rows)."""
+    weights = np.r_[np.full(d // 2, big), np.full(d - d // 2, 0.5)]
+    return _problem(rng.standard_normal((b, h, nq, d)) * weights,
+                    rng.standard_normal((b, hkv, nk, d)) * weights[::-1],
                     rng.standard_normal((b, hkv, nk, d)), dtype, **kw)
 
 
@@ -47,6 +58,10 @@ def _adversarial(rng):
     v[..., 0] = 65504.0
     cases["fp16_max_values"] = _problem(rng.standard_normal((1, 1, 5, d)),
                                         rng.standard_normal((1, 1, 5, d)), v, "fp16")
+    cases["split_support_peaky"] = _split_support(rng, 1, 2, 2, 6, 9, 16, "fp16")
+    cases["split_support_causal"] = _split_support(rng, 1, 2, 1, 7, 5, 16, "bf16", big=40.0,
+                                                   causal=True)
+    cases["fp32_enormous_logits"] = _normal(rng, 1, 1, 1, 3, 4, d, "fp32", spread=3e7)
     cases["fully_masked_rows"] = _normal(rng, 1, 2, 1, 7, 3, d, causal=True)
     cases["gqa_top_left_nq_lt_nk"] = _normal(rng, 2, 4, 2, 3, 8, d, "bf16", causal=True,
                                              causal_alignment="top-left")
@@ -79,9 +94,47 @@ def test_certified_within_bound_of_mpmath_on_adversarial_problems(name):
     assert fast.relative_bound <= FALLBACK_THRESHOLD * 1.01
 
 
-def test_huge_logits_are_handed_to_mpmath():
-    problem = _adversarial(np.random.default_rng(0))["huge_logits_fp16_max"]
-    assert reference(problem).mpmath_rows > 0
+@pytest.mark.parametrize("name", sorted(_adversarial(np.random.default_rng(0))))
+def test_free_norm_bound_alone_holds_on_adversarial_problems(name):
+    """With no fallback at all, the Cauchy-Schwarz bound is still rigorous (inf where the
+    rounding argument gives none)."""
+    problem = _adversarial(np.random.default_rng(0))[name]
+    free = certified_reference(problem, threshold=math.inf)
+    assert free.gemm_rows == free.mpmath_rows == 0
+    _assert_within_bounds(free, reference(problem, method="mpmath"))
+
+
+@pytest.mark.parametrize("name", sorted(_adversarial(np.random.default_rng(0))))
+def test_score_magnitudes_bound_the_exact_ones(name):
+    """Both grades of A_i >= max over attended keys of sum_d |q_d||k_d|, summed exactly
+    (products of fp32 values are exact in float64; fsum rounds once)."""
+    problem = _adversarial(np.random.default_rng(0))[name]
+    q = problem.q64()[0]
+    k = problem.kv64()[0][0]
+    limits = problem.key_limit()
+    exact = np.array([[max((math.fsum(np.abs(q[h, i] * k[h, j])) for j in range(limits[i])),
+                           default=0.0) for i in range(problem.nq)] for h in range(q.shape[0])])
+    assert (certified._norm_magnitude(q, k, limits) >= exact).all()
+    rows = np.nonzero(np.ones(exact.shape, dtype=bool))
+    mask = problem.mask if problem.causal else None
+    assert (certified._gemm_magnitude(q, k, mask, rows) >= exact.ravel()).all()
+
+
+def test_loose_free_bound_falls_back_to_the_gemm_not_to_mpmath():
+    problem = _adversarial(np.random.default_rng(0))["split_support_peaky"]
+    free = certified_reference(problem, threshold=math.inf)
+    assert free.relative_bound > FALLBACK_THRESHOLD  # the free bound alone would go to mpmath
+    ref = reference(problem)
+    assert ref.gemm_rows == 12 and ref.mpmath_rows == 0
+    assert ref.relative_bound <= FALLBACK_THRESHOLD
+
+
+@pytest.mark.parametrize("name", ["huge_logits_fp16_max", "fp32_enormous_logits"])
+def test_huge_logits_are_handed_to_mpmath(name):
+    problem = _adversarial(np.random.default_rng(0))[name]
+    ref = reference(problem)
+    assert ref.gemm_rows > 0 and ref.mpmath_rows > 0
+    assert certified_reference(problem, threshold=math.inf).relative_bound > FALLBACK_THRESHOLD
 
 
 def test_mpmath_at_50_digits_within_its_bound_of_100_digits():
@@ -94,18 +147,22 @@ def test_mpmath_at_50_digits_within_its_bound_of_100_digits():
 @given(seed=st.integers(0, 2**32 - 1), nq=st.integers(1, 9), nk=st.integers(1, 9),
        d=st.sampled_from([1, 3, 8, 16]), dtype=st.sampled_from(["fp16", "bf16", "fp32"]),
        causal=st.sampled_from([None, "bottom-right", "top-left"]),
-       logit_scale=st.sampled_from([0.1, 1.0, 8.0, 40.0]))
-def test_certified_within_bound_of_mpmath_random(seed, nq, nk, d, dtype, causal, logit_scale):
-    problem = _normal(np.random.default_rng(seed), 1, 2, 1, nq, nk, d, dtype, spread=logit_scale,
-                      causal=causal is not None, causal_alignment=causal or "bottom-right")
+       logit_scale=st.sampled_from([0.1, 1.0, 8.0, 40.0]), split=st.booleans())
+def test_certified_within_bound_of_mpmath_random(seed, nq, nk, d, dtype, causal, logit_scale,
+                                                 split):
+    inputs = _split_support if split else _normal
+    kw = {"big": logit_scale * 8} if split else {"spread": logit_scale}
+    problem = inputs(np.random.default_rng(seed), 1, 2, 1, nq, nk, d, dtype,
+                     causal=causal is not None, causal_alignment=causal or "bottom-right", **kw)
     _assert_within_bounds(reference(problem), reference(problem, method="mpmath"))
 
 
 def test_bound_is_tight_at_benchmark_scale():
-    """N=1024, D=128, fp16 normal inputs: bound <= 1e-12 of the row scale, no mpmath rows."""
+    """N=1024, D=128, fp16 normal inputs: bound <= 1e-12 of the row scale from the free norm
+    bound alone (no GEMM, no mpmath rows: what makes the oracle cheap)."""
     problem = _normal(np.random.default_rng(2), 1, 1, 1, 1024, 1024, 128)
     ref = reference(problem)
-    assert ref.mpmath_rows == 0
+    assert ref.gemm_rows == ref.mpmath_rows == 0
     assert ref.relative_bound <= 1e-12
 
 

@@ -8,6 +8,7 @@ scrubbed. After an intended change, regenerate with FA_VERIFY_UPDATE_GOLD=1 and 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -16,14 +17,17 @@ import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from fa_verify.backends import NaiveBackend, get_backend
+from fa_verify.backends import NaiveBackend, NumpyTiledBackend, get_backend
+from fa_verify.backends.torch_sdpa import MASKED_ROW_LSE_ZERO
 from fa_verify.cli.main import main
 from fa_verify.report import write_report
 from fa_verify.report.budget import Budget
 from fa_verify.report.buckets import bucket_of, column_of
 from fa_verify.report.data import build
+from fa_verify.report.deviations import KEY as DEVIATION_KEY
 from fa_verify.report.histogram import EDGES, histogram, merge
 from fa_verify.report.render import render_html
 from fa_verify.report.run_info import RunInfo
@@ -97,10 +101,16 @@ def test_rendered_numbers_equal_the_stored_metrics(gold_records, rendered):
 def test_summary_json_is_strict_and_matches_the_records(gold_records, rendered):
     text = (rendered / "summary.json").read_text()
     summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
-    assert summary["format_version"] == 1
+    assert summary["format_version"] == 2
     assert summary["totals"]["records"] == len(gold_records)
-    assert summary["totals"]["failed"] == sum(not r.passed for r in gold_records)
-    assert summary["passed"] is False
+    declared = [r for r in gold_records if r.extra.get("declared_deviation")]
+    assert len(declared) == 3 and {r.backend for r in declared} == {"torch-sdpa-flash-cpu"}
+    assert summary["totals"]["deviations"] == 3
+    assert summary["totals"]["failed"] == sum(not r.passed for r in gold_records) - 3
+    assert summary["passed"] is False  # the crashed run
+    [deviation] = summary["deviations"]
+    assert (deviation["convention"], deviation["rule"], deviation["property"], deviation["runs"]) \
+        == ("masked-row-lse-zero", "masked_rows", "fully_masked_rows", 3)
     fa3 = {row["name"]: row for row in summary["fa3"]["rows"]}
     assert fa3["numpy-tiled"]["runs"] == 4  # fp16 and bf16, seeds 0 and 1
     assert summary["fa3"]["paper"]["FlashAttention-2 (fp16)"] == 1.9e-4
@@ -260,6 +270,105 @@ def test_histograms_bin_and_merge():
     assert len(h["bins"]) == len(EDGES) - 1
     both = merge([h, None, h])
     assert both["zero"] == 4 and sum(both["bins"]) == 2 and merge([None]) is None
+
+
+#: One causal point with Nq > Nk: its first rows attend no key.
+MASKED = Sweep("masked", "fully masked rows", grid([(1, 2, 1, 20, 12, 16)], dtypes=("fp32",),
+                                                   causal=(True,)), budget_s=60.0)
+
+
+class _MaskedLse(NumpyTiledBackend):
+    """numpy-tiled declaring torch flash's masked-row LSE 0; it writes `masked_lse` there and
+    scales its output by `skew`."""
+
+    conventions = (MASKED_ROW_LSE_ZERO,)
+
+    def __init__(self, name, masked_lse=0.0, skew=1.0):
+        super().__init__()
+        self.name, self.masked_lse, self.skew = name, masked_lse, skew
+
+    def _run(self, problem):
+        out, lse = super()._run(problem)
+        lse = np.where(problem.masked_rows, np.float32(self.masked_lse), lse)
+        return (out * self.skew).astype(out.dtype), lse
+
+
+def test_only_a_declared_convention_makes_a_declared_deviation(tmp_path):
+    store = ResultsStore(tmp_path / "results.jsonl")
+    backends = [_MaskedLse("declared"), _MaskedLse("other-value", masked_lse=5.0),
+                _MaskedLse("also-wrong", skew=1.01)]
+    run_sweep(MASKED, backends, store)
+    records = {r.backend: r for r in store.read()}
+    assert all(not r.passed and r.rule == "masked_rows" for r in records.values())
+    assert records["declared"].extra[DEVIATION_KEY][0]["name"] == "masked-row-lse-zero"
+    assert DEVIATION_KEY not in records["other-value"].extra
+    assert DEVIATION_KEY not in records["also-wrong"].extra  # error_bound fails too
+    data = build(list(records.values()), generated=GENERATED, environment={})
+    assert (data.totals.failed, data.totals.deviations) == (2, 1)
+    assert [(d.backend, d.property) for d in data.deviations] == [("declared", "fully_masked_rows")]
+    assert {c.backend for c in data.failures} == {"other-value", "also-wrong"}
+
+
+def test_report_exits_0_on_a_declared_deviation_and_1_with_fail_on_deviation(tmp_path, monkeypatch,
+                                                                              capsys):
+    pytest.importorskip("torch")
+    monkeypatch.setitem(SWEEPS, "quick", MASKED)
+    out = tmp_path / "reports"
+    assert main(["report", "--backend", "torch-sdpa-flash-cpu", "--out", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "**all pass**, 1 by declared conventions only" in summary
+    assert "--property fully_masked_rows" in summary
+    assert 'id="deviations"' in (out / "index.html").read_text()
+    results = str(out / "results.jsonl")
+    assert main(["report", "--from", results, "--out", str(tmp_path / "r"),
+                 "--fail-on", "deviation"]) == 1
+    assert main(["report", "--from", results, "--out", str(tmp_path / "r")]) == 0
+    assert main(["report", "--backend", "torch-sdpa-flash-cpu", "--out", str(out),
+                 "--fail-on", "deviation"]) == 1
+
+
+class _Fp16Only(NaiveBackend):
+    dtypes = ("fp16",)
+
+    def __init__(self):
+        super().__init__("fp32")
+        self.name = "fp16-only"
+
+
+def _bar_lines(stream):
+    """(percent, runs done, runs planned) of every progress line, and the closing line."""
+    lines = stream.getvalue().splitlines()
+    bars = [tuple(map(int, m.groups())) for line in lines
+            if (m := re.search(r"\] +(\d+)% (\d+)/(\d+) runs", line))]
+    return bars, lines[-1]
+
+
+def test_progress_counts_the_runs_it_will_make_and_says_what_it_skipped(tmp_path):
+    stream = io.StringIO()
+    store = ResultsStore(tmp_path / "results.jsonl")
+    run_sweep(TINY, [get_backend("numpy-tiled"), _Fp16Only()], store, stream=stream)
+    bars, last = _bar_lines(stream)
+    planned = len(TINY.points) + len(TINY.points) // 2  # fp16-only skips the fp32 half
+    assert bars and all(total == planned for _, _, total in bars)
+    assert all(pct == int(100 * done / total + 0.5) for pct, done, total in bars)
+    assert last.startswith(f"{planned} runs in ") and last.endswith(
+        f"skipped {len(TINY.points) // 2} ({len(TINY.points) // 2} unsupported)")
+    # --resume: nothing planned; the closing line says why
+    stream = io.StringIO()
+    run_sweep(TINY, [get_backend("numpy-tiled")], store, done=store.keys(), stream=stream)
+    assert _bar_lines(stream)[1].endswith(f"skipped {len(TINY.points)} "
+                                          f"({len(TINY.points)} already recorded)")
+
+
+def test_progress_takes_budget_skips_out_of_its_total(tmp_path):
+    stream = io.StringIO()
+    stingy = Sweep("stingy", "", TINY.points, budget_s=0.0)
+    run_sweep(stingy, [get_backend("numpy-tiled")], ResultsStore(tmp_path / "r.jsonl"),
+              stream=stream)
+    bars, last = _bar_lines(stream)
+    skipped = len(TINY.points) - 1
+    assert bars[0] == (0, 0, len(TINY.points))
+    assert last.startswith("1 runs in ") and last.endswith(f"skipped {skipped} ({skipped} budget)")
 
 
 # --- the command -----------------------------------------------------------------------------

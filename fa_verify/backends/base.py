@@ -34,6 +34,27 @@ class Availability:
 AVAILABLE = Availability(True)
 
 
+@dataclass(frozen=True)
+class Convention:
+    """A known, deliberate difference between a backend's output and fa_verify's conventions.
+
+    Data only: what differs, the verdict rule and the property that see it, and the value the
+    backend returns instead. A run that fails only because of declared conventions is reported
+    as a declared deviation, not as a failure (`fa_verify report --fail-on deviation` counts it).
+    """
+
+    #: short identifier, e.g. "masked-row-lse-zero"
+    name: str
+    #: what the backend does instead, in words
+    differs: str
+    #: the verdict rule that sees it (one of fa_verify.verdict.RULES)
+    rule: str
+    #: the property of fa_verify.properties that sees it
+    property: str
+    #: the LSE the backend returns for fully masked rows (fa_verify's convention: -inf)
+    masked_row_lse: float
+
+
 class Backend(ABC):
     """An attention implementation: metadata plus `run(problem) -> (out, lse | None)`."""
 
@@ -43,6 +64,8 @@ class Backend(ABC):
     dtypes: tuple[str, ...] = DTYPE_NAMES
     #: Known deviations from its precision model or from fa_verify's conventions, for the table.
     notes: str = ""
+    #: Conventions of a third-party backend that differ from fa_verify's (declared, not failures).
+    conventions: tuple[Convention, ...] = ()
 
     @abstractmethod
     def precision(self, dtype) -> PrecisionModel:

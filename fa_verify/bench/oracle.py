@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -10,9 +11,14 @@ from fa_verify.bench.timing import best_times
 from fa_verify.oracle import reference
 from fa_verify.problem import AttentionProblem
 
-#: The issue's targets: certified time <= 3x plain float64, bound <= 1e-12 of the row scale.
-TARGET_RATIO = 3.0
+#: The targets: certified time <= 1.5x plain float64 (its P.[V | |V|] GEMM alone is 1.5x
+#: plain's two GEMMs), bound <= 1e-12 of the row scale.
+TARGET_RATIO = 1.5
 TARGET_BOUND = 1e-12
+#: Fast sizes are timed more often (best of more runs): at least this long per side, so that a
+#: busy machine's noise does not decide a ratio of 10 ms runs.
+TIMED_SECONDS = 0.5
+MAX_REPEATS = 50
 
 
 def plain_float64_attention(problem: AttentionProblem) -> np.ndarray:
@@ -32,7 +38,7 @@ def _problem(n: int, head_dim: int, seed: int) -> AttentionProblem:
                                        tags=(("distribution", "normal"), ("seed", seed)))
 
 
-def run(sizes=(1024, 4096), head_dim: int = 128, repeats: int = 3, mpmath_n: int = 64,
+def run(sizes=(1024, 4096), head_dim: int = 128, repeats: int = 5, mpmath_n: int = 64,
         seed: int = 0, progress=None) -> dict:
     """Time both paths per size; report ratios, the largest certified bound, and mpmath's time."""
     rows = []
@@ -41,11 +47,13 @@ def run(sizes=(1024, 4096), head_dim: int = 128, repeats: int = 3, mpmath_n: int
             progress(f"oracle bench: N={n}, D={head_dim}")
         problem = _problem(n, head_dim, seed)
         ref = reference(problem)
+        once = best_times({"plain": lambda: plain_float64_attention(problem)}, 1)["plain"]
+        rounds = max(repeats, min(MAX_REPEATS, math.ceil(TIMED_SECONDS / once)))
         times = best_times({"plain": lambda: plain_float64_attention(problem),
-                            "certified": lambda: reference(problem)}, repeats)
+                            "certified": lambda: reference(problem)}, rounds)
         rows.append({
             "n": n, "head_dim": head_dim, "dtype": "fp16",
-            "plain_float64_s": times["plain"], "certified_s": times["certified"],
+            "plain_float64_s": times["plain"], "certified_s": times["certified"], "repeats": rounds,
             "ratio": times["certified"] / times["plain"],
             "max_relative_bound": ref.relative_bound, "mpmath_rows": ref.mpmath_rows,
         })
@@ -66,10 +74,12 @@ def run(sizes=(1024, 4096), head_dim: int = 128, repeats: int = 3, mpmath_n: int
 
 
 def format_text(result: dict) -> str:
-    lines = [f"{'N':>6} {'D':>4}  {'plain f64':>10}  {'certified':>10}  {'ratio':>6}  {'max bound/row scale':>20}"]
+    lines = [f"{'N':>6} {'D':>4}  {'plain f64':>10}  {'certified':>10}  {'ratio':>6}  "
+             f"{'max bound/row scale':>20}  {'best of':>7}"]
     for r in result["sizes"]:
         lines.append(f"{r['n']:>6} {r['head_dim']:>4}  {r['plain_float64_s']:>9.4f}s  "
-                     f"{r['certified_s']:>9.4f}s  {r['ratio']:>6.2f}  {r['max_relative_bound']:>20.3e}")
+                     f"{r['certified_s']:>9.4f}s  {r['ratio']:>6.2f}  {r['max_relative_bound']:>20.3e}"
+                     f"  {r['repeats']:>7}")
     mp = result["mpmath"]
     lines.append(f"pure mpmath (50 digits) at N={mp['n']}, D={mp['head_dim']}: {mp['seconds']:.2f}s")
     t = result["target"]

@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
                     "OUT/results.jsonl as it goes, and renders OUT/index.html (self-contained), "
                     "OUT/summary.json and OUT/summary.md. An interrupted run keeps its records "
                     "(--resume continues it; --from renders them). "
-                    "Exit 0: every run passed; 1: a run failed; 2: usage or setup error.",
+                    "Exit 0: every run passed or deviated only by a convention its backend "
+                    "declares (shown as a declared deviation); 1: a run failed (or, with "
+                    "--fail-on deviation, deviated); 2: usage or setup error.",
         epilog="Sweeps: " + "; ".join(f"{s.name}: {s.description} (budget {s.budget_s:g} s "
                                        "per backend)" for s in SWEEPS.values()))
     cmd.add_argument("--backend", action="append", metavar="NAME",
@@ -32,6 +34,9 @@ def add_parser(sub) -> None:
     cmd.add_argument("--resume", action="store_true",
                      help=f"keep OUT/{RESULTS} and skip the runs it already holds "
                           "(default: start it afresh, the old one renamed results.prev.jsonl)")
+    cmd.add_argument("--fail-on", choices=("failure", "deviation"), default="failure",
+                     help="what makes the exit code 1 (default failure; deviation: also runs "
+                          "that differ only by a backend's declared conventions)")
     cmd.set_defaults(handler=_run)
 
 
@@ -70,7 +75,7 @@ def _run(args) -> int:
                 f"--from {str(source)!r}: no valid record found (the file is empty, or each line "
                 f"was skipped with a warning); give a results file written by 'fa_verify report', "
                 f"'fa_verify check --results' or pytest --fa-results")
-        return _render(records, out, RunInfo.load(source.parent))
+        return _render(records, out, RunInfo.load(source.parent), args.fail_on)
 
     backends = _backends(args.backend)
     store = ResultsStore(out / RESULTS)
@@ -84,16 +89,18 @@ def _run(args) -> int:
         info = run_sweep(sweep, backends, store, done=done, out_dir=out)
     except KeyboardInterrupt:
         # Everything recorded so far is in the store: render it, then stop as interrupted.
-        _render(store.read(), out, RunInfo.load(out))
+        _render(store.read(), out, RunInfo.load(out), args.fail_on)
         raise
-    return _render(store.read(), out, info)
+    return _render(store.read(), out, info, args.fail_on)
 
 
-def _render(records, out: Path, run) -> int:
+def _render(records, out: Path, run, fail_on: str) -> int:
     from fa_verify.report import write_report
 
     data = write_report(records, out, run=run)
     print((out / "summary.md").read_text(encoding="utf-8"))  # the CI log's summary
-    print(f"wrote {out / 'index.html'}, summary.json, summary.md: {data.totals.records} runs, "
-          f"{data.totals.failed} failing", file=sys.stderr)
-    return 1 if data.totals.failed else 0
+    totals = data.totals
+    print(f"wrote {out / 'index.html'}, summary.json, summary.md: {totals.records} runs, "
+          f"{totals.failed} failing, {totals.deviations} by declared conventions only",
+          file=sys.stderr)
+    return 1 if totals.failed or (fail_on == "deviation" and totals.deviations) else 0

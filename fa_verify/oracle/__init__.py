@@ -1,8 +1,9 @@
 """The reference oracle: attention of a problem with a rigorous per-element error bound.
 
 Two paths, one contract (`Reference`):
-- "certified" (default): float64 with an a-posteriori bound; rows the bound cannot certify
-  to 1e-3 of fp32's unit roundoff are recomputed in mpmath;
+- "certified" (default): float64 with an a-posteriori bound (free, from norms; the |Q||K|^T
+  GEMM only for rows where that is too loose); rows the bound cannot certify to 1e-3 of
+  fp32's unit roundoff are recomputed in mpmath;
 - "mpmath": the definition, every row at `digits` decimal digits (slow: small problems).
 """
 

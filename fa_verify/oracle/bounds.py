@@ -25,8 +25,9 @@ def softmax_output_coefficient(r, n_rounded, unit: float):
     every term, and with l the row sum, O = sum p v / l:
         |O_hat - O| <= (2 alpha / (1 - alpha)) * D_c      (numerator and denominator)
                       + unit * (1 + 2 alpha / (1 - alpha)) * D_c   (the division)
-    because |O| <= D_c. Returns (coefficient, alpha).
+    because |O| <= D_c; no bound (inf) once alpha >= 1. Returns (coefficient, alpha).
     """
     alpha = r + gamma(n_rounded, unit) * (1 + r)
-    ratio = 2 * alpha / (1 - alpha)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(alpha < 1, 2 * alpha / (1 - alpha), np.inf)
     return ratio + unit * (1 + ratio), alpha

@@ -1,25 +1,30 @@
 """The fast certified reference: float64 attention with a rigorous a-posteriori error bound.
 
 Computation, per head (u = 2^-53, every problem dtype embeds exactly in float64):
-    S = fl(Q K^T), A = fl(|Q| |K|^T), t = fl(S * scale), m_i = max_j t_ij,
-    x = fl(t - m), p = exp(x), then [num | l | dabs] = P [V | 1 | |V|] accumulated in
-    chunks of c keys (each term passes through <= c + N/c roundings instead of N),
-    O = num / l, LSE = m + log(l), row scale D = dabs / l.
-Bound: the computed x_ij differs from the exact t_ij - m_i by at most
-    b_i = u/(1-u) max|x| + g2/(1-g2) max|t| + scale' * g_D/(1-g_D) * max_j A_ij
-(x's subtraction; the product with a possibly rounded scale; the GEMM's gamma_D bound
-with |Q||K|^T <= A/(1-g_D)). Then every probability has relative error
+    Q' = fl(scale * Q), t = fl(Q' K^T), m_i = max_j t_ij, x = fl(t - m), p = exp(x),
+    then [num | l | dabs] = P [V | 1 | |V|] accumulated in chunks of c = 1024 keys (each term
+    passes through <= c + N/c roundings instead of N), O = num / l, LSE = m + log(l),
+    row scale D = dabs / l.
+Bound: with A_i >= max_j sum_d |q_id| |k_jd| over the keys row i attends and scale_hi >= the
+exact scale, the computed t_ij is within g_{D+2} scale_hi A_i of scale * q_i.k_j (the GEMM's
+gamma_D, one rounding more for Q' and one for a rounded scale), so |t_ij| <= (1 + g_{D+2})
+scale_hi A_i, and x's subtraction adds u (|t_ij| + |m_i|). Every computed x_ij is thus within
+    b_i = u |m_i| + g_{D+3} scale_hi A_i
+of the exact scaled score minus m_i. Then every probability has relative error
 r_i <= expm1(b_i) + eps_exp e^{b_i}, and `softmax_output_coefficient` turns r into the
 output bound. Exact t - m vs computed m does not matter: softmax is shift invariant.
+
+A_i comes in two grades. The cheap one is free: Cauchy-Schwarz, sum_d |q_d||k_d| <= |q| |k|,
+from Euclidean norms computed in float64 (about 1.6x larger than A for random vectors, far
+more for vectors whose large entries sit in different coordinates). Only rows whose cheap
+bound misses FALLBACK_THRESHOLD get the tight one, fl(|q_i| |K|^T) / (1 - g_D): one GEMM row
+each. Rows still above the threshold are recomputed by the mpmath path, so every row of the
+result is far more accurate than any fp32 kernel can be.
 
 Assumptions: IEEE binary64 round-to-nearest; a BLAS that obeys the gamma_n bound (any
 order, FMA, not Strassen); numpy's exp and log within 4 ulp (EPS_EXP; 0.69 ulp measured).
 Underflow of p (x < -708) and of products p*v is covered by an absolute term (tau, below
-1e-300 of max|v|). Scores cannot overflow: |q k| <= D * (3.4e38)^2 < 1e308.
-
-Rows whose relative bound exceeds FALLBACK_THRESHOLD (1e-3 of fp32's unit roundoff) are
-recomputed by the mpmath path, so every row of the result is far more accurate than any
-fp32 kernel can be.
+1e-300 of max|v|, per row). Scores cannot overflow: |q k| <= D * (3.4e38)^2 < 1e308.
 """
 
 from __future__ import annotations
@@ -42,54 +47,70 @@ _BOUND_SLACK = 1 + 1e-10
 #: Entries of S held at once (per array): bounds memory at ~32 MiB per N x N temporary.
 _CHUNK_ENTRIES = 1 << 22
 _SMALLEST_SUBNORMAL = 2.0 ** -1074
-
-
-def _key_chunk(nk: int) -> int:
-    """Keys per P.V partial product: about sqrt(N) minimises c + N/c."""
-    return max(16, int(math.isqrt(max(nk, 1))))
+#: Keys per P.V partial product: enough that the GEMM runs at full speed and adding the
+#: partial products up costs little, few enough that each term sees <= 1024 + N/1024
+#: roundings instead of N (gamma_1024 = 1.1e-13).
+_PV_CHUNK = 1024
 
 
 def _attend(q, k, v, mask, scale: float):
     """Float64 attention of a group of heads [G, N, D] with the quantities the bound needs."""
-    scores = np.matmul(q, k.swapaxes(-1, -2))
-    a_max = np.matmul(np.abs(q), np.abs(k).swapaxes(-1, -2)).max(axis=-1)
-    scores *= scale
+    scores = np.matmul(q * scale, k.swapaxes(-1, -2))
     if mask is not None:
         scores[:, ~mask] = -np.inf
     m = scores.max(axis=-1)
     m = np.where(np.isfinite(m), m, 0.0)  # fully masked rows: p = exp(-inf) = 0 below
     scores -= m[..., None]
-    x_min = (scores if mask is None else np.where(mask, scores, 0.0)).min(axis=-1)
     p = np.exp(scores, out=scores)
 
     nk, d = k.shape[1], k.shape[2]
     values = np.concatenate([v, np.ones(v.shape[:-1] + (1,)), np.abs(v)], axis=-1)
-    chunk = _key_chunk(nk)
-    acc = np.zeros(q.shape[:-1] + (2 * d + 1,))
-    for start in range(0, nk, chunk):
+    chunk = _PV_CHUNK
+    acc = np.matmul(p[..., :chunk], values[:, :chunk])
+    for start in range(chunk, nk, chunk):
         acc += np.matmul(p[..., start:start + chunk], values[:, start:start + chunk])
-    rounds = chunk + -(-nk // chunk)
-    return acc[..., :d], acc[..., d], acc[..., d + 1:], m, -x_min, a_max, rounds
+    rounds = min(chunk, nk) + -(-nk // chunk)
+    return acc[..., :d], acc[..., d], acc[..., d + 1:], m, rounds
 
 
-def _bounds(problem, l, m, max_abs_x, a_max, rounds, v_max):
+def _norm_magnitude(q, k, limits):
+    """Per row, an upper bound of max_j sum_d |q_id||k_jd| over the keys it attends, free:
+    Cauchy-Schwarz on norms computed in float64 (sum of D squares and a sqrt: g_{D+1})."""
+    slack = 1 - gamma(q.shape[-1] + 1)
+    q_norm = np.sqrt((q * q).sum(axis=-1)) / slack
+    k_norm = np.sqrt((k * k).sum(axis=-1)) / slack
+    attended_max = np.maximum.accumulate(k_norm, axis=-1)[..., np.maximum(limits, 1) - 1]
+    return q_norm * attended_max
+
+
+def _gemm_magnitude(q, k, mask, rows):
+    """The same bound for `rows` (g, i) only, tight: fl(|q_i| |K|^T) / (1 - g_D) per row."""
+    out = np.empty(len(rows[0]))
+    for g in np.unique(rows[0]):
+        pick = rows[0] == g
+        i = rows[1][pick]
+        a = np.abs(q[g, i]) @ np.abs(k[g]).T
+        out[pick] = (a if mask is None else np.where(mask[i], a, 0.0)).max(axis=-1)
+    return out / (1 - gamma(q.shape[-1]))
+
+
+def _bounds(problem, l, m, magnitude, rounds, v_max):
     """Relative output coefficient, absolute underflow term and LSE bound, per row."""
-    scale_hi = problem.scale_value * (1 + (0 if problem.scale_is_exact else U64))
-    g2 = gamma(2)
-    max_abs_t = np.abs(m) + max_abs_x / (1 - U64)
-    g_d = gamma(problem.head_dim)
-    b = U64 / (1 - U64) * max_abs_x + g2 / (1 - g2) * max_abs_t + scale_hi * g_d / (1 - g_d) * a_max
-    r = np.expm1(b) + EPS_EXP * np.exp(b)
-    coefficient, alpha = softmax_output_coefficient(r, rounds, U64)
-    # D computed from the same perturbed sums: true D <= D_hat (1+alpha) / ((1-alpha)(1-u)).
-    coefficient = coefficient * (1 + alpha) / ((1 - alpha) * (1 - U64)) * _BOUND_SLACK
-    with np.errstate(divide="ignore"):
+    scale_hi = problem.scale_value / (1 - (0 if problem.scale_is_exact else U64))
+    b = U64 * np.abs(m) + gamma(problem.head_dim + 3) * scale_hi * magnitude
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        r = np.expm1(b) + EPS_EXP * np.exp(b)
+        coefficient, alpha = softmax_output_coefficient(r, rounds, U64)
+        # D computed from the same perturbed sums: true D <= D_hat (1+alpha) / ((1-alpha)(1-u)).
+        coefficient = coefficient * (1 + alpha) / ((1 - alpha) * (1 - U64)) * _BOUND_SLACK
         log_l = np.log(l)
-        tau = (4 * (problem.nk + rounds) * _SMALLEST_SUBNORMAL
-               * (1 + v_max[..., None, :]) / (l * (1 - alpha))[..., None])
-    lse_bound = (-np.log1p(-alpha) + EPS_EXP * np.abs(log_l)
-                 + 2 * U64 * (np.abs(m) + np.abs(log_l))) * _BOUND_SLACK
-    return coefficient, tau, lse_bound
+        tau = (4 * (problem.nk + rounds) * _SMALLEST_SUBNORMAL * (1 + v_max[..., None])
+               / (l * (1 - alpha)))
+        lse_bound = (-np.log1p(-alpha) + EPS_EXP * np.abs(log_l)
+                     + 2 * U64 * (np.abs(m) + np.abs(log_l))) * _BOUND_SLACK
+    bounded = alpha < 1  # beyond, the argument bounds nothing (signs flip): no bound, inf
+    return (np.where(bounded, coefficient, np.inf), np.where(bounded, tau, np.inf),
+            np.where(bounded, lse_bound, np.inf))
 
 
 def mp_row_bounds(problem, rows, digits):
@@ -117,30 +138,36 @@ def certified_reference(problem: AttentionProblem, digits: int = mp_path.DEFAULT
     q = problem.q64()
     k, v = problem.kv64()
     mask = problem.mask if problem.causal else None
-    out = np.zeros((B, H, Nq, D))
-    row_scale = np.zeros_like(out)
-    lse = np.full((B, H, Nq), -np.inf)
-    coefficient = np.zeros((B, H, Nq))
-    tau = np.zeros_like(out)
-    lse_bound = np.zeros_like(lse)
+    # Every head is filled in by the loop below.
+    out, row_scale = (np.empty((B, H, Nq, D)) for _ in range(2))
+    lse, coefficient, tau, lse_bound = (np.empty((B, H, Nq)) for _ in range(4))
 
     heads_per_chunk = max(1, _CHUNK_ENTRIES // (Nq * problem.nk))
+    limits = problem.key_limit()
+    gemm_rows = 0
     for b in range(B):
         for h0 in range(0, H, heads_per_chunk):
             sl = (b, slice(h0, h0 + heads_per_chunk))
-            num, l, dabs, m, max_abs_x, a_max, rounds = _attend(q[sl], k[sl], v[sl], mask,
-                                                                problem.scale_value)
+            num, l, dabs, m, rounds = _attend(q[sl], k[sl], v[sl], mask, problem.scale_value)
             live = l > 0
             with np.errstate(divide="ignore", invalid="ignore"):
                 out[sl] = np.where(live[..., None], num / l[..., None], 0.0)
                 row_scale[sl] = np.where(live[..., None], dabs / l[..., None], 0.0)
                 lse[sl] = np.where(live, m + np.log(l), -np.inf)
-            c, t, lb = _bounds(problem, l, m, max_abs_x, a_max, rounds, np.abs(v[sl]).max(axis=-2))
+            v_max = np.abs(v[sl]).max(axis=(-2, -1))
+            magnitude = _norm_magnitude(q[sl], k[sl], limits)
+            c, t, lb = _bounds(problem, l, m, magnitude, rounds, v_max)
+            loose = np.nonzero(live & ~(c <= threshold))
+            if loose[0].size:  # the free bound is not enough there: pay for the tight one
+                gemm_rows += loose[0].size
+                magnitude[loose] = np.minimum(magnitude[loose],
+                                              _gemm_magnitude(q[sl], k[sl], mask, loose))
+                c, t, lb = _bounds(problem, l, m, magnitude, rounds, v_max)
             coefficient[sl] = np.where(live, c, 0.0)
-            tau[sl] = np.where(live[..., None], t, 0.0)
+            tau[sl] = np.where(live, t, 0.0)
             lse_bound[sl] = np.where(live, lb, 0.0)
 
-    out_bound = coefficient[..., None] * row_scale + tau
+    out_bound = coefficient[..., None] * row_scale + tau[..., None]
     redo = [tuple(int(x) for x in idx) for idx in np.argwhere(~(coefficient <= threshold))]
     if redo:
         mp_coefficient, mp_lse_bound = mp_row_bounds(problem, redo, digits)
@@ -151,4 +178,5 @@ def certified_reference(problem: AttentionProblem, digits: int = mp_path.DEFAULT
             out_bound[b, h, i] = c * s + U64 * np.abs(o)
             lse_bound[b, h, i] = lb + U64 * abs(l_) if math.isfinite(l_) else 0.0
     return Reference(out=out, lse=lse, out_bound=out_bound, lse_bound=lse_bound,
-                     row_scale=row_scale, method="certified", mpmath_rows=len(redo))
+                     row_scale=row_scale, method="certified", mpmath_rows=len(redo),
+                     gemm_rows=gemm_rows)

@@ -26,6 +26,8 @@ class Reference:
     method: str
     #: Rows (of all B*H*Nq) that the certified path handed to mpmath.
     mpmath_rows: int = 0
+    #: Rows whose bound needed the |q_i||K|^T GEMM (the free norm bound was too loose there).
+    gemm_rows: int = 0
 
     @property
     def relative_bound(self) -> float:

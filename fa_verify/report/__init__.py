@@ -3,7 +3,8 @@
     from fa_verify.report import write_report
     write_report(ResultsStore("reports/results.jsonl").read(), "reports")
 
-Pieces, in the order data flows: `runner` (sweep → records, with `budget` and `progress`),
+Pieces, in the order data flows: `runner` (sweep → records, with `budget` and `progress`;
+`deviations` marks runs that fail only by a backend's declared conventions),
 `data` (records → plain dataclasses, grouped by `buckets`), `render` (index.html and
 summary.md from the templates, figures from `plots`), `summary` (summary.json).
 """

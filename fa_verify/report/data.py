@@ -15,6 +15,7 @@ from fa_verify.report.aggregate import largest, out_stat
 from fa_verify.report.buckets import Bucket, bucket_of, column_of
 from fa_verify.report.cases import worst_cases
 from fa_verify.report.curves import curves
+from fa_verify.report.deviations import deviation_of
 from fa_verify.report.fa3 import Fa3Table, fa3_table
 from fa_verify.report.histogram import merge
 from fa_verify.report.run_info import RunInfo
@@ -25,8 +26,12 @@ class Cell:
     """One backend's runs of one shape bucket and one dtype × causal column."""
 
     runs: int
+    #: failing runs, not counting declared deviations
     failed: int
     rules: list
+    #: runs that fail only by the backend's declared conventions, and those conventions' names
+    deviations: int
+    conventions: list
     ulp_max: float | None
     ulp_p99: float | None
     normalised_max: float | None
@@ -42,13 +47,16 @@ class Cell:
 
     @property
     def status(self) -> str:
-        return "fail" if self.failed else "pass"
+        return _status(self.failed, self.deviations)
 
     @classmethod
     def of(cls, records) -> "Cell":
+        failing = [r for r in records if not r.passed and not deviation_of(r)]
+        deviating = [deviation_of(r) for r in records if deviation_of(r)]
         return cls(
-            runs=len(records), failed=sum(not r.passed for r in records),
-            rules=sorted({r.rule for r in records if r.rule}),
+            runs=len(records), failed=len(failing), rules=sorted({r.rule for r in failing}),
+            deviations=len(deviating),
+            conventions=sorted({c["name"] for conventions in deviating for c in conventions}),
             ulp_max=largest(out_stat(r, "ulp", "max") for r in records),
             ulp_p99=largest(out_stat(r, "ulp", "p99") for r in records),
             normalised_max=largest(out_stat(r, "normalised", "max") for r in records),
@@ -58,6 +66,19 @@ class Cell:
             unbounded=sum(r.unbounded for r in records),
             histograms=_merged_histograms(records),
             shapes=sorted({shape_label(r.problem) for r in records}))
+
+
+def _status(failed: int, deviations: int) -> str:
+    return "fail" if failed else "deviation" if deviations else "pass"
+
+
+def _failed(records) -> int:
+    """Failing runs, not counting declared deviations."""
+    return sum(not r.passed and not deviation_of(r) for r in records)
+
+
+def _deviating(records) -> int:
+    return sum(bool(deviation_of(r)) for r in records)
 
 
 def _merged_histograms(records) -> dict | None:
@@ -84,6 +105,7 @@ class BackendSection:
     name: str
     runs: int
     failed: int
+    deviations: int
     #: precision model per dtype, as PrecisionModel.describe() says it
     precision: dict
     columns: list
@@ -94,7 +116,7 @@ class BackendSection:
 
     @property
     def status(self) -> str:
-        return "fail" if self.failed else "pass"
+        return _status(self.failed, self.deviations)
 
 
 def _precision_text(p: dict) -> str:
@@ -111,7 +133,7 @@ def backend_section(name: str, records, report_columns) -> BackendSection:
     rows = [Row(b, [Cell.of(by_cell[b, c]) if (b, c) in by_cell else None for c in columns])
             for b in buckets]
     return BackendSection(
-        name=name, runs=len(records), failed=sum(not r.passed for r in records),
+        name=name, runs=len(records), failed=_failed(records), deviations=_deviating(records),
         precision={r.problem.dtype: _precision_text(r.precision)
                    for r in sorted(records, key=lambda r: column_of(r.problem))},
         columns=columns, rows=rows, bound_ratio=largest(r.bound_ratio for r in records),
@@ -137,9 +159,40 @@ def skip_groups(info: RunInfo | None) -> list[SkipGroup]:
 
 
 @dataclass
+class Deviation:
+    """A backend's runs that deviate by one declared convention, and where to see it."""
+
+    backend: str
+    convention: str
+    differs: str
+    rule: str
+    #: the property that sees it, and the command that runs it on the backend
+    property: str
+    command: str
+    runs: int
+
+
+def deviations(records) -> list[Deviation]:
+    """One entry per backend and declared convention, with the number of runs it showed in."""
+    groups = {}
+    for r in records:
+        for c in deviation_of(r) or ():
+            key = (r.backend, c["name"])
+            if key not in groups:
+                groups[key] = Deviation(
+                    r.backend, c["name"], c["differs"], c["rule"], c["property"],
+                    f"python3 -m fa_verify check {r.backend} --property {c['property']}", 0)
+            groups[key].runs += 1
+    return [groups[key] for key in sorted(groups)]
+
+
+@dataclass
 class Totals:
     records: int
+    #: failing runs, not counting declared deviations
     failed: int
+    #: runs that fail only by their backend's declared conventions
+    deviations: int
     backends: int
     sources: dict
     sweeps: list
@@ -157,6 +210,7 @@ class ReportData:
     fa3: Fa3Table | None
     curves: list
     failures: list
+    deviations: list
     worst_passing: list
     skips: list
     run: RunInfo | None
@@ -177,19 +231,20 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
         sources[r.source] += 1
     stamps = sorted(r.timestamp for r in records)
     columns = sorted({column_of(r.problem) for r in records})
-    failures, passing = worst_cases(records)
+    failures, passing = worst_cases([r for r in records if not deviation_of(r)])
     notes = []
     if run is not None and run.interrupted:
         notes.append("The run was interrupted: this report shows the runs recorded before it stopped.")
     return ReportData(
         title=title, generated=generated,
-        totals=Totals(records=len(records), failed=sum(not r.passed for r in records),
+        totals=Totals(records=len(records), failed=_failed(records),
+                      deviations=_deviating(records),
                       backends=len(by_backend), sources=dict(sorted(sources.items())),
                       sweeps=sorted({r.sweep for r in records if r.sweep}),
                       first=stamps[0] if stamps else None, last=stamps[-1] if stamps else None),
         columns=columns,
         sections=[backend_section(name, by_backend[name], columns) for name in sorted(by_backend)],
         fa3=fa3_table(records), curves=curves(records),
-        failures=failures, worst_passing=passing, skips=skip_groups(run), run=run,
+        failures=failures, deviations=deviations(records), worst_passing=passing, skips=skip_groups(run), run=run,
         environment=(run.environment if run is not None and run.environment else environment or {}),
         environment_of_run=bool(run is not None and run.environment), notes=notes)

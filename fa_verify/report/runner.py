@@ -21,6 +21,7 @@ from fa_verify.metrics import OutputErrors
 from fa_verify.oracle import reference
 from fa_verify.precision import PrecisionModel
 from fa_verify.report.budget import Budget
+from fa_verify.report.deviations import KEY as DEVIATION_KEY, declared_deviation
 from fa_verify.report.histogram import histogram
 from fa_verify.report.progress import Progress
 from fa_verify.report.run_info import RunInfo, Skip
@@ -84,14 +85,21 @@ def compare(backend, problem, shared: Comparators, sweep: str):
     run_s = time.perf_counter() - start
     start = time.perf_counter()
     ref = shared.reference
-    verdict = check_attention(out, problem, lse=lse, precision=precision, reference=ref,
-                              baseline_out=shared.naive_out, bound=shared.bound(precision))
+
+    def judge(out, lse):
+        return check_attention(out, problem, lse=lse, precision=precision, reference=ref,
+                               baseline_out=shared.naive_out, bound=shared.bound(precision))
+
+    verdict = judge(out, lse)
+    deviation = None if verdict.passed else declared_deviation(backend.conventions, problem,
+                                                               out, lse, judge)
     histograms = None
     if verdict.summary is not None:  # the output has the problem's shape
         errors = OutputErrors.compute(out, ref.out, ref.row_scale, precision.output)
         histograms = {"normalised": histogram(errors.normalised), "ulp": histogram(errors.ulp)}
     seconds = {"run": run_s, "check": time.perf_counter() - start, "reference": shared.seconds}
     return record_from_verdict(problem, backend.name, precision, verdict, seconds, "report",
+                               {DEVIATION_KEY: deviation} if deviation else None,
                                sweep=sweep, comparisons=shared.comparisons, histograms=histograms)
 
 
@@ -109,27 +117,34 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
     budgets = {b.name: Budget(sweep.budget_s) for b in backends}
     warmed = set()
     points = sweep.ordered()
-    progress = Progress(sum(p.work for p in points) * len(backends), stream)
+    plans = [_plan(point, backends, done) for point in points]
+    planned = [point for point, (_, todo) in zip(points, plans)
+               for skip in todo.values() if skip is None]
+    progress = Progress(len(planned), sum(point.work for point in planned), stream)
     try:
-        for point in points:
-            problem = make_problem(point.distribution, point.shape, point.dtype, point.seed,
-                                   causal=point.causal)
-            descriptor = ProblemDescriptor.of(problem)
+        for point, (descriptor, todo) in zip(points, plans):
+            for name, skip in todo.items():
+                if skip is RECORDED:
+                    progress.skip("already recorded", planned=False)
+                elif skip is not None:
+                    info.skips.append(Skip(name, asdict(descriptor), "unsupported", skip))
+                    progress.skip("unsupported", planned=False)
+            if all(skip is not None for skip in todo.values()):
+                continue
+            problem = _problem(point)
             shared = None  # computed for the first backend that runs the point
             for backend in backends:
-                label = f"{backend.name} {point.dtype} {'causal' if point.causal else 'full'} " \
-                        f"{_seq(point.shape)} D={point.shape.head_dim}"
-                progress.advance(label, point.work)
-                if (backend.name, descriptor.key()) in done:
+                if todo[backend.name] is not None:
                     continue
                 budget = budgets[backend.name]
-                unsupported = backend.supports(problem)
-                refusal = None if unsupported else budget.refusal(point.work)
-                if unsupported or refusal:
-                    info.skips.append(Skip(backend.name, asdict(descriptor),
-                                           "unsupported" if unsupported else "budget",
-                                           unsupported or refusal))
+                refusal = budget.refusal(point.work)
+                if refusal:
+                    info.skips.append(Skip(backend.name, asdict(descriptor), "budget", refusal))
+                    progress.skip("budget", work=point.work)
                     continue
+                progress.begin(f"{backend.name} {point.dtype} "
+                               f"{'causal' if point.causal else 'full'} {_seq(point.shape)} "
+                               f"D={point.shape.head_dim}")
                 if backend.name not in warmed:  # untimed: the first run may compile a kernel
                     warmed.add(backend.name)
                     _warm_up(backend, problem)
@@ -137,6 +152,7 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
                 record = compare(backend, problem, shared, sweep.name)
                 store.append(record)
                 budget.charge(point.work, record.seconds["run"])
+                progress.finish(point.work)
     except KeyboardInterrupt:
         info.interrupted = True
         raise
@@ -146,6 +162,25 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
         if out_dir is not None:
             info.save(out_dir)
     return info
+
+
+#: A planned skip: the store already holds the run (--resume).
+RECORDED = object()
+
+
+def _problem(point):
+    return make_problem(point.distribution, point.shape, point.dtype, point.seed,
+                        causal=point.causal)
+
+
+def _plan(point, backends, done):
+    """(the point's ProblemDescriptor, {backend name: None to run it, RECORDED, or why the
+    backend does not support it}), known before anything runs."""
+    problem = _problem(point)
+    descriptor = ProblemDescriptor.of(problem)
+    return descriptor, {
+        b.name: RECORDED if (b.name, descriptor.key()) in done else b.supports(problem)
+        for b in backends}
 
 
 def _seq(shape) -> str:
