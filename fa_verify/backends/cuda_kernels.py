@@ -16,6 +16,7 @@ import threading
 import numpy as np
 
 from fa_verify.backends.base import AVAILABLE, Availability, Backend
+from fa_verify.backends.buffers import GuardedOutput, check_written
 from fa_verify.dtypes import numpy_dtype
 from fa_verify.kernels.catalogue import FAMILIES, KernelFamily, kernels_dir
 from fa_verify.precision import PrecisionModel
@@ -110,22 +111,24 @@ def run_on_cpu(family: KernelFamily, problem: AttentionProblem, module=None,
                sanitize: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(o as uint16 bits or float32, lse) of `problem` run by `module` (default: the family's).
 
-    Outputs start as NaN, so an element the kernel never writes is visible.
+    The outputs start NaN-filled inside guard bands (`buffers.GuardedOutput`): an element the
+    kernel never writes, or a write past either end of o or lse, raises BackendOutputError
+    with its index.
     """
+    from fa_verify.cuda_cpu import Inside
+
     module = module or cpu_module(family, sanitize=sanitize)
     launch = family.launch(problem)
     q, k, v = (_bits(x) for x in (problem.q, problem.k, problem.v))
-    if q.dtype == np.uint16:
-        o = np.full(q.shape, 0x7E00 if problem.dtype == "fp16" else 0x7FC0, dtype=np.uint16)  # NaN bits
-    else:
-        o = np.full(q.shape, np.nan, dtype=q.dtype)
-    lse = np.full(problem.out_shape[:3], np.nan, dtype=np.float32)
-    args = [q, k, v, o, lse, *launch.scalars]
+    o = GuardedOutput.allocate("o", q.shape, q.dtype)
+    lse = GuardedOutput.allocate("lse", problem.out_shape[:3], np.float32)
+    args = [q, k, v, Inside(o.buffer, o.offset), Inside(lse.buffer, lse.offset), *launch.scalars]
     if launch.scratch_dtype:
         scratch = np.zeros(max(1, launch.scratch_elements), dtype=numpy_dtype(launch.scratch_dtype))
         args.append(_bits(scratch))
     module.launch(launch.entry, launch.grid, launch.block, launch.shared_bytes, args)  # writes o, lse
-    return o, lse
+    check_written(f"{family.label} on the CUDA-on-CPU runner", o, lse)
+    return o.view, lse.view
 
 
 class CpuKernelBackend(KernelBackend):
