@@ -210,3 +210,17 @@ def test_determinism_runs_on_fresh_copies():
 
     result = check_determinism(memoised, problem())
     assert result.failed and "fresh copies" in result.detail
+
+
+@needs_cpu_runner
+def test_the_runner_reads_inputs_inside_their_nan_padding():
+    from fa_verify.backends.cuda_kernels import CpuKernelBackend
+    from fa_verify.judge.mutants import MutantBackend
+    from fa_verify.kernels.mutants import load_mutants
+    from fa_verify.properties import check_nan_padding
+
+    p = make_problem("normal", (1, 1, 1, 5, 7, 16), "fp16", 0)
+    assert check_nan_padding(CpuKernelBackend("fa2"), p).passed
+    reads_past = MutantBackend({m.name: m for m in load_mutants()}["fa2-tile-read-out-of-bounds"])
+    result = check_nan_padding(reads_past, p)
+    assert result.failed and "got nan" in result.detail
