@@ -50,19 +50,25 @@ def _relation(name: str, backend, problem, related, what: str, comparisons) -> P
     precision = backend.precision(problem.dtype)
 
     def mismatches(second):
-        found, worst = [], 0.0
+        """(what breaks the relation, the largest error / tolerance, whether any tolerance is finite)."""
+        found, worst, bounded = [], 0.0, False
         for label, got, expected, tol, where in comparisons([runs[0], second], precision):
             if label.startswith("LSE") and not has_lse:
                 continue
             mismatch, ratio = exceeding(got, expected, tol, where)
             worst = max(worst, ratio)
+            finite = np.isfinite(np.broadcast_to(tol, np.shape(got)))
+            bounded |= bool((finite if where is None else finite & where).any())
             if mismatch is not None:
                 found.append(mismatch.describe(label))
-        return found, worst
+        return found, worst, bounded
 
-    found, worst = mismatches(runs[1])
+    found, worst, bounded = mismatches(runs[1])
     if found:
         return failed(name, problem, f"{what}: " + "; ".join(found), worst)
+    if not bounded:  # nothing was judged: not a pass
+        return not_applicable(name, problem, f"{what}: the error model has no finite bound there under "
+                                             f"{precision.describe()}, so nothing can be judged")
     nulls = null_outputs(related[1], reference(related[1]), precision.output)
     null_guard = guard(nulls, lambda null: not mismatches((null.out, null.lse))[0],
                        judged=("out", "lse") if has_lse else ("out",))
