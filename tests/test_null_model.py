@@ -121,6 +121,7 @@ def test_search_counts_informative_examples_and_fails_a_property_with_none(monke
     outcome = search_property(zeros_target, "loose", selection)
     assert outcome.status == FAILED and outcome.failure is None
     assert outcome.informative == 0 and outcome.uninformative == outcome.examples > 0
+    assert outcome.uninformative_only  # fa_verify mutants counts it neither as a kill nor a false positive
     assert "no informative example" in outcome.message() and "zeros" in outcome.message()
     bitwise = search_property(zeros_target, "bitwise", selection)
     assert bitwise.passed and bitwise.informative is None and "informative" not in bitwise.message()

@@ -61,6 +61,12 @@ class PropertyOutcome:
     def passed(self) -> bool:
         return self.status == PASSED
 
+    @property
+    def uninformative_only(self) -> bool:
+        """Failed only because no example was informative: a statement about the property's
+        tolerance on these problems, not about any output of the target."""
+        return self.status == FAILED and self.failure is None and self.informative == 0
+
     def informative_count(self) -> str:
         """", 17 informative" (or "" where the null-model guard does not apply)."""
         return "" if self.informative is None else f", {self.informative} informative"
