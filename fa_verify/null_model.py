@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from fa_verify.dtypes import round_to
+from fa_verify.dtypes import finfo, round_to
 from fa_verify.oracle import Reference
 from fa_verify.problem import AttentionProblem
 
@@ -86,7 +86,9 @@ def _other_q(problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray]:
 
     q = problem.q64()
     spread = float(np.sqrt(np.mean(q * q))) or 1.0
-    fresh = round_to(np.random.default_rng(_SEED).standard_normal(q.shape) * spread, problem.dtype)
+    largest = float(finfo(problem.dtype).max)  # a spread near the dtype's maximum must not overflow
+    fresh = round_to(np.clip(np.random.default_rng(_SEED).standard_normal(q.shape) * spread, -largest, largest),
+                     problem.dtype)
     model = PrecisionModel.parse("score=fp64,p=fp64,pv=fp64,out=fp64", problem.dtype)
     out, lse = naive_attention(problem.replace(q=fresh), model)
     return out, lse.astype(np.float64)

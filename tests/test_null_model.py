@@ -139,3 +139,12 @@ def test_check_json_carries_the_counts(capsys):
     guarded, bitwise = properties
     assert isinstance(guarded["informative"], int) and guarded["informative"] + guarded["uninformative"] == guarded["examples"]
     assert bitwise["informative"] is None and bitwise["uninformative"] == 0
+
+
+def test_another_q_stays_finite_for_queries_near_the_dtype_maximum():
+    from fa_verify import AttentionProblem
+
+    q = np.full((1, 1, 4, 8), 60000, np.float16)
+    k, v = np.ones((1, 1, 5, 8), np.float16), np.ones((1, 1, 5, 8), np.float16)
+    nulls = nulls_of(AttentionProblem(q, k, v))
+    assert np.isfinite(nulls["another q"].out).all()
