@@ -254,14 +254,15 @@ def test_callable_adaptors_reproduce_naive_bitwise(layout, array, dtype):
     np.testing.assert_array_equal(lse, ref_lse)
 
 
-def test_callable_gets_copies_of_the_inputs():
+def test_callable_gets_copies_of_the_inputs_and_writing_into_them_is_reported():
     def scribbles(q, k, v, *, causal, scale):
         out = naive_fn(q, k, v, causal=causal, scale=scale)
         q[...] = 0
         return out
     problem = make_problem("gqa causal", "fp32")
     before = problem.q.copy()
-    CallableBackend(scribbles).run(problem)
+    with pytest.raises(BackendOutputError, match=r"wrote into its input q: .* first at \[0, 0, 0, 0\]"):
+        CallableBackend(scribbles).run(problem)
     np.testing.assert_array_equal(problem.q, before)
 
 

@@ -22,7 +22,8 @@ from fa_verify.backends.cuda_kernels import (
     cpu_runner_availability,
     run_on_cpu,
 )
-from fa_verify.errors import AttentionMismatch, InvalidArgumentError, KernelRunError, KernelSanitizerError
+from fa_verify.errors import (AttentionMismatch, BackendOutputError, InvalidArgumentError, KernelRunError,
+                              KernelSanitizerError)
 from fa_verify.kernels import FAMILIES, KERNELS_DIR_ENV, get_family, kernels_dir
 from fa_verify.kernels.mutants import load_mutants
 from fa_verify.kernels.pycuda_runner import PYCUDA_MISSING, device_properties, pycuda_availability
@@ -184,8 +185,8 @@ def test_causal_alignments_differ_and_rows_fully_masked():
 
 
 @needs_cpu_runner
-def test_outputs_start_as_nan_so_unwritten_elements_fail():
-    """run_on_cpu fills outputs with NaN: a kernel that skipped an element would fail 'finite'."""
+def test_outputs_start_as_nan_so_unwritten_elements_are_reported():
+    """run_on_cpu fills outputs with a sentinel NaN: a kernel that skips elements is reported."""
 
     class WritesNothing:
         def launch(self, *args):
@@ -194,8 +195,8 @@ def test_outputs_start_as_nan_so_unwritten_elements_fail():
     family = get_family("fa2")
     for dtype in ("fp32", "fp16", "bf16"):
         p = make_problem((1, 1, 1, 5, 7, 16), dtype)
-        o, lse = run_on_cpu(family, p, module=WritesNothing())
-        assert np.isnan(o.view(p.q.dtype).astype(np.float32)).all() and np.isnan(lse).all()
+        with pytest.raises(BackendOutputError, match=r"o: 80 / 80 elements never written \(first at \[0, 0, 0, 0\]"):
+            run_on_cpu(family, p, module=WritesNothing())
     o, lse = run_on_cpu(family, p)
     assert np.isfinite(o.view(p.q.dtype).astype(np.float32)).all() and np.isfinite(lse).all()
 
@@ -260,7 +261,7 @@ def oracle_failures(family, module, dtype="fp16"):
                 o, lse = run_on_cpu(family, problem, module=module)
                 out = o.view(problem.q.dtype).reshape(problem.out_shape)
                 assert_attention_close(out, problem, lse=lse, precision=family.precision(dtype))
-            except (AttentionMismatch, KernelRunError) as exc:
+            except (AttentionMismatch, BackendOutputError, KernelRunError) as exc:
                 failures.append(f"{mode} {shape}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
     return failures
 

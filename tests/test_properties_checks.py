@@ -11,6 +11,8 @@ from fa_verify import AttentionProblem
 from fa_verify.backends import CallableBackend, get_backend
 from fa_verify.errors import AttentionMismatch, InvalidArgumentError
 from fa_verify.properties import (
+    PASSED,
+    UNINFORMATIVE,
     PropertyFailure,
     as_backend,
     check_batch_head_independence,
@@ -131,7 +133,8 @@ def test_convexity_properties_hold_for_a_correct_kernel_on_every_distribution(di
         p = problem(dtype=dtype, causal=causal, alignment=alignment, distribution=distribution, seed=3)
         for check in (check_convex_hull, check_constant_v, check_v_affinity):
             result = check(TILED, p) if check is check_convex_hull else check(TILED, p, seed=5)
-            assert result.passed, result.message()
+            # uninformative (tiny inputs: a trivial output passes too) is neither a pass nor a fail
+            assert result.status in (PASSED, UNINFORMATIVE), result.message()
 
 
 def test_convexity_catches_lost_rescaling():

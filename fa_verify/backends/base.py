@@ -3,7 +3,8 @@
 A backend has a name, the dtypes it runs, the precision model it claims per dtype, whether it
 can run here (and why not), whether it can run a given problem (and why not), and
 `run(problem) -> (out, lse | None)`. `Backend.run` checks availability and support, calls the
-subclass's `_run`, and validates what came back, so no backend skips the output checks.
+subclass's `_run`, and validates what came back, so no backend skips the output checks, nor
+the check that q, k and v came back bitwise unchanged (`buffers.InputSnapshot`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fa_verify.backends.buffers import InputSnapshot
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import (
     BackendOutputError,
@@ -81,7 +83,9 @@ class Backend(ABC):
         return None
 
     def run(self, problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray | None]:
-        """out [B,H,Nq,D] in the precision model's output dtype, and LSE float32 [B,H,Nq] or None."""
+        """out [B,H,Nq,D] in the precision model's output dtype, and LSE float32 [B,H,Nq] or None.
+
+        Raises BackendOutputError if the run changed a bit of q, k or v."""
         availability = self.availability()
         if not availability.available:
             raise BackendUnavailableError(f"backend {self.name!r} is unavailable: {availability.reason}")
@@ -89,7 +93,9 @@ class Backend(ABC):
         if reason is not None:
             raise InvalidArgumentError(
                 f"backend {self.name!r} cannot run {problem.describe()}: {reason}")
+        inputs = InputSnapshot.of(q=problem.q, k=problem.k, v=problem.v)
         out, lse = self._run(problem)
+        inputs.check(self.name, problem.q, problem.k, problem.v)
         check_output(self.name, problem, out, lse, self.precision(problem.dtype).output)
         return out, lse
 

@@ -16,6 +16,7 @@ import threading
 import numpy as np
 
 from fa_verify.backends.base import AVAILABLE, Availability, Backend
+from fa_verify.backends.buffers import GuardedOutput, check_written
 from fa_verify.dtypes import numpy_dtype
 from fa_verify.kernels.catalogue import FAMILIES, KernelFamily, kernels_dir
 from fa_verify.precision import PrecisionModel
@@ -107,25 +108,28 @@ def cpu_module(family: KernelFamily, sanitize: bool = False):
 
 
 def run_on_cpu(family: KernelFamily, problem: AttentionProblem, module=None,
-               sanitize: bool = False) -> tuple[np.ndarray, np.ndarray]:
+               sanitize: bool = False, inputs=None) -> tuple[np.ndarray, np.ndarray]:
     """(o as uint16 bits or float32, lse) of `problem` run by `module` (default: the family's).
 
-    Outputs start as NaN, so an element the kernel never writes is visible.
+    The outputs start NaN-filled inside guard bands (`buffers.GuardedOutput`): an element the
+    kernel never writes, or a write past either end of o or lse, raises BackendOutputError
+    with its index. `inputs`: the q, k, v pointers to pass instead of the problem's arrays
+    (`Inside` pointers into NaN-padded buffers, for `nan_padding`).
     """
+    from fa_verify.cuda_cpu import Inside
+
     module = module or cpu_module(family, sanitize=sanitize)
     launch = family.launch(problem)
-    q, k, v = (_bits(x) for x in (problem.q, problem.k, problem.v))
-    if q.dtype == np.uint16:
-        o = np.full(q.shape, 0x7E00 if problem.dtype == "fp16" else 0x7FC0, dtype=np.uint16)  # NaN bits
-    else:
-        o = np.full(q.shape, np.nan, dtype=q.dtype)
-    lse = np.full(problem.out_shape[:3], np.nan, dtype=np.float32)
-    args = [q, k, v, o, lse, *launch.scalars]
+    q, k, v = inputs if inputs is not None else (_bits(x) for x in (problem.q, problem.k, problem.v))
+    o = GuardedOutput.allocate("o", problem.out_shape, _bits(problem.q).dtype)
+    lse = GuardedOutput.allocate("lse", problem.out_shape[:3], np.float32)
+    args = [q, k, v, Inside(o.buffer, o.offset), Inside(lse.buffer, lse.offset), *launch.scalars]
     if launch.scratch_dtype:
         scratch = np.zeros(max(1, launch.scratch_elements), dtype=numpy_dtype(launch.scratch_dtype))
         args.append(_bits(scratch))
     module.launch(launch.entry, launch.grid, launch.block, launch.shared_bytes, args)  # writes o, lse
-    return o, lse
+    check_written(f"{family.label} on the CUDA-on-CPU runner", o, lse)
+    return o.view, lse.view
 
 
 class CpuKernelBackend(KernelBackend):
@@ -142,9 +146,22 @@ class CpuKernelBackend(KernelBackend):
     def availability(self) -> Availability:
         return cpu_runner_availability()
 
+    def build(self):
+        """Build (or fetch) the kernel module this backend launches."""
+        return cpu_module(self.family, sanitize=self.sanitize)
+
     def _run(self, problem: AttentionProblem):
-        o, lse = run_on_cpu(self.family, problem, sanitize=self.sanitize)
+        o, lse = run_on_cpu(self.family, problem, module=self.build())
         return self._outputs(problem, o, lse)
+
+    def run_padded(self, padded):
+        """`nan_padding`'s hook: the kernel reads q, k, v at their offsets inside the NaN-filled
+        buffers of `padded` (a PaddedInputs), so a read past either end picks up NaN."""
+        from fa_verify.cuda_cpu import Inside
+
+        inputs = [Inside(_bits(buffer), offset) for buffer, offset in zip(padded.buffers, padded.offsets)]
+        o, lse = run_on_cpu(self.family, padded.problem, module=self.build(), inputs=inputs)
+        return self._outputs(padded.problem, o, lse)
 
 
 def kernel_backends() -> list[Backend]:

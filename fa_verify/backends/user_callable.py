@@ -4,17 +4,25 @@ Protocol: `fn(q, k, v, *, causal: bool, scale: float) -> out | (out, lse)`; q is
 and k, v are [B,Hkv,Nk,D] (GQA passes Hkv heads) in layout "bhsd", or [B,N,H,D] in layout
 "bshd" (flash_attn_func's); LSE is [B,H,Nq] float32 in both layouts. Arrays are numpy arrays of
 the problem dtype (ml_dtypes.bfloat16 for bf16) or, with array="torch", CPU torch tensors.
+
+The out= form: a function with an `out` parameter (and optionally `lse`) is called with
+out= (and lse=) buffers to fill, of the shapes above in the output dtype and float32, and
+returns nothing (a returned value is ignored). The buffers start NaN-filled inside guard bands
+(`buffers.GuardedOutput`), so an element left unwritten or a write past either end is reported
+with its index. In both forms the inputs must come back bitwise unchanged.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import numpy as np
 
 from fa_verify.backends.base import AVAILABLE, Backend, check_output, parse_precision
+from fa_verify.backends.buffers import GuardedOutput, InputSnapshot, check_written
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
-from fa_verify.dtypes import DTYPE_NAMES, dtype_name
+from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import BackendOutputError, InvalidArgumentError
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import CAUSAL_ALIGNMENTS
@@ -57,6 +65,7 @@ class CallableBackend(Backend):
                 f"precision={precision.describe()!r} is for input {precision.input} only but "
                 f"dtypes={self.dtypes!r}; pass dtypes=({precision.input!r},) or a preset such as 'flash'")
         self.fn, self.layout, self.array = fn, layout, array
+        self.fills = output_parameters(fn)
         self.causal_alignment, self._precision = causal_alignment, precision
         self.name = name or _qualified_name(fn)
 
@@ -77,12 +86,30 @@ class CallableBackend(Backend):
         return reason
 
     def _run(self, problem):
-        # Copies, so a function that writes into its inputs cannot change the problem.
+        # Copies, so a function that writes into its inputs cannot change the problem; the
+        # snapshot shows whether it did (torch tensors share the copies' memory).
         inputs = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if self.layout == "bshd" else x.copy()
                   for x in (problem.q, problem.k, problem.v)]
+        snapshot = InputSnapshot.of(q=inputs[0], k=inputs[1], v=inputs[2])
+        buffers = self._output_buffers(problem)
+        arrays = [*inputs, *(b.view for b in buffers)]
         if self.array == "torch":
-            inputs = [to_torch(x) for x in inputs]
-        result = self.fn(*inputs, causal=problem.causal, scale=problem.scale_value)
+            arrays = [to_torch(x) for x in arrays]
+        q, k, v, *fill = arrays
+        result = self.fn(q, k, v, causal=problem.causal, scale=problem.scale_value, **dict(zip(self.fills, fill)))
+        snapshot.check(self.name, *inputs)
+        if buffers:  # the out= form: what the function wrote, whatever it returned
+            check_written(self.name, *buffers)
+            out, lse = buffers[0].view.copy(), buffers[1].view.copy() if len(buffers) > 1 else None
+        else:
+            out, lse = self._returned(result)
+        check_output(self.name, problem, out, lse, self.precision(problem.dtype).output, self.layout)
+        if self.layout == "bshd":
+            out = np.ascontiguousarray(out.transpose(0, 2, 1, 3))
+        return out, lse
+
+    def _returned(self, result):
+        """(out, lse | None) as numpy arrays from what a returning function gave back."""
         if isinstance(result, tuple):
             if len(result) != 2:
                 raise BackendOutputError(
@@ -91,11 +118,14 @@ class CallableBackend(Backend):
             out, lse = result
         else:
             out, lse = result, None
-        out, lse = self._from_array(out, "out"), self._from_array(lse, "lse")
-        check_output(self.name, problem, out, lse, self.precision(problem.dtype).output, self.layout)
-        if self.layout == "bshd":
-            out = np.ascontiguousarray(out.transpose(0, 2, 1, 3))
-        return out, lse
+        return self._from_array(out, "out"), self._from_array(lse, "lse")
+
+    def _output_buffers(self, problem) -> list[GuardedOutput]:
+        """Guarded out= (and lse=) buffers for the out= form; none for a function that returns."""
+        B, H, Nq, D = problem.out_shape
+        shapes = {"out": (B, Nq, H, D) if self.layout == "bshd" else (B, H, Nq, D), "lse": (B, H, Nq)}
+        dtypes = {"out": numpy_dtype(self.precision(problem.dtype).output), "lse": np.float32}
+        return [GuardedOutput.allocate(name, shapes[name], dtypes[name]) for name in self.fills]
 
     def _from_array(self, x, what: str):
         if self.array == "numpy" or x is None:
@@ -105,6 +135,21 @@ class CallableBackend(Backend):
                 f"backend {self.name!r} returned {what} of type {type(x).__name__}; "
                 "with array='torch' it must return torch tensors")
         return to_numpy(x)
+
+
+def output_parameters(fn) -> tuple:
+    """("out",) or ("out", "lse") when `fn` takes output buffers by keyword (the out= form), else ()."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: the returning form
+        return ()
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = tuple(n for n in ("out", "lse") if n in parameters and parameters[n].kind in keyword)
+    if names == ("lse",):
+        raise InvalidArgumentError(
+            f"fn={_qualified_name(fn)} takes lse= but not out=: the out= form of the callable protocol "
+            "needs an out parameter (lse is optional); or drop lse and return (out, lse)")
+    return names
 
 
 def _qualified_name(fn) -> str:

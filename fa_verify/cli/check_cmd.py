@@ -51,8 +51,10 @@ def add_parser(sub) -> None:
                     "online-softmax merge law, convex hull, constant V, V-affinity, permutations, "
                     "score shift, batch/head and masked-key independence, fully masked rows, "
                     "NaN-padded inputs, determinism and unbiased rounding, each over Hypothesis "
-                    "problems. Prints per property: passed, failed (examples to failure, the "
-                    "minimal counterexample, a reproducer) or not applicable. Exit 0: no property "
+                    "problems. Prints per property: passed (and how many examples were informative: "
+                    "a trivial output such as zeros fails their tolerance), failed (examples to "
+                    "failure, the minimal counterexample, a reproducer; or no informative example) "
+                    "or not applicable. Exit 0: no property "
                     "failed; 1: one failed; 2: usage or setup error.")
     cmd.add_argument("target", metavar="TARGET",
                      help="a backend name (see 'fa_verify backends'), 'all' for every available "

@@ -15,7 +15,7 @@ _process (the worker's parent side), _worker / _exec (the worker's side).
 """
 
 from fa_verify.cuda_cpu._build import SHIM_DIR, BuildResult, build, default_cache_dir
-from fa_verify.cuda_cpu._module import ORDERS, CpuKernelModule
+from fa_verify.cuda_cpu._module import ORDERS, CpuKernelModule, Inside
 from fa_verify.cuda_cpu._process import shutdown_workers
 
 #: What a kernel may use on the CPU runner. Anything else fails the build, naming the construct.
@@ -52,6 +52,7 @@ __all__ = [
     "ORDERS",
     "BuildResult",
     "CpuKernelModule",
+    "Inside",
     "build",
     "default_cache_dir",
     "shutdown_workers",

@@ -91,7 +91,7 @@ _libc.memcmp.restype = ctypes.c_int
 def launch_with_copies(request: dict, announce=None) -> dict:
     """Copy each array into an exact-size allocation, launch, and return the arrays it changed.
 
-    request: library, name, config, slots (None where a pointer goes), pointers (slot -> buffer
+    request: library, name, config, slots (a pointer's byte offset where one goes), pointers (slot -> buffer
     index or None for a null pointer), buffers (bytes), itemsizes. `announce` receives the
     allocations before the launch, so that a crash report can name the argument it concerns.
     """
@@ -106,8 +106,8 @@ def launch_with_copies(request: dict, announce=None) -> dict:
             if data:
                 ctypes.memmove(ptr.value, data, len(data))
         slots = list(request["slots"])
-        for slot, index in request["pointers"].items():
-            slots[slot] = 0 if index is None else addresses[index]
+        for slot, index in request["pointers"].items():  # a pointer slot holds its byte offset
+            slots[slot] = 0 if index is None else addresses[index] + slots[slot]
         if announce is not None:
             announce([(a, len(b)) for a, b in zip(addresses, buffers)])
         status, message = launch(request["library"], request["name"], request["config"], slots, request["itemsizes"])

@@ -13,6 +13,7 @@ import re
 import struct
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from numbers import Integral, Real
 
 import numpy as np
@@ -97,7 +98,8 @@ class CpuKernelModule:
     ) -> None:
         """Run kernel `name` over `grid` x `block` with `shared_bytes` of dynamic shared memory.
 
-        args follow the entry's signature: numpy arrays (or None, a null pointer) for 'ptr',
+        args follow the entry's signature: numpy arrays (or None, a null pointer, or
+        Inside(array, offset), a pointer into an array) for 'ptr',
         Python/numpy integers for 'int', reals for 'float'. Arrays the kernel writes are updated
         in place. order: "forward" | "reverse" | "shuffle" (with seed) is the order in which the
         threads of a block run between synchronisation points; a race that one order hides,
@@ -159,8 +161,8 @@ class CpuKernelModule:
     def _run_here(self, name, config, slots, itemsizes, arrays, pointers):
         contiguous = [np.ascontiguousarray(a) for a, _ in arrays]
         slots = list(slots)
-        for slot, index in pointers.items():
-            slots[slot] = 0 if index is None else contiguous[index].ctypes.data
+        for slot, index in pointers.items():  # a pointer slot holds its byte offset into the array
+            slots[slot] = 0 if index is None else contiguous[index].ctypes.data + slots[slot]
         status, message = _exec.launch(self.library_path, name, config, slots, itemsizes)
         for (array, _), buffer in zip(arrays, contiguous):
             if buffer is not array and array.flags.writeable:
@@ -168,8 +170,18 @@ class CpuKernelModule:
         return {"status": status, "message": message}
 
 
+@dataclass(frozen=True, eq=False)
+class Inside:
+    """A pointer argument `offset` elements into `array`. The kernel's buffer is all of `array`,
+    so what it writes before or after the part it should use lands in `array` (guard bands)."""
+
+    array: np.ndarray
+    offset: int
+
+
 def _flatten(name, signature, args):
-    """Slots (int64 / double bits / pointer placeholders), element sizes, distinct arrays, pointers."""
+    """Slots (int64 / double bits / a pointer's byte offset into its array), element sizes,
+    distinct arrays, pointers."""
     slots: list[int] = []
     itemsizes: list[int] = []
     arrays: list[tuple[np.ndarray, list[int]]] = []
@@ -177,7 +189,10 @@ def _flatten(name, signature, args):
     seen: dict[int, int] = {}
     for position, (kind, value) in enumerate(zip(signature, args)):
         if kind == "ptr":
-            slots.append(0)
+            offset = 0
+            if isinstance(value, Inside):
+                value, offset = value.array, value.offset * value.array.dtype.itemsize
+            slots.append(offset)
             if value is None:
                 pointers[position] = None
                 itemsizes.append(0)

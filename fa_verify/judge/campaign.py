@@ -128,7 +128,8 @@ def run_suite(backend, selection: Selection = Selection(), *, properties=None, s
         run.examples += outcome.examples
         if progress is not None:
             progress(outcome)
-        if outcome.status == FAILED:
+        # a property that judged nothing (no informative example) says nothing about the kernel
+        if outcome.status == FAILED and not outcome.uninformative_only:
             run.killers.append(outcome.property)
             if not run.killed:
                 run.killed, run.killed_by_kind, run.killer = True, BY_PROPERTY, outcome.property

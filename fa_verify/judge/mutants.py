@@ -11,7 +11,7 @@ import hashlib
 import tempfile
 from pathlib import Path
 
-from fa_verify.backends.cuda_kernels import CpuKernelBackend, run_on_cpu
+from fa_verify.backends.cuda_kernels import CpuKernelBackend
 from fa_verify.kernels.mutants import Mutant
 
 
@@ -61,7 +61,3 @@ class MutantBackend(CpuKernelBackend):
     def build(self):
         """Build (or fetch) the module now, so that build time is not counted as search time."""
         return mutant_module(self.mutant, sanitize=self.sanitize)
-
-    def _run(self, problem):
-        o, lse = run_on_cpu(self.family, problem, module=self.build())
-        return self._outputs(problem, o, lse)

@@ -16,6 +16,7 @@ from fa_verify.properties._result import (
     FAILED,
     NOT_APPLICABLE,
     PASSED,
+    UNINFORMATIVE,
     PropertyFailure,
     PropertyResult,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "PropertyOutcome",
     "PropertyResult",
     "Selection",
+    "UNINFORMATIVE",
     "as_backend",
     "check_batch_head_independence",
     "check_constant_v",

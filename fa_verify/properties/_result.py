@@ -1,4 +1,5 @@
-"""What a property check returns: passed, failed (with where and by how much), or not applicable."""
+"""What a property check returns: passed, failed (with where and by how much), uninformative
+(passed, but so would a trivial output: `fa_verify.null_model`), or not applicable."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 from fa_verify.errors import AttentionMismatch
 
 PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
+#: the target passed, but a trivial output passes the same tolerance: neither a pass nor a fail
+UNINFORMATIVE = "uninformative"
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,9 @@ class PropertyResult:
     verdicts: tuple = ()
     #: the seed a seeded property drew its own choices from (set by search_property)
     seed: int | None = None
+    #: whether the null-model guard found the example informative; None where it does not apply
+    #: (bitwise and statistical checks, failures)
+    informative: bool | None = None
 
     @property
     def passed(self) -> bool:
@@ -61,9 +67,14 @@ class PropertyFailure(AttentionMismatch):
         self.result = result
 
 
-def passed(name: str, problem, note: str = "", worst_ratio=None, verdicts=()) -> PropertyResult:
+def passed(name: str, problem, note: str = "", worst_ratio=None, verdicts=(), guard=None) -> PropertyResult:
+    """A pass; uninformative instead when the null-model `guard` (a NullGuard) says a trivial
+    output passes too."""
+    if guard is not None and not guard.informative:
+        return PropertyResult(name, UNINFORMATIVE, problem.describe(), detail=guard.describe(), note=note,
+                              worst_ratio=worst_ratio, verdicts=tuple(verdicts), informative=False)
     return PropertyResult(name, PASSED, problem.describe(), note=note, worst_ratio=worst_ratio,
-                          verdicts=tuple(verdicts))
+                          verdicts=tuple(verdicts), informative=None if guard is None else True)
 
 
 def failed(name: str, problem, detail: str, worst_ratio=None, verdicts=()) -> PropertyResult:

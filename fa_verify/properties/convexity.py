@@ -12,6 +12,12 @@ far sharper than the error model where scores are large. What a correct kernel m
     reaches the dtype's overflow threshold (weights summing to 1 + u_P times V's largest fp16
     value round to inf).
 eta_i below bounds the first two; no property of this module depends on the scores.
+
+Null-model guard (`fa_verify.null_model`): constant_v (the range is one point, the exact
+answer) and v_affinity (a relation within a tolerance) ask whether a trivial output would pass
+as well. convex_hull does not: its range holds uniform attention, and zero wherever a column of
+V has both signs, by design; it catches outputs outside the hull and says nothing about which
+point inside.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import numpy as np
 
 from fa_verify.dtypes import finfo, round_to, ulp, unit_roundoff
 from fa_verify.error_model import gamma
+from fa_verify.null_model import guard, null_outputs
+from fa_verify.oracle import reference
 from fa_verify.properties._compare import differing, exceeding
 from fa_verify.properties._result import PropertyResult, failed, not_applicable, passed
 from fa_verify.properties._subject import as_backend, unsupported
@@ -63,7 +71,9 @@ def legitimate_overflow(got, want, tol, dtype) -> np.ndarray:
     return np.isinf(got) & (np.sign(got) == np.sign(want)) & (np.abs(want) + tol >= threshold)
 
 
-def _hull_check(name: str, backend, problem, what: str) -> PropertyResult:
+def _hull_check(name: str, backend, problem, what: str, guarded: bool = False) -> PropertyResult:
+    """O within the attended V rows' range; `guarded`: a pass is also asked whether a trivial
+    output would pass (only where the range is one point: otherwise it holds uniform attention)."""
     out, _ = backend.run(problem)
     precision = backend.precision(problem.dtype)
     eta, absolute = (x[..., None] for x in weight_slack(problem, precision))
@@ -71,12 +81,19 @@ def _hull_check(name: str, backend, problem, what: str) -> PropertyResult:
     magnitude = np.maximum(np.abs(lo), np.abs(hi))
     tol = eta * magnitude + absolute + 0.5 * ulp(magnitude * (1 + eta) + absolute, precision.output)
     tol = np.where(np.isinf(eta), np.inf, tol)  # no bound on the weights: nothing to judge (not 0 * inf)
-    got = out.astype(np.float64)
-    nearest = np.clip(got, lo, hi)  # the closest point of the hull; NaN stays NaN
-    live = ~problem.masked_rows[None, None, :, None] & ~legitimate_overflow(got, nearest, tol, precision.output)
-    mismatch, worst = exceeding(got, nearest, tol, where=live)
+
+    def mismatch_in(out):
+        got = out.astype(np.float64)
+        nearest = np.clip(got, lo, hi)  # the closest point of the hull; NaN stays NaN
+        live = ~problem.masked_rows[None, None, :, None] & ~legitimate_overflow(got, nearest, tol, precision.output)
+        return exceeding(got, nearest, tol, where=live)
+
+    mismatch, worst = mismatch_in(out)
     if mismatch is None:
-        return passed(name, problem, worst_ratio=worst)
+        null_guard = None if not guarded else guard(
+            null_outputs(problem, reference(problem), precision.output),
+            lambda null: mismatch_in(null.out)[0] is None)
+        return passed(name, problem, worst_ratio=worst, guard=null_guard)
     return failed(name, problem, f"{mismatch.describe(what)} (expected = the nearest point of the "
                                  f"range; the tolerance allows weights summing to 1 +- eta, eta = "
                                  f"{float(eta[mismatch.index[:3]][0]):.3g}, and output rounding)", worst)
@@ -98,7 +115,7 @@ def check_constant_v(backend, problem, *, seed: int = 0) -> PropertyResult:
     reason = unsupported(backend, derived)
     if reason:
         return not_applicable("constant_v", problem, reason)
-    return _hull_check("constant_v", backend, derived, "O vs the constant value row")
+    return _hull_check("constant_v", backend, derived, "O vs the constant value row", guarded=True)
 
 
 def check_v_affinity(backend, problem, *, seed: int = 0) -> PropertyResult:
@@ -131,19 +148,26 @@ def check_v_affinity(backend, problem, *, seed: int = 0) -> PropertyResult:
     lo_new, hi_new = attended_range(derived)
     m_old = np.maximum(np.abs(lo), np.abs(hi))
     m_new = np.maximum(np.abs(lo_new), np.abs(hi_new))
-    got, old = out_new.astype(np.float64), out.astype(np.float64)
+    old = out.astype(np.float64)
     b_rows = np.repeat(b, problem.group_size, axis=1)
     expected = a * old + b_rows
-    tol = (np.abs(b_rows) * eta + delta_max * (1 + eta) + eta * (m_new + abs(a) * m_old)
-           + absolute * (1 + abs(a))
-           + _half_ulp(got, precision.output) + abs(a) * _half_ulp(old, precision.output))
-    tol = np.where(np.isinf(eta), np.inf, tol)
-    live = ~problem.masked_rows[None, None, :, None] & ~legitimate_overflow(got, expected, tol, precision.output)
-    mismatch, worst = exceeding(got, expected, tol, where=live)
+    allowed = (np.abs(b_rows) * eta + delta_max * (1 + eta) + eta * (m_new + abs(a) * m_old)
+               + absolute * (1 + abs(a)) + abs(a) * _half_ulp(old, precision.output))
+
+    def mismatch_in(out_new):
+        got = out_new.astype(np.float64)
+        tol = np.where(np.isinf(eta), np.inf, allowed + _half_ulp(got, precision.output))
+        live = ~problem.masked_rows[None, None, :, None] & ~legitimate_overflow(got, expected, tol, precision.output)
+        return exceeding(got, expected, tol, where=live)
+
+    mismatch, worst = mismatch_in(out_new)
     lse_changed = None if lse is None else differing(lse_new, lse)
     if mismatch is None and lse_changed is None:
         note = "" if lse is not None else "no LSE returned: only the output was checked"
-        return passed("v_affinity", problem, note=note, worst_ratio=worst)
+        # the guard asks the tolerance on O; the LSE must be identical, which no tolerance loosens
+        null_guard = guard(null_outputs(derived, reference(derived), precision.output),
+                           lambda null: mismatch_in(null.out)[0] is None)
+        return passed("v_affinity", problem, note=note, worst_ratio=worst, guard=null_guard)
     found = []
     if mismatch is not None:
         found.append(mismatch.describe(f"O(aV+b) vs a O(V) + b with a={a:g}"))

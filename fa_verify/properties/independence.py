@@ -4,7 +4,9 @@
     output and LSE of one (batch, query head) untouched;
   * causal independence from masked keys: changing the keys and values that a row cannot see
     leaves its output and LSE untouched;
-  * determinism: the same inputs twice give the same outputs.
+  * determinism: the same inputs twice, each time in fresh allocations, give the same outputs
+    (outputs are fresh too: every run allocates its own, NaN-filled where the target takes
+    buffers, so no run can inherit the previous one's answer).
 
 Bitwise is fair here: the shapes do not change (so neither do tile counts nor a split-KV
 kernel's split heuristic, which depends on B*H and Nk), the inputs the checked rows read are
@@ -98,8 +100,14 @@ def check_masked_key_independence(backend, problem, *, seed: int = 0) -> Propert
                            problem, backend.run(problem), backend.run(derived), rows)
 
 
+def fresh_copy(problem):
+    """The problem with q, k, v in new allocations (a target that caches by address sees new inputs)."""
+    return problem.replace(q=problem.q.copy(), k=problem.k.copy(), v=problem.v.copy())
+
+
 def check_determinism(backend, problem) -> PropertyResult:
-    """Running the same problem twice gives identical outputs and LSE."""
+    """Running the same problem twice, on fresh copies of the inputs, gives identical outputs and LSE."""
     backend = as_backend(backend)
-    return judge_identical("determinism", "two runs of the same problem differ", problem,
-                           backend.run(problem), backend.run(problem))
+    first, second = fresh_copy(problem), fresh_copy(problem)  # both alive: different addresses
+    return judge_identical("determinism", "two runs of the same problem, on fresh copies of the inputs, differ",
+                           problem, backend.run(first), backend.run(second))

@@ -9,7 +9,8 @@ Not bitwise: a tiled kernel sums keys in tile order and rescales when the runnin
 grows, so a permutation or a shift legitimately changes its rounding (and a GEMM may round a
 row differently at a tile edge). Each output is within its error-model bound B of the exact
 answer, so the two may differ by B + B' (each from its own problem: the bound depends on
-the key order and the logits).
+the key order and the logits). A pass is guarded (`fa_verify.null_model`): where a trivial
+output in place of the second run would pass too, the example is uninformative.
 
 Shifted keys must stay exact in the dtype. On a few coordinates d the keys are first put on
 a grid g_d (both problems use the grid keys), then shifted by c_d = +-2^(E_d + t), where
@@ -26,6 +27,7 @@ import numpy as np
 
 from fa_verify.dtypes import finfo
 from fa_verify.error_model import error_bound
+from fa_verify.null_model import guard, null_outputs
 from fa_verify.oracle import reference
 from fa_verify.properties._compare import exceeding
 from fa_verify.properties._result import PropertyResult, failed, not_applicable, passed
@@ -38,24 +40,40 @@ MAX_SHIFT = 128.0
 
 def _relation(name: str, backend, problem, related, what: str, comparisons) -> PropertyResult:
     """Run the two `related` problems and judge `comparisons(runs, precision)`: an iterable of
-    (label, got, expected, tolerance, where), LSE entries only when both runs returned one."""
+    (label, got, expected, tolerance, where), LSE entries only when both runs returned one.
+    A pass is guarded: would a trivial output in place of the second run pass as well?"""
     reason = unsupported(backend, *related)
     if reason:
         return not_applicable(name, problem, reason)
     runs = [backend.run(p) for p in related]
     has_lse = all(lse is not None for _, lse in runs)
-    found, worst = [], 0.0
-    for label, got, expected, tol, where in comparisons(runs, backend.precision(problem.dtype)):
-        if label.startswith("LSE") and not has_lse:
-            continue
-        mismatch, ratio = exceeding(got, expected, tol, where)
-        worst = max(worst, ratio)
-        if mismatch is not None:
-            found.append(mismatch.describe(label))
+    precision = backend.precision(problem.dtype)
+
+    def mismatches(second):
+        """(what breaks the relation, the largest error / tolerance, whether any tolerance is finite)."""
+        found, worst, bounded = [], 0.0, False
+        for label, got, expected, tol, where in comparisons([runs[0], second], precision):
+            if label.startswith("LSE") and not has_lse:
+                continue
+            mismatch, ratio = exceeding(got, expected, tol, where)
+            worst = max(worst, ratio)
+            finite = np.isfinite(np.broadcast_to(tol, np.shape(got)))
+            bounded |= bool((finite if where is None else finite & where).any())
+            if mismatch is not None:
+                found.append(mismatch.describe(label))
+        return found, worst, bounded
+
+    found, worst, bounded = mismatches(runs[1])
     if found:
         return failed(name, problem, f"{what}: " + "; ".join(found), worst)
+    if not bounded:  # nothing was judged: not a pass
+        return not_applicable(name, problem, f"{what}: the error model has no finite bound there under "
+                                             f"{precision.describe()}, so nothing can be judged")
+    nulls = null_outputs(related[1], reference(related[1]), precision.output)
+    null_guard = guard(nulls, lambda null: not mismatches((null.out, null.lse))[0],
+                       judged=("out", "lse") if has_lse else ("out",))
     note = "" if has_lse else "no LSE returned: only the output was checked"
-    return passed(name, problem, note=note, worst_ratio=worst)
+    return passed(name, problem, note=note, worst_ratio=worst, guard=null_guard)
 
 
 def _shown(perm: np.ndarray) -> str:

@@ -52,10 +52,24 @@ class PropertyOutcome:
     reproducer: str = ""
     worst_ratio: float | None = None
     notes: tuple = ()
+    #: examples the null-model guard judged informative / uninformative (a trivial output
+    #: passed too); informative is None for properties the guard does not apply to
+    informative: int | None = None
+    uninformative: int = 0
 
     @property
     def passed(self) -> bool:
         return self.status == PASSED
+
+    @property
+    def uninformative_only(self) -> bool:
+        """Failed only because no example was informative: a statement about the property's
+        tolerance on these problems, not about any output of the target."""
+        return self.status == FAILED and self.failure is None and self.informative == 0
+
+    def informative_count(self) -> str:
+        """", 17 informative" (or "" where the null-model guard does not apply)."""
+        return "" if self.informative is None else f", {self.informative} informative"
 
     def message(self) -> str:
         """What happened; for a failure, the minimal counterexample and the reproducer."""
@@ -64,7 +78,10 @@ class PropertyOutcome:
         if self.status == PASSED:
             ratio = "" if self.worst_ratio is None else f"; worst error/tolerance {self.worst_ratio:.3g}"
             notes = "".join(f"; {n}" for n in self.notes)
-            return f"{self.property}: passed, {self.examples} examples in {self.seconds:.1f}s{ratio}{notes}"
+            return (f"{self.property}: passed, {self.examples} examples{self.informative_count()} in "
+                    f"{self.seconds:.1f}s{ratio}{notes}")
+        if self.failure is None:
+            return f"{self.property}: FAILED, {self.examples} examples{self.informative_count()}: {self.reason}"
         tags = dict(self.problem.tags) if self.problem is not None else {}
         seed = f", property seed {self.seed}" if self.seed is not None else ""
         return (f"{self.property}: FAILED after {self.examples_to_failure} examples ({self.seconds:.1f}s)\n"
@@ -79,7 +96,8 @@ class PropertyOutcome:
                 "seconds": round(self.seconds, 3), "reason": self.reason,
                 "failure": None if self.failure is None else self.failure.message(),
                 "reproducer": self.reproducer or None, "worst_ratio": self.worst_ratio,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "informative": self.informative,
+                "uninformative": self.uninformative}
 
 
 class _Namespaced(ExampleDatabase):
@@ -155,6 +173,7 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         outcome.status, outcome.reason = NOT_APPLICABLE, strategy
         return outcome
     reasons, notes, ratios, last, setup_error = collections.Counter(), set(), [], [], []
+    uninformative = []  # the first uninformative result, for the message when none was informative
 
     def judge(problem, seed=0) -> bool:
         """Run and judge one example; False when the property does not apply to it."""
@@ -176,6 +195,11 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
             reasons[result.detail] += 1
             return False
         outcome.examples += 1
+        if result.informative is not None:
+            outcome.informative = (outcome.informative or 0) + result.informative
+            outcome.uninformative += not result.informative
+            if not result.informative and not uninformative:
+                uninformative.append(result)
         if result.note:
             notes.add(result.note)
         if result.worst_ratio is not None:
@@ -225,6 +249,11 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         common = [f"{why} ({n}x)" for why, n in reasons.most_common(2)]
         outcome.status = NOT_APPLICABLE
         outcome.reason = "; ".join(common) if common else "no problem the target runs was drawn"
+    if outcome.status == PASSED and outcome.informative == 0:
+        first = uninformative[0]
+        outcome.status = FAILED
+        outcome.reason = (f"no informative example: on every one a trivial output passes the same "
+                          f"tolerance (first: {first.problem}: {first.detail})")
     outcome.worst_ratio = max(ratios) if ratios else None
     outcome.notes = tuple(sorted(notes))
     return outcome

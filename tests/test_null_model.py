@@ -1,0 +1,150 @@
+"""The null-model guard: trivial outputs, which of them a tolerance accepts, and the counts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fa_verify.backends import get_backend
+from fa_verify.null_model import NullGuard, guard, null_outputs
+from fa_verify.oracle import reference
+from fa_verify.properties import (
+    FAILED,
+    PASSED,
+    UNINFORMATIVE,
+    Property,
+    Selection,
+    check_key_permutation,
+    check_lse_agreement,
+    check_merge_law,
+    check_oracle_agreement,
+    search_property,
+)
+from fa_verify.properties._result import passed
+from fa_verify.strategies import DISTRIBUTIONS, make_problem
+
+
+def nulls_of(problem, out_dtype=None):
+    return {n.name: n for n in null_outputs(problem, reference(problem), out_dtype or problem.dtype)}
+
+
+def test_trivial_outputs_follow_their_definitions_and_the_masked_row_convention():
+    # bottom-right causal with Nq > Nk: rows 0..2 see no key, row 3 sees key 0 only, ...
+    p = make_problem("normal", (1, 2, 1, 7, 4, 8), "fp32", 3, causal=True)
+    nulls = nulls_of(p)
+    assert set(nulls) == {"zeros", "uniform attention", "queries shifted by one row", "another q"}
+    v = p.v.astype(np.float64)[0, 0]
+    uniform = nulls["uniform attention"]
+    for i, n in enumerate(p.key_limit()):
+        expected = v[:n].mean(axis=0) if n else np.zeros(8)
+        np.testing.assert_allclose(uniform.out[0, 1, i], expected, rtol=1e-6)
+        assert uniform.lse[0, 1, i] == (np.float32(np.log(n)) if n else -np.inf)
+    for null in nulls.values():
+        assert (null.out[:, :, :3] == 0).all() and (null.lse[:, :, :3] == -np.inf).all()
+        assert null.out.dtype == np.float32 and null.lse.dtype == np.float32
+    shifted, ref = nulls["queries shifted by one row"], reference(p)
+    np.testing.assert_array_equal(shifted.out[:, :, 4:], ref.out[:, :, 3:-1].astype(np.float32))
+
+
+def test_a_trivial_output_that_is_the_right_answer_is_not_tried():
+    one_key = nulls_of(make_problem("normal", (1, 1, 1, 5, 1, 16), "fp16", 0))
+    assert one_key["uniform attention"].exact(("out",))  # one key: uniform attention is exact
+    assert not one_key["zeros"].exact(("out",))
+    assert not one_key["uniform attention"].exact(("lse",))  # log 1 = 0 is not the score
+    tried = guard(one_key.values(), lambda null: True)
+    assert "uniform attention" not in tried.tried and "zeros" in tried.passing and not tried.informative
+
+
+def test_guard_outcome_and_its_description():
+    nulls = nulls_of(make_problem("normal", (1, 1, 1, 6, 9, 16), "bf16", 2)).values()
+    tight = guard(nulls, lambda null: False)
+    assert tight.informative and len(tight.tried) == 4 and "informative" in tight.describe()
+    loose = guard(nulls, lambda null: null.name == "zeros")
+    assert not loose.informative and "the trivial output zeros passes the same tolerance" in loose.describe()
+
+
+def uniform_target(problem):
+    """Uniform attention over the attended keys, as a target: it knows nothing of q and k."""
+    null = nulls_of(problem)["uniform attention"]
+    return null.out.astype(problem.q.dtype), null.lse
+
+
+def zeros_target(problem):
+    return np.zeros(problem.out_shape, problem.q.dtype), np.zeros(problem.out_shape[:3], np.float32)
+
+
+@pytest.mark.parametrize("target, name", [(uniform_target, "uniform attention"), (zeros_target, "zeros")])
+def test_a_trivial_target_never_passes_unless_it_is_the_right_answer(target, name):
+    """On every distribution, a trivial target either fails or its example is uninformative;
+    it passes only where its output is the exact answer (constant scores: uniform attention)."""
+    statuses = set()
+    for distribution in DISTRIBUTIONS:
+        for dtype in ("fp16", "bf16", "fp32"):
+            p = make_problem(distribution, (1, 2, 1, 7, 9, 16), dtype, 1, causal=True)
+            null = nulls_of(p)[name]
+            for check, judged in ((check_oracle_agreement, ("out",)), (check_lse_agreement, ("lse",)),
+                                  (check_merge_law, ("out", "lse"))):
+                result = check(target, p)
+                statuses.add(result.status)
+                assert result.status != PASSED or null.exact(judged), (check.__name__, p.describe(), result.message())
+    assert FAILED in statuses
+
+
+def test_the_guard_flags_a_loose_example_of_a_real_backend():
+    """Tiny scores: attention is nearly uniform, so a relation between two runs cannot tell a
+    kernel that ignores q from one that does not."""
+    p = make_problem("tiny", (2, 3, 1, 64, 64, 5), "fp16", 3)
+    result = check_key_permutation(get_backend("numpy-tiled"), p, seed=0)
+    assert result.status == UNINFORMATIVE and not result.passed and not result.failed
+    assert result.informative is False and "uniform attention" in result.detail
+    normal = check_key_permutation(get_backend("numpy-tiled"), make_problem("normal", (2, 3, 1, 64, 64, 5), "fp16", 3))
+    assert normal.passed and normal.informative is True
+
+
+def _loose(backend, problem):
+    """A check whose tolerance accepts anything."""
+    return passed("loose", problem, guard=NullGuard(tried=("zeros",), passing=("zeros",)))
+
+
+def _bitwise(backend, problem):
+    return passed("bitwise", problem)
+
+
+def test_search_counts_informative_examples_and_fails_a_property_with_none(monkeypatch):
+    from fa_verify.properties import registry
+
+    monkeypatch.setattr(registry, "PROPERTIES",
+                        registry.PROPERTIES + (Property("loose", _loose), Property("bitwise", _bitwise)))
+    selection = Selection(max_examples=5, dtypes=("fp32",))
+    outcome = search_property(zeros_target, "loose", selection)
+    assert outcome.status == FAILED and outcome.failure is None
+    assert outcome.informative == 0 and outcome.uninformative == outcome.examples > 0
+    assert outcome.uninformative_only  # fa_verify mutants counts it neither as a kill nor a false positive
+    assert "no informative example" in outcome.message() and "zeros" in outcome.message()
+    bitwise = search_property(zeros_target, "bitwise", selection)
+    assert bitwise.passed and bitwise.informative is None and "informative" not in bitwise.message()
+    agreement = search_property(get_backend("numpy-tiled"), "oracle_agreement", selection)
+    assert agreement.passed and agreement.informative + agreement.uninformative == agreement.examples
+    assert f"{agreement.informative} informative" in agreement.message()
+
+
+def test_check_json_carries_the_counts(capsys):
+    from fa_verify.cli.main import main
+
+    assert main(["check", "numpy-tiled", "--property", "key_permutation", "--property", "determinism",
+                 "--max-examples", "4", "--dtype", "fp32", "--json"]) == 0
+    properties = json.loads(capsys.readouterr().out)["targets"][0]["properties"]
+    guarded, bitwise = properties
+    assert isinstance(guarded["informative"], int) and guarded["informative"] + guarded["uninformative"] == guarded["examples"]
+    assert bitwise["informative"] is None and bitwise["uninformative"] == 0
+
+
+def test_another_q_stays_finite_for_queries_near_the_dtype_maximum():
+    from fa_verify import AttentionProblem
+
+    q = np.full((1, 1, 4, 8), 60000, np.float16)
+    k, v = np.ones((1, 1, 5, 8), np.float16), np.ones((1, 1, 5, 8), np.float16)
+    nulls = nulls_of(AttentionProblem(q, k, v))
+    assert np.isfinite(nulls["another q"].out).all()
