@@ -8,15 +8,24 @@ import os
 from pathlib import Path
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (examples per property, the largest sequence length...)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be a whole number >= 1")
-    return value
+def int_at_least(minimum: int):
+    """An argparse type: an integer >= minimum."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not an integer; give a whole number >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be a whole number >= {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # what argparse calls the type in its messages
+    return parse
+
+
+#: Counts that must be at least one (examples per property, sequence lengths, repeats...).
+positive_int = int_at_least(1)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -32,7 +41,8 @@ def writable_file(text: str) -> str:
     way can be created."""
     path = Path(text).expanduser()
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file in it, e.g. {str(path / 'results.jsonl')!r}")
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file inside it, e.g. "
+                                         f"{str(path / 'results.jsonl')!r}")
     existing = _nearest_existing(path)
     if existing != path and not existing.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {str(existing)!r} is a file, not a folder; "
@@ -58,8 +68,9 @@ def readable_file(text: str) -> str:
     """An existing file to read."""
     path = Path(text).expanduser()
     if path.is_dir():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is a folder; name the results file in it, e.g. {str(path / 'results.jsonl')!r}")
+        inside = sorted(str(p) for p in path.glob("*.jsonl"))  # a report folder holds results.jsonl
+        hint = f"; did you mean {inside[0]!r}?" if inside else ""
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file; name the file itself{hint}")
     if not path.exists():
         raise argparse.ArgumentTypeError(f"{text!r}: no such file")
     return text
