@@ -103,7 +103,7 @@ def test_report_from_a_folder_points_at_its_results(capsys, tmp_path):
 
 def test_report_from_a_missing_file(capsys, tmp_path):
     line = usage_error(capsys, "report", "--from", tmp_path / "none.jsonl")
-    assert f"argument --from: {str(tmp_path / 'none.jsonl')!r}: no such file" in line
+    assert f"--from {str(tmp_path / 'none.jsonl')!r}: no such file" in line
 
 
 # --- options of bench and mutants ----------------------------------------------------------------
@@ -118,8 +118,11 @@ def test_bench_and_mutants_counts(capsys, argv, expected):
     assert expected in usage_error(capsys, *argv)
 
 
-def test_mutants_save_checked_before_the_run(capsys, tmp_path):
+def test_mutants_files_checked_before_the_run(capsys, tmp_path):
     assert "argument --save:" in usage_error(capsys, "mutants", "--save", tmp_path)
+    assert "argument --mutants-file:" in usage_error(capsys, "mutants", "--mutants-file", tmp_path)
+    line = usage_error(capsys, "mutants", "--mutants-file", tmp_path / "none.toml")
+    assert f"--mutants-file {str(tmp_path / 'none.toml')!r}: no such file" in line
 
 
 # --- options for MODULE:FUNC targets given with a built-in backend ----------------------------------

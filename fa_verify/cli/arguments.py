@@ -64,13 +64,11 @@ def writable_folder(text: str) -> str:
     return text
 
 
-def readable_file(text: str) -> str:
-    """An existing file to read."""
+def not_a_folder(text: str) -> str:
+    """A file to read: not a folder (a missing file is the command's to report)."""
     path = Path(text).expanduser()
     if path.is_dir():
         inside = sorted(str(p) for p in path.glob("*.jsonl"))  # a report folder holds results.jsonl
         hint = f"; did you mean {inside[0]!r}?" if inside else ""
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file; name the file itself{hint}")
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"{text!r}: no such file")
     return text

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
-from fa_verify.cli.arguments import int_at_least, positive_int, readable_file, writable_file
+from fa_verify.cli.arguments import int_at_least, positive_int, not_a_folder, writable_file
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
 
 
@@ -45,7 +46,7 @@ def add_parser(sub) -> None:
     cmd.add_argument("--first-kill", action="store_true",
                      help="stop each mutant's suite at the first failing property (faster; the table "
                           "then lists no 'also caught by')")
-    cmd.add_argument("--mutants-file", default=None, metavar="PATH", type=readable_file,
+    cmd.add_argument("--mutants-file", default=None, metavar="PATH", type=not_a_folder,
                      help="read mutants from PATH instead of kernels/mutants/mutants.toml")
     cmd.add_argument("--json", action="store_true", help="print one JSON document")
     cmd.add_argument("--save", default=None, metavar="PATH", type=writable_file,
@@ -66,6 +67,8 @@ def _run(args) -> int:
 
     for family in args.family or ():
         get_family(family)  # an unknown family is a usage error before "no mutant of it"
+    if args.mutants_file is not None and not Path(args.mutants_file).exists():
+        raise InvalidArgumentError(f"--mutants-file {args.mutants_file!r}: no such file")
     mutants = load_mutants(args.mutants_file, families=args.family, names=args.mutant)
     runner = cpu_runner_availability()
     if not runner.available:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fa_verify.cli.arguments import readable_file, writable_folder
+from fa_verify.cli.arguments import not_a_folder, writable_folder
 
 RESULTS = "results.jsonl"
 
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
                      help="which problems to run (default quick: a few minutes on 2 CPU cores)")
     cmd.add_argument("--out", default="reports", metavar="DIR", type=writable_folder,
                      help="output directory (default reports/)")
-    cmd.add_argument("--from", dest="source", metavar="RESULTS", type=readable_file,
+    cmd.add_argument("--from", dest="source", metavar="RESULTS", type=not_a_folder,
                      help="render this results file (JSON lines) without running anything")
     cmd.add_argument("--resume", action="store_true",
                      help=f"keep OUT/{RESULTS} and skip the runs it already holds "
@@ -69,6 +69,8 @@ def _run(args) -> int:
         if args.resume or args.backend:
             raise InvalidArgumentError("--from renders a results file; it takes no --resume or --backend")
         source = Path(args.source)
+        if not source.exists():
+            raise InvalidArgumentError(f"--from {str(source)!r}: no such file")
         records = ResultsStore(source).read()
         if not records:  # rendering nothing would read as "all pass"
             raise InvalidArgumentError(
