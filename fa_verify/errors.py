@@ -11,6 +11,10 @@ class InvalidArgumentError(FaVerifyError, ValueError):
     """An argument has a bad value (unknown dtype, negative tile size, ...)."""
 
 
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type (scale='0.25', causal='no'): a TypeError as well."""
+
+
 class InvalidProblemError(FaVerifyError, ValueError):
     """An attention problem is malformed: shapes, heads, dtype, or non-finite inputs."""
 

@@ -12,6 +12,7 @@ NaN-padding property checks kernels' reads *outside* the inputs instead. Use
 from __future__ import annotations
 
 import math
+import numbers
 import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,7 +20,7 @@ from functools import cached_property
 import numpy as np
 
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, round_to
-from fa_verify.errors import InvalidProblemError
+from fa_verify.errors import InvalidArgumentError, InvalidArgumentTypeError, InvalidProblemError
 
 CAUSAL_ALIGNMENTS = ("bottom-right", "top-left")
 
@@ -39,10 +40,14 @@ class AttentionProblem:
     tags: tuple = ()
 
     def __post_init__(self):
+        _check_options(self.causal, self.scale)
+        object.__setattr__(self, "causal", bool(self.causal))  # a numpy bool becomes a bool
         q, k, v = self.q, self.k, self.v
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, np.ndarray):
-                raise InvalidProblemError(f"{name} must be a numpy array, got {type(x).__name__}")
+                raise InvalidProblemError(
+                    f"{name} must be a numpy array, got {type(x).__name__}; "
+                    "AttentionProblem.from_float(q, k, v, dtype) takes torch tensors and lists too")
             if x.ndim != 4:
                 raise InvalidProblemError(
                     f"{name}.shape={x.shape!r} must have 4 dimensions: q [B,H,Nq,D], k/v [B,Hkv,Nk,D]"
@@ -88,8 +93,10 @@ class AttentionProblem:
 
     @classmethod
     def from_float(cls, q, k, v, dtype, **kwargs) -> "AttentionProblem":
-        """Round float data (numpy or anything array-like) to `dtype`, then build the problem."""
-        return cls(round_to(q, dtype), round_to(k, dtype), round_to(v, dtype), **kwargs)
+        """Round float data (numpy arrays, torch tensors of any float dtype, or anything
+        array-like) to `dtype`, then build the problem."""
+        return cls(*(round_to(_as_float64(name, x), dtype) for name, x in (("q", q), ("k", k), ("v", v))),
+                   **kwargs)
 
     def replace(self, **changes) -> "AttentionProblem":
         return dataclasses.replace(self, **changes)
@@ -178,3 +185,28 @@ class AttentionProblem:
         return (f"B={self.batch} H={self.heads} Hkv={self.kv_heads} Nq={self.nq} Nk={self.nk} "
                 f"D={self.head_dim} dtype={self.dtype} {causal} scale={scale}")
 
+
+def _check_options(causal, scale) -> None:
+    """The options' types, before anything uses them: a string is truthy, so causal='no'
+    would otherwise make a causal problem."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise InvalidArgumentTypeError(
+            f"causal={causal!r} must be True or False, got {type(causal).__name__} (a non-empty "
+            "string is truthy: causal='no' would mean causal); pass causal=False or causal=True")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise InvalidArgumentTypeError(
+            f"scale={scale!r} must be None (1/sqrt(D)) or a finite positive number, got "
+            f"{type(scale).__name__}; pass a float, e.g. scale=0.125, or leave it out for 1/sqrt(D)")
+
+
+def _as_float64(name: str, x) -> np.ndarray:
+    """`x` as float64 values: a torch tensor (bf16 included, which numpy cannot read) through
+    torch's own exact widening, anything else through numpy."""
+    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
+        return x.detach().cpu().double().numpy()
+    try:
+        return np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"{name}: a {type(x).__name__} cannot be read as float data ({exc}); pass a numpy "
+            "array, a torch tensor or nested lists of numbers") from None

@@ -148,7 +148,8 @@ def parse_precision(spec: str, dtype) -> PrecisionModel:
     try:
         return PrecisionModel.parse(spec, dtype)
     except InvalidArgumentError as exc:
-        raise InvalidArgumentError(f"precision={spec!r}: {exc}") from None
+        named = str(exc).startswith(f"precision={spec!r}")  # PrecisionModel.parse's own messages do
+        raise InvalidArgumentError(str(exc) if named else f"precision={spec!r}: {exc}") from None
 
 
 def grouped(problem: AttentionProblem, work: np.dtype):

@@ -9,7 +9,9 @@ def add_parser(sub) -> None:
     cmd = sub.add_parser("backends", help="list backends and their availability",
                          description="Lists every backend (CPU models, torch SDPA, kernels) "
                                      "with its dtypes and precision model, whether it is "
-                                     "available here, and the reason when it is not.")
+                                     "available here, and the reason when it is not. Exit 0 "
+                                     "(an unavailable backend is listed, not an error); 2: usage "
+                                     "error.")
     cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cmd.set_defaults(handler=_run)
 

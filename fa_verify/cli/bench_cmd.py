@@ -5,23 +5,28 @@ from __future__ import annotations
 import json
 import sys
 
+from fa_verify.cli.arguments import positive_int
+
 
 def add_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks, as ratios against a baseline in the same run",
                            description="Benchmarks. Every figure is a ratio against a baseline "
-                                       "timed in the same run (shared machines are noisy).")
+                                       "timed in the same run (shared machines are noisy). Exit 0: "
+                                       "done (and within target, for oracle); 1: oracle missed its "
+                                       "target; 2: usage or setup error.")
     targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
     oracle = targets.add_parser(
         "oracle", help="certified reference vs plain float64 numpy attention",
         description="Times the certified reference against plain float64 numpy attention "
                     "(B=H=1, D=128, fp16 inputs), prints the ratio and the largest certified "
                     "bound relative to the row scale, and the pure-mpmath time at a small N. "
-                    "Exits 1 if the ratio exceeds 1.5 or a bound exceeds 1e-12.")
-    oracle.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096], metavar="N",
+                    "Exit 0: within target; 1: the ratio exceeds 1.5 or a bound exceeds 1e-12; 2: usage "
+                    "or setup error.")
+    oracle.add_argument("--sizes", type=positive_int, nargs="+", default=[1024, 4096], metavar="N",
                         help="sequence lengths (Nq = Nk) to time (default: 1024 4096)")
-    oracle.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
-    oracle.add_argument("--repeats", type=int, default=5, help="best of this many runs (default 5)")
-    oracle.add_argument("--mpmath-n", type=int, default=64,
+    oracle.add_argument("--head-dim", type=positive_int, default=128, help="head dimension (default 128)")
+    oracle.add_argument("--repeats", type=positive_int, default=5, help="best of this many runs (default 5)")
+    oracle.add_argument("--mpmath-n", type=positive_int, default=64,
                         help="N for the pure-mpmath timing (default 64)")
     oracle.add_argument("--json", action="store_true", help="print JSON instead of a table")
     oracle.set_defaults(handler=_run_oracle)
@@ -29,14 +34,15 @@ def add_parser(sub) -> None:
         "runner", help="our kernels through the CUDA-on-CPU runner vs the certified oracle",
         description="Times each kernel family through the CUDA-on-CPU runner and the certified "
                     "reference on the same problems (B=1, H=2, causal), and prints the time per "
-                    "example and the ratio, to plan a Hypothesis budget.")
+                    "example and the ratio, to plan a Hypothesis budget. Exit 0: done; 2: usage or "
+                    "setup error (a kernel that does not build or run).")
     runner.add_argument("--kernel", action="append", choices=("fa2", "wmma", "naive", "naive16"),
                         help="kernel family (repeatable; default fa2 and wmma)")
-    runner.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], metavar="N",
+    runner.add_argument("--sizes", type=positive_int, nargs="+", default=[64, 256, 1024], metavar="N",
                         help="sequence lengths (default: 64 256 1024)")
-    runner.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
+    runner.add_argument("--head-dim", type=positive_int, default=64, help="head dimension (default 64)")
     runner.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
-    runner.add_argument("--repeats", type=int, default=2, help="best of this many runs (default 2)")
+    runner.add_argument("--repeats", type=positive_int, default=2, help="best of this many runs (default 2)")
     runner.add_argument("--json", action="store_true", help="print JSON instead of a table")
     runner.set_defaults(handler=_run_runner)
 

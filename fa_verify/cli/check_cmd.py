@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import secrets
 import sys
 
+from fa_verify.cli.arguments import positive_int, writable_file
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
 
 _CAUSAL = {"yes": (True,), "no": (False,), "both": (False, True)}
@@ -37,7 +39,7 @@ def resolve_seed(seed):
 SHARED_OPTIONS = {
     "profile": dict(default=None, choices=tuple(PROFILES),
                     help=f"search profile: examples per property and problem sizes (default: {DEFAULT_PROFILE})"),
-    "results": dict(default=None, metavar="FILE",
+    "results": dict(default=None, metavar="FILE", type=writable_file,
                     help="append every oracle comparison's metrics to FILE (JSON lines), for "
                          "'fa_verify report'"),
 }
@@ -65,22 +67,28 @@ def add_parser(sub) -> None:
                      help="causal problems, non-causal ones, or both (default)")
     cmd.add_argument("--property", action="append", dest="properties", metavar="NAME",
                      help="run only this property (repeatable; default: all)")
-    cmd.add_argument("--max-examples", type=int, default=None,
+    cmd.add_argument("--max-examples", type=positive_int, default=None, metavar="N",
                      help="examples per property (default: the profile's; ci: 20)")
-    cmd.add_argument("--max-seq", type=int, default=None,
+    cmd.add_argument("--max-seq", type=positive_int, default=None, metavar="N",
                      help="largest Nq or Nk drawn (default: the profile's; ci: 64)")
     cmd.add_argument("--seed", type=parse_seed, default=0, metavar="N|random", help=SEED_HELP + " (default 0)")
     for name, kwargs in SHARED_OPTIONS.items():
         cmd.add_argument(f"--{name}", **kwargs)
-    cmd.add_argument("--json", action="store_true", help="print one JSON document")
-    callable_opts = cmd.add_argument_group("MODULE:FUNC targets (the callable protocol)")
-    callable_opts.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+    cmd.add_argument("--json", action="store_true",
+                     help="print one JSON document on stdout (progress goes to stderr)")
+    callable_opts = cmd.add_argument_group(
+        "MODULE:FUNC targets (the callable protocol)",
+        "These describe a callable; a built-in backend declares its own, so giving one with a "
+        "backend name is a usage error (exit 2).")
+    # Defaults are None so that an option given with a built-in backend can be told from one
+    # left out; _callable_options fills them in.
+    callable_opts.add_argument("--layout", choices=("bhsd", "bshd"), default=None,
                                help="tensor layout: bhsd [B,H,N,D] (default) or bshd [B,N,H,D] "
                                     "as flash_attn_func")
-    callable_opts.add_argument("--array", choices=("numpy", "torch"), default="numpy",
+    callable_opts.add_argument("--array", choices=("numpy", "torch"), default=None,
                                help="pass numpy arrays (default) or CPU torch tensors")
     callable_opts.add_argument("--causal-alignment", choices=("bottom-right", "top-left"),
-                               default="bottom-right",
+                               default=None,
                                help="causal alignment the callable implements (default bottom-right; "
                                     "torch SDPA's is_causal is top-left)")
     callable_opts.add_argument("--precision", default=None,
@@ -92,14 +100,18 @@ def add_parser(sub) -> None:
 
 def _targets(args):
     from fa_verify.backends import CallableBackend, builtin_backends, get_backend, load_callable
-    from fa_verify.errors import BackendUnavailableError
+    from fa_verify.errors import BackendUnavailableError, InvalidArgumentError
 
     if ":" in args.target:
         sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
         fn = load_callable(args.target)
-        return [CallableBackend(fn, name=args.target, layout=args.layout, array=args.array,
-                                causal_alignment=args.causal_alignment,
-                                precision=args.precision)]
+        return [CallableBackend(fn, name=args.target, **_callable_options(args))]
+    given = [f"--{name.replace('_', '-')}" for name in CALLABLE_DEFAULTS if getattr(args, name) is not None]
+    if given:
+        raise InvalidArgumentError(
+            f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to MODULE:FUNC targets only; "
+            f"{args.target!r} names built-in backends, whose layout, arrays and precision are their own "
+            f"(see 'fa_verify backends'): drop {' and '.join(given)}, or check your function as MODULE:FUNC")
     if args.target == "all":
         return [b for b in builtin_backends() if b.availability().available]
     backend = get_backend(args.target)
@@ -109,9 +121,19 @@ def _targets(args):
     return [backend]
 
 
-def _print_property(outcome) -> None:
+#: The callable-protocol options and their defaults (CallableBackend's).
+CALLABLE_DEFAULTS = {"layout": "bhsd", "array": "numpy", "causal_alignment": "bottom-right", "precision": None}
+
+
+def _callable_options(args) -> dict:
+    """CallableBackend's keyword arguments from the options given, defaults for the others."""
+    return {name: default if getattr(args, name) is None else getattr(args, name)
+            for name, default in CALLABLE_DEFAULTS.items()}
+
+
+def _print_property(outcome, file=None) -> None:
     label = {"passed": "PASS", "failed": "FAIL", "not applicable": "N/A "}[outcome.status]
-    print(f"  {label} " + outcome.message().replace("\n", "\n       "), flush=True)
+    print(f"  {label} " + outcome.message().replace("\n", "\n       "), flush=True, file=file)
 
 
 def _verdict(outcome) -> str:
@@ -143,8 +165,10 @@ def _run(args) -> int:
         print(f"checking {backend.name} ({', '.join(dtypes)}) ...", file=sys.stderr, flush=True)
         if not args.json:
             print(backend.name)
+        # With --json, stdout holds only the document: progress goes to stderr as it comes.
+        progress = functools.partial(_print_property, file=sys.stderr if args.json else sys.stdout)
         outcome = check_backend(backend, selection, properties=args.properties, on_result=record,
-                                progress=None if args.json else _print_property)
+                                progress=progress)
         outcomes.append(outcome)
         if not args.json:
             counts = outcome.counts()

@@ -7,9 +7,12 @@ target); 2 usage or setup error (bad arguments, unavailable backend, bad input).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from fa_verify.cli import backends_cmd, bench_cmd, build_cmd, check_cmd, mutants_cmd, report_cmd
+from fa_verify.cli.other_warnings import held_back
 from fa_verify.errors import FaVerifyError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -34,10 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def hypothesis_storage() -> None:
+    """Point Hypothesis' storage at a cache folder unless the user chose one.
+
+    The searches use no example database (a fixed seed replays a failure, and every failure
+    prints a reproducer), but Hypothesis also caches the constants it reads from the target's
+    source, in ./.hypothesis by default: a folder left in whatever directory the command ran
+    in. The cache is worth keeping between runs, so it moves rather than going away.
+    """
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(cache / "fa_verify" / "hypothesis"))
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    hypothesis_storage()
     try:
-        return args.handler(args)
+        with held_back(args.command):
+            return args.handler(args)
     except FaVerifyError as exc:
         print(f"fa_verify {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
+from fa_verify.cli.arguments import int_at_least, positive_int, not_a_folder, writable_file
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
 
 
@@ -29,10 +31,10 @@ def add_parser(sub) -> None:
     cmd.add_argument("--family", action="append", metavar="FAMILY",
                      help="only mutants of this kernel family (repeatable: fa2, wmma, naive, naive16)")
     cmd.add_argument("--mutant", action="append", metavar="NAME", help="only this mutant (repeatable)")
-    cmd.add_argument("--seeds", type=int, default=20,
+    cmd.add_argument("--seeds", type=int_at_least(0), default=20, metavar="N",
                      help="Hypothesis seeds for the suite on the unmutated kernels (default 20; 0 skips "
                           "the false-positive runs)")
-    cmd.add_argument("--max-examples", type=int, default=None,
+    cmd.add_argument("--max-examples", type=positive_int, default=None, metavar="N",
                      help="examples per property (default: the profile's; ci: 20)")
     cmd.add_argument("--profile", default=None, choices=tuple(PROFILES),
                      help=f"search profile of the suite (default: {DEFAULT_PROFILE})")
@@ -44,12 +46,12 @@ def add_parser(sub) -> None:
     cmd.add_argument("--first-kill", action="store_true",
                      help="stop each mutant's suite at the first failing property (faster; the table "
                           "then lists no 'also caught by')")
-    cmd.add_argument("--mutants-file", default=None, metavar="PATH",
+    cmd.add_argument("--mutants-file", default=None, metavar="PATH", type=not_a_folder,
                      help="read mutants from PATH instead of kernels/mutants/mutants.toml")
     cmd.add_argument("--json", action="store_true", help="print one JSON document")
-    cmd.add_argument("--save", default=None, metavar="PATH",
+    cmd.add_argument("--save", default=None, metavar="PATH", type=writable_file,
                      help="also write the JSON document to PATH (e.g. with the table printed)")
-    cmd.add_argument("--markdown", default=None, metavar="PATH",
+    cmd.add_argument("--markdown", default=None, metavar="PATH", type=writable_file,
                      help="also write the two tables in Markdown to PATH (the README's tables)")
     cmd.set_defaults(handler=_run)
 
@@ -63,12 +65,10 @@ def _run(args) -> int:
     from fa_verify.kernels.catalogue import get_family
     from fa_verify.properties import Selection
 
-    if args.seeds < 0:
-        raise InvalidArgumentError(f"--seeds {args.seeds}: give 0 or more")
-    if args.max_examples is not None and args.max_examples < 1:
-        raise InvalidArgumentError(f"--max-examples {args.max_examples}: give 1 or more")
     for family in args.family or ():
         get_family(family)  # an unknown family is a usage error before "no mutant of it"
+    if args.mutants_file is not None and not Path(args.mutants_file).exists():
+        raise InvalidArgumentError(f"--mutants-file {args.mutants_file!r}: no such file")
     mutants = load_mutants(args.mutants_file, families=args.family, names=args.mutant)
     runner = cpu_runner_availability()
     if not runner.available:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from fa_verify.cli.arguments import not_a_folder, writable_folder
+
 RESULTS = "results.jsonl"
 
 
@@ -27,9 +29,9 @@ def add_parser(sub) -> None:
                      help="backend to run (repeatable; default: every available backend)")
     cmd.add_argument("--sweep", choices=tuple(SWEEPS), default="quick",
                      help="which problems to run (default quick: a few minutes on 2 CPU cores)")
-    cmd.add_argument("--out", default="reports", metavar="DIR",
+    cmd.add_argument("--out", default="reports", metavar="DIR", type=writable_folder,
                      help="output directory (default reports/)")
-    cmd.add_argument("--from", dest="source", metavar="RESULTS",
+    cmd.add_argument("--from", dest="source", metavar="RESULTS", type=not_a_folder,
                      help="render this results file (JSON lines) without running anything")
     cmd.add_argument("--resume", action="store_true",
                      help=f"keep OUT/{RESULTS} and skip the runs it already holds "

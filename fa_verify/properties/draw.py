@@ -66,7 +66,7 @@ def capabilities(backend: Backend) -> Capabilities:
         returns_lse = True  # a broken target: the examples will show how
     except FaVerifyError:
         raise  # setup or misuse
-    except Exception:  # noqa: BLE001 - whatever the target itself raises, the examples report
+    except (Exception, SystemExit):  # noqa: BLE001 - whatever the target itself raises, the examples report
         returns_lse = True
     caps = Capabilities(name=backend.name, dtypes=tuple(backend.dtypes),
                         head_dims=None if len(dims) == len(_PROBED_HEAD_DIMS) else dims,

@@ -12,9 +12,9 @@ How the padding reaches a target (`run_padded`):
     a worker process does, should copy the whole buffer);
   * a callable-protocol target (`CallableBackend`) gets its arguments, after the layout copy
     it always makes, placed in NaN-padded buffers (numpy arrays or torch tensors alike);
-  * any other backend runs `padded.problem`, whose arrays are views into the buffers: a
-    backend that reads their memory directly sees the padding, one that copies them does not
-    (the property then passes without having tested anything).
+  * any other backend has no way to be handed the buffers: it indexes or copies its arrays,
+    so it cannot read past them, and the property is not applicable to it (rather than a pass
+    that tested nothing).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 
 from fa_verify.backends.user_callable import CallableBackend
 from fa_verify.problem import AttentionProblem
-from fa_verify.properties._result import PropertyResult
+from fa_verify.properties._result import PropertyResult, not_applicable
 from fa_verify.properties._subject import as_backend
 from fa_verify.properties.independence import judge_identical
 
@@ -66,6 +66,11 @@ def pad_inputs(problem: AttentionProblem, pad_rows: int = PAD_ROWS) -> PaddedInp
     return PaddedInputs(problem.replace(q=views[0], k=views[1], v=views[2]), buffers, (pad,) * 3)
 
 
+def reaches_padding(backend) -> bool:
+    """Whether `backend` is handed the padded buffers (a run_padded hook, or a callable)."""
+    return getattr(backend, "run_padded", None) is not None or isinstance(backend, CallableBackend)
+
+
 def run_padded(backend, padded: PaddedInputs):
     """Run `backend` on `padded` through the best hook it offers (see the module doc)."""
     backend = as_backend(backend)
@@ -78,12 +83,16 @@ def run_padded(backend, padded: PaddedInputs):
         padding = copy.copy(backend)
         padding.fn = lambda *arrays, **options: inner(*(padded_array(a, pad)[0] for a in arrays), **options)
         return padding.run(padded.problem)
-    return backend.run(padded.problem)
+    return backend.run(padded.problem)  # no hook: copies or indexes them (check_nan_padding skips it)
 
 
 def check_nan_padding(backend, problem) -> PropertyResult:
     """Inputs inside NaN-filled buffers give results identical to plain inputs."""
     backend = as_backend(backend)
+    if not reaches_padding(backend):
+        return not_applicable("nan_padding", problem, (
+            f"{backend.name} has no run_padded hook and is no callable: it indexes or copies its "
+            "input arrays, so NaN padding around them cannot reach it and would test nothing"))
     return judge_identical("nan_padding", "inputs placed inside NaN-filled buffers changed the result "
                            "(the target reads outside its inputs)", problem,
                            backend.run(problem), run_padded(backend, pad_inputs(problem)))

@@ -151,8 +151,9 @@ def _target_failure(prop: Property, problem, exc: BaseException) -> PropertyResu
         tb = tb.tb_next
     if tb is not None:
         where = f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
-    return PropertyResult(prop.name, FAILED, problem.describe(),
-                          detail=f"{TARGET_RAISED} {type(exc).__name__}: {exc}{where}")
+    what = (f"SystemExit({exc.code!r}): it called sys.exit({exc.code!r})" if isinstance(exc, SystemExit)
+            else f"{type(exc).__name__}: {exc}")
+    return PropertyResult(prop.name, FAILED, problem.describe(), detail=f"{TARGET_RAISED} {what}{where}")
 
 
 def search_property(backend, prop, selection: Selection = Selection(), on_result=None) -> PropertyOutcome:
@@ -185,7 +186,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         except FaVerifyError as exc:
             setup_error[:] = [exc]
             raise _Abort from None
-        except Exception as exc:  # noqa: BLE001 - whatever the target raises is a finding
+        # SystemExit too: a target calling sys.exit() must not end fa_verify's process.
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - whatever the target raises is a finding
             result = _target_failure(prop, problem, exc)
         if prop.seeded:
             result = replace(result, seed=seed)
