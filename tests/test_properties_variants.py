@@ -38,6 +38,10 @@ CAUGHT_BY = {
     "masked_rows_nan": {"oracle_agreement", "fully_masked_rows"},
     "no_max_subtraction": {"oracle_agreement", "score_shift"},
     "lost_rescaling": {"oracle_agreement", "convex_hull", "v_affinity"},
+    # bugs past the first 64 keys or query rows: found by the long shapes and score profiles
+    "max_first_tile": {"oracle_agreement", "merge_law", "v_affinity", "score_shift"},
+    "late_lost_rescaling": {"oracle_agreement", "merge_law", "v_affinity"},
+    "query_tile_offset": {"oracle_agreement", "merge_law", "query_permutation"},
     "wrong_lse": {"lse_agreement", "merge_law"},
     "gqa_head_mapping": {"oracle_agreement", "batch_head_independence"},
     "low_precision_accumulation": {"constant_v"},

@@ -27,6 +27,9 @@ EDGE_CASES = (
     ((1, 2, 2, 3, 17, 16), "normal"),             # Nq < Nk
     ((2, 4, 2, 65, 63, 32), "fa3_outliers"),      # tile +- 1, GQA, outliers
     ((1, 3, 1, 13, 31, 96), "large_logits"),      # primes, MQA, D = 96, logits in the hundreds
+    # 128 - 1 queries, 128 + 1 keys: the row max rises by 89 logits (beyond exp's fp32 range)
+    # at key 64 and again at key 128, alone in the last tile of 64 or 128 keys
+    ((1, 2, 1, 127, 129, 16), "normal+rise(step=89.0,every=64,start=64,count=2)"),
 )
 #: Head dims probed for support (a backend that runs all of them runs any D).
 _PROBED_HEAD_DIMS = range(1, 257)
@@ -113,10 +116,10 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
         return f"needs {prop.masking} problems, which the selection (--causal) or the target excludes"
     if prop.large:
         shapes = _large_shapes(caps.head_dims)
-    elif caps.head_dims is None:
-        shapes = fst.shapes(max_seq=selection.max_seq, max_work=selection.max_work)
     else:
         shapes = fst.shapes(max_seq=selection.max_seq, max_work=selection.max_work,
-                            max_head_dim=max(caps.head_dims), head_dims=caps.head_dims)
+                            typical_seq=selection.typical_seq,
+                            **({} if caps.head_dims is None
+                               else dict(max_head_dim=max(caps.head_dims), head_dims=caps.head_dims)))
     return fst.problems(shapes=shapes, dtypes=fst.dtypes(dtypes),
                         causal=fst.causal_modes(non_causal=False in causal, alignments=alignments))

@@ -20,6 +20,8 @@ class Selection:
     max_examples: int = get_profile(DEFAULT_PROFILE).max_examples
     max_seq: int = get_profile(DEFAULT_PROFILE).max_seq
     max_work: int = get_profile(DEFAULT_PROFILE).max_work
+    #: most draws keep Nq, Nk <= typical_seq, a minority reach max_seq (None: all may)
+    typical_seq: int | None = get_profile(DEFAULT_PROFILE).typical_seq
     #: Hypothesis seed (None: random, with the example database)
     seed: int | None = 0
     #: shrink a failure to a minimal counterexample (off: faster, for counting examples-to-failure)
@@ -32,6 +34,6 @@ class Selection:
         """The profile's sizes and seed; keyword overrides that are None are ignored."""
         profile = get_profile(name)
         fields = dict(max_examples=profile.max_examples, max_seq=profile.max_seq, max_work=profile.max_work,
-                      seed=profile.seed)
+                      typical_seq=profile.typical_seq, seed=profile.seed)
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**fields)

@@ -6,10 +6,12 @@
     @given(fst.problems())
     def test_my_kernel(problem): ...
 
-`problems()` combines `shapes()`, `dtypes()`, `causal_modes()`, `distributions()` and
-`scales()`; each can be narrowed (``fst.problems(dtypes=fst.dtypes(["bf16"]))``). Values come
-from the named generators in `DISTRIBUTIONS`, seeded from Hypothesis; `make_problem` rebuilds
-a problem from its tags (distribution, seed) without Hypothesis.
+`problems()` combines `shapes()`, `dtypes()`, `causal_modes()`, `distributions()`, `scales()`
+and `score_profiles()`; each can be narrowed (``fst.problems(dtypes=fst.dtypes(["bf16"]))``).
+Values come from the named generators in `DISTRIBUTIONS`, seeded from Hypothesis; in a third
+of the problems a `ScoreProfile` drawn by Hypothesis then makes the row max rise, fall or jump
+late, by up to hundreds of logits, to drive a kernel's online softmax. `make_problem` rebuilds
+a problem from its tags (distribution with its profile, seed) without Hypothesis.
 """
 
 from fa_verify.strategies._problems import (
@@ -22,6 +24,7 @@ from fa_verify.strategies._problems import (
     scales,
     seeds,
 )
+from fa_verify.strategies._score_profiles import ScoreProfile, score_profiles
 from fa_verify.strategies._shapes import (
     COMMON_HEAD_DIMS,
     DEFAULT_MAX_WORK,
@@ -41,6 +44,7 @@ __all__ = [
     "DISTRIBUTIONS",
     "DISTRIBUTION_NAMES",
     "EXPLICIT_SCALES",
+    "ScoreProfile",
     "Shape",
     "causal_modes",
     "distributions",
@@ -50,6 +54,7 @@ __all__ = [
     "make_problem",
     "problems",
     "scales",
+    "score_profiles",
     "seeds",
     "shapes",
 ]

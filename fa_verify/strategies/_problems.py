@@ -2,11 +2,16 @@
 
 A problem's values come from a numpy Generator seeded by an integer that Hypothesis draws, so
 an example replays exactly from its seed, and shrinking works on the shape, the options and the
-seed (not on individual elements). The distribution name and the seed are recorded in the
+seed (not on individual elements). On top of them, a third of the problems carry a
+`ScoreProfile` that Hypothesis draws (and shrinks): offsets that make the row max rise, fall
+or jump late. The distribution name (with the profile after a '+', as in
+``"normal+rise(step=88.72,every=64,start=63,count=3)"``) and the seed are recorded in the
 problem's tags, and `make_problem` rebuilds the same problem outside Hypothesis.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from hypothesis import strategies as st
@@ -14,6 +19,7 @@ from hypothesis import strategies as st
 from fa_verify.dtypes import DTYPE_NAMES
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.problem import CAUSAL_ALIGNMENTS, AttentionProblem
+from fa_verify.strategies._score_profiles import ScoreProfile, score_profiles
 from fa_verify.strategies._shapes import Shape, shapes
 from fa_verify.strategies._validation import (
     check_bool,
@@ -91,19 +97,28 @@ def make_problem(distribution: str, shape, dtype, seed: int, *, causal: bool = F
                  causal_alignment: str = "bottom-right", scale=None, tags=()) -> AttentionProblem:
     """The problem that `problems()` generates for these choices, without Hypothesis.
 
-    Values come from ``DISTRIBUTIONS[distribution](numpy.random.default_rng(seed), shape, dtype,
-    scale)``, rounded to `dtype`. The tags are (("distribution", name), ("seed", seed)) followed
-    by `tags`. Raises InvalidArgumentError if the scaled scores could overflow fp32 (only
-    possible with an enormous explicit scale).
+    Values come from ``DISTRIBUTIONS[name](numpy.random.default_rng(seed), shape, dtype,
+    scale)``, rounded to `dtype`; `distribution` is a name from DISTRIBUTIONS, optionally
+    followed by '+' and a score profile (``"normal+spike(step=100.0,every=64,start=-1,count=1)"``,
+    see `ScoreProfile`), which then sets coordinate 0 of q and k. The tags are
+    (("distribution", distribution), ("seed", seed)) followed by `tags`. Raises
+    InvalidArgumentError if the scaled scores could overflow fp32 (only possible with an
+    enormous explicit scale).
     """
-    distribution = check_names("distribution", (distribution,), DISTRIBUTION_NAMES,
-                               "distribution")[0]
+    if not isinstance(distribution, str):
+        raise InvalidArgumentError(f"distribution={distribution!r} must be a distribution name")
+    name, plus, profile = distribution.partition("+")
+    name = check_names("distribution", (name,), DISTRIBUTION_NAMES, "distribution")[0]
+    profile = ScoreProfile.parse(profile) if plus else None
+    distribution = name if profile is None else f"{name}+{profile}"
     shape = Shape.coerce(shape)
     dtype = check_dtype("dtype", dtype)
     seed = check_int("seed", seed, min_value=0)
     causal = check_bool("causal", causal)
     scale = check_scale("scale", scale)
-    q, k, v = DISTRIBUTIONS[distribution](np.random.default_rng(seed), shape, dtype, scale)
+    q, k, v = DISTRIBUTIONS[name](np.random.default_rng(seed), shape, dtype, scale)
+    if profile is not None:
+        q, k = profile.apply(q, k, 1.0 / math.sqrt(shape.head_dim) if scale is None else scale)
     problem = AttentionProblem.from_float(
         q, k, v, dtype, causal=causal, causal_alignment=causal_alignment, scale=scale,
         tags=(("distribution", distribution), ("seed", seed)) + tuple(tags))
@@ -118,18 +133,34 @@ def make_problem(distribution: str, shape, dtype, seed: int, *, causal: bool = F
 
 
 @st.composite
-def _problems(draw, shape_st, dtype_st, causal_st, distribution_st, scale_st):
+def _problems(draw, shape_st, dtype_st, causal_st, distribution_st, scale_st, profile_st):
     shape = draw(shape_st)
     dtype = draw(dtype_st)
     causal, alignment = draw(causal_st)
     distribution = draw(distribution_st)
     scale = draw(scale_st)
+    profile = draw(profile_st)
     seed = draw(seeds())
+    if profile is not None:
+        distribution = f"{distribution}+{_check_profile(profile)}"
     return make_problem(distribution, shape, dtype, seed, causal=causal,
                         causal_alignment=alignment, scale=scale)
 
 
-def problems(shapes=None, dtypes=None, causal=None, distributions=None, scale=None):
+def _check_profile(profile) -> ScoreProfile:
+    if not isinstance(profile, ScoreProfile):
+        raise InvalidArgumentError(
+            f"score_profiles drew {profile!r}; it must draw ScoreProfile objects or None")
+    return profile
+
+
+def _sometimes_profiles():
+    """None two draws in three (choices 0 and 1: shrinks towards None), else a profile."""
+    return st.integers(0, 2).flatmap(lambda n: score_profiles() if n == 2 else st.none())
+
+
+def problems(shapes=None, dtypes=None, causal=None, distributions=None, scale=None,
+             score_profiles=None):
     """Strategy for `AttentionProblem`, valid by construction (finite inputs exactly
     representable in the dtype, scaled scores finite in fp32).
 
@@ -139,8 +170,12 @@ def problems(shapes=None, dtypes=None, causal=None, distributions=None, scale=No
       causal: of (causal, alignment) pairs (default ``causal_modes()``);
       distributions: of distribution names (default ``distributions()``: all of them);
       scale: of None or a float (default ``scales()``: None, i.e. 1/sqrt(D), four times in
-        five); pass ``st.none()`` to always use 1/sqrt(D).
-    Tags record the distribution and the seed; ``make_problem`` rebuilds the problem from them.
+        five); pass ``st.none()`` to always use 1/sqrt(D);
+      score_profiles: of `ScoreProfile` or None (default: ``score_profiles()`` in one draw in
+        three, None otherwise); pass ``st.none()`` for the distributions' values alone, or
+        ``fst.score_profiles()`` for a profile in every problem.
+    Tags record the distribution (and profile) and the seed; ``make_problem`` rebuilds the
+    problem from them.
     """
     return _problems(
         _default(shapes, _shapes_default, "shapes", "st.just(fst.Shape(1, 1, 1, 16, 16, 64))"),
@@ -148,6 +183,7 @@ def problems(shapes=None, dtypes=None, causal=None, distributions=None, scale=No
         _default(causal, causal_modes, "causal", "st.just((True, 'bottom-right'))"),
         _default(distributions, _distributions_default, "distributions", "st.just('normal')"),
         _default(scale, scales, "scale", "st.just(0.125) or st.none()"),
+        _default(score_profiles, _sometimes_profiles, "score_profiles", "fst.score_profiles() or st.none()"),
     )
 
 

@@ -10,6 +10,12 @@ t-1, t, t+1 (t = 16, 32, ..., 1024), with Nq == Nk, Nq < Nk and Nq > Nk; for hea
 and MQA; for head dims the common ones (64, 128, ...) and odd ones (1, 3, 31, 33, 63, 127, ...).
 An arbitrary in-bounds integer is always possible too, so nothing in range is unreachable.
 Everything shrinks towards B = H = Hkv = Nq = Nk = D = 1.
+
+With `typical_seq` below `max_seq`, most shapes keep Nq, Nk <= typical_seq and one in
+LONG_SHARE is *long*: its sequence lengths are drawn first, so they get the work budget, and
+one of them (both, when they are equal) lies above typical_seq — a tile edge (65, 127, 128,
+129, 255, 256, 257, ...), anything, or the most the budget allows — so that kernels' second
+and third query and key tiles (of 64 or 128) are reached at a small cost per property.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ SMALL_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 
 
 #: Tile sizes whose boundaries t-1, t, t+1 are favoured as sequence lengths.
 TILE_SIZES = (16, 32, 64, 128, 256, 512, 1024)
+
+#: Share of long shapes (Nq or Nk above typical_seq) when shapes() is given a typical_seq.
+LONG_SHARE = 1 / 4
 
 #: Head dims favoured: the common ones and odd ones around them (filtered by the bounds).
 COMMON_HEAD_DIMS = (1, 3, 8, 16, 31, 32, 33, 63, 64, 80, 96, 127, 128, 160, 192, 255, 256)
@@ -144,13 +153,28 @@ def _head_dim(draw, cap: int, head_dims) -> int:
     return _favoured(draw, COMMON_HEAD_DIMS, cap)
 
 
-def _seq_lengths(draw, cap: int, max_seq: int) -> tuple:
-    """(nq, nk) with nq*nk <= cap: equal, or one drawn first and the other within what is left."""
+def _long_seq_len(draw, cap: int, typical: int) -> int:
+    """A sequence length in (typical, cap] (cap itself if that is empty): a tile edge, any,
+    or cap itself."""
+    low = min(typical + 1, cap)
+    kind = draw(st.integers(0, 2))
+    if kind == 0:
+        return _favoured(draw, (low, *(e for e in _TILE_EDGES if e > low)), cap)
+    if kind == 1:
+        return draw(st.integers(low, cap))
+    return cap
+
+
+def _seq_lengths(draw, cap: int, max_seq: int, typical: int | None = None) -> tuple:
+    """(nq, nk) with nq*nk <= cap: equal, or one drawn first and the other within what is left.
+    With `typical`, the first (both when equal) lies above it where the cap allows."""
     how = draw(st.sampled_from(("equal", "q_first", "k_first")))
     if how == "equal":
-        n = _seq_len(draw, min(max_seq, math.isqrt(cap)))
+        cap = min(max_seq, math.isqrt(cap))
+        n = _seq_len(draw, cap) if typical is None else _long_seq_len(draw, cap, typical)
         return n, n
-    first = _seq_len(draw, min(max_seq, cap))
+    cap_first = min(max_seq, cap)
+    first = _seq_len(draw, cap_first) if typical is None else _long_seq_len(draw, cap_first, typical)
     second = _seq_len(draw, min(max_seq, cap // first))
     return (first, second) if how == "q_first" else (second, first)
 
@@ -172,7 +196,7 @@ def _heads(draw, cap: int, gqa: bool) -> tuple:
 
 
 @st.composite
-def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, max_work):
+def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, max_work, typical_seq):
     got = {}
     min_d = head_dims[0] if head_dims is not None else 1
 
@@ -181,12 +205,20 @@ def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, m
         reserve = 1 if "d" in got else min_d
         return max_work // (math.prod(got.values()) * reserve)
 
-    for group in draw(st.permutations(("head_dim", "seq", "heads"))):
+    # Choice 0 (short) is the one shrinking goes to; the last of 1/LONG_SHARE choices is long.
+    slots = round(1 / LONG_SHARE)
+    long = typical_seq < max_seq and draw(st.integers(0, slots - 1)) == slots - 1
+    order = draw(st.permutations(("head_dim", "seq", "heads")))
+    if long:  # the long lengths take the work budget first
+        order = ("seq",) + tuple(g for g in order if g != "seq")
+    for group in order:
         if group == "head_dim":
             cap = min(max_head_dim, max_work // math.prod(got.values()))
             got["d"] = _head_dim(draw, cap, head_dims)
+        elif group == "seq" and long:
+            got["nq"], got["nk"] = _seq_lengths(draw, left(), max_seq, typical_seq)
         elif group == "seq":
-            got["nq"], got["nk"] = _seq_lengths(draw, left(), max_seq)
+            got["nq"], got["nk"] = _seq_lengths(draw, left(), typical_seq)
         else:
             got["h"], kv_heads = _heads(draw, min(max_heads, left()), gqa)
     batch = draw(st.integers(1, min(max_batch, left())))
@@ -194,11 +226,14 @@ def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, m
 
 
 def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_dim: int = 128,
-           head_dims=None, gqa: bool = True, max_work: int = DEFAULT_MAX_WORK):
+           head_dims=None, gqa: bool = True, max_work: int = DEFAULT_MAX_WORK, typical_seq=None):
     """Strategy for `Shape` with every bound respected by construction.
 
     max_batch, max_heads, max_seq, max_head_dim: upper bounds of B, H (query heads), Nq and Nk,
         and D. All >= 1.
+    typical_seq: if given and below max_seq, most shapes keep Nq, Nk <= typical_seq and one in
+        LONG_SHARE (a quarter) has Nq or Nk (or both) in (typical_seq, max_seq], within
+        max_work (so the other dimensions are small). None: every shape up to max_seq.
     head_dims: if given, D is drawn from these values only (each must be <= max_head_dim and
         <= max_work); otherwise D favours COMMON_HEAD_DIMS and may be any integer in range.
     gqa: if True, H is a multiple of Hkv (MHA, GQA, MQA); if False, Hkv == H (MHA only).
@@ -212,6 +247,7 @@ def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_d
     max_head_dim = check_int("max_head_dim", max_head_dim)
     gqa = check_bool("gqa", gqa)
     max_work = check_int("max_work", max_work)
+    typical_seq = max_seq if typical_seq is None else min(check_int("typical_seq", typical_seq), max_seq)
     if head_dims is not None:
         if isinstance(head_dims, int) and not isinstance(head_dims, bool):
             head_dims = (head_dims,)
@@ -230,4 +266,4 @@ def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_d
                 f"head_dims={head_dims!r} holds {too_big!r} > max_head_dim={max_head_dim!r} "
                 f"or max_work={max_work!r}; raise max_head_dim (and max_work) or drop them"
             )
-    return _shapes(max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, max_work)
+    return _shapes(max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, max_work, typical_seq)
