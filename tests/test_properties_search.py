@@ -106,7 +106,7 @@ def test_searches_share_a_database_without_mixing_their_examples():
 def test_profiles_and_selection():
     assert {"ci", "thorough", "gpu"} <= set(PROFILES)
     ci = Selection.from_profile("ci", max_seq=None)
-    assert (ci.max_examples, ci.max_seq, ci.seed) == (get_profile("ci").max_examples, 64, 0)
+    assert (ci.max_examples, ci.max_seq, ci.typical_seq, ci.seed) == (get_profile("ci").max_examples, 257, 64, 0)
     assert Selection.from_profile("thorough").seed is None
     with pytest.raises(InvalidArgumentError, match="profile='nightly'"):
         get_profile("nightly")

@@ -7,7 +7,7 @@ import types
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from fa_verify import AttentionProblem, InvalidArgumentError
@@ -62,7 +62,7 @@ def test_every_distribution_gives_valid_problems(name, dtype):
         assert isinstance(problem, AttentionProblem)  # construction validated finiteness, shapes
         assert problem.dtype == dtype
         tags = dict(problem.tags)
-        assert tags["distribution"] == name and isinstance(tags["seed"], int)
+        assert tags["distribution"].partition("+")[0] == name and isinstance(tags["seed"], int)
         for x in (problem.q, problem.k, problem.v):
             assert np.isfinite(x.astype(np.float64)).all()
             assert np.abs(x.astype(np.float64)).max() <= float(finfo(dtype).max)
@@ -99,13 +99,16 @@ def test_shape_bounds_hold(data):
     d = data.draw(st.integers(1, 300), label="max_head_dim")
     w = data.draw(st.integers(1, 10 ** 6), label="max_work")
     gqa = data.draw(st.booleans(), label="gqa")
+    typical = data.draw(st.none() | st.integers(1, 300), label="typical_seq")
     shape = data.draw(fst.shapes(max_batch=b, max_heads=h, max_seq=n, max_head_dim=d,
-                                 gqa=gqa, max_work=w))
+                                 gqa=gqa, max_work=w, typical_seq=typical))
     assert 1 <= shape.batch <= b and 1 <= shape.heads <= h
     assert 1 <= shape.nq <= n and 1 <= shape.nk <= n
     assert 1 <= shape.head_dim <= d
     assert shape.heads % shape.kv_heads == 0
     assert shape.work <= w
+    if typical is not None and max(shape.nq, shape.nk) > typical:  # a long shape
+        assert shape.batch * shape.heads * shape.nq * shape.nk <= n * n
     if not gqa:
         assert shape.kv_heads == shape.heads
 
@@ -172,6 +175,69 @@ def test_shapes_shrink_to_minimal():
     assert find(fst.shapes(), lambda s: True, settings=FIND) == fst.Shape(1, 1, 1, 1, 1, 1)
 
 
+def _share(strategy, predicate, n=300) -> float:
+    """The share of `n` derandomized draws from `strategy` that satisfy `predicate`."""
+    hits = []
+
+    @settings(max_examples=n, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(x):
+        hits.append(bool(predicate(x)))
+
+    collect()
+    return sum(hits) / len(hits)
+
+
+def _unseen(strategy, features: dict, n: int) -> set:
+    """The names of `features` (name -> predicate) that none of `n` derandomized draws has."""
+    unseen = set(features)
+
+    @settings(max_examples=n, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def search(x):
+        unseen.difference_update({name for name in unseen if features[name](x)})
+
+    search()
+    return unseen
+
+
+def is_long(shape) -> bool:
+    return max(shape.nq, shape.nk) > 64
+
+
+CI_SHAPES = fst.shapes(max_seq=257, typical_seq=64)
+#: A kernel's head dims: long shapes must still cross tiles with D >= 16 in the work bound.
+CI_KERNEL_SHAPES = fst.shapes(max_seq=257, typical_seq=64, head_dims=(16, 32, 64, 128))
+
+LONG_COVERAGE = {
+    "Nq=Nk=257": (CI_SHAPES, lambda s: s.nq == s.nk == 257),
+    "Nk at 128 +- 1, Nq > 64": (CI_SHAPES, lambda s: s.nk in (127, 128, 129) and s.nq > 64),
+    "Nq>128, Nk>64": (CI_SHAPES, lambda s: s.nq > 128 and s.nk > 64),
+    "GQA, Nk>64": (CI_SHAPES, lambda s: s.nk > 64 and 1 < s.kv_heads < s.heads),
+    "D>=16: Nq, Nk > 64": (CI_KERNEL_SHAPES, lambda s: s.nq > 64 and s.nk > 64),
+    "D>=16: Nk > 128": (CI_KERNEL_SHAPES, lambda s: s.nk > 128),
+    "D>=64: Nk>128": (CI_KERNEL_SHAPES, lambda s: s.head_dim >= 64 and s.nk > 128),
+}
+
+
+def test_long_shapes_cross_tiles_of_64_and_128():
+    for strategy in (CI_SHAPES, CI_KERNEL_SHAPES):
+        features = {name: f for name, (s, f) in LONG_COVERAGE.items() if s is strategy}
+        assert not _unseen(strategy, features, n=500)
+
+
+def test_long_shapes_are_a_minority():
+    for strategy in (CI_SHAPES, CI_KERNEL_SHAPES):
+        assert 0.1 <= _share(strategy, is_long) <= 0.35
+    assert _share(fst.shapes(), is_long) == 0  # without typical_seq, max_seq (64) bounds all
+
+
+def test_long_shapes_shrink_to_minimal():
+    assert find(CI_SHAPES, is_long, settings=FIND) == fst.Shape(1, 1, 1, 65, 65, 1)
+
+
 def test_favoured_seq_lengths():
     assert fst.favoured_seq_lengths(64) == (
         1, 2, 3, 5, 7, 11, 13, 15, 16, 17, 19, 23, 29, 31, 32, 33, 37, 41, 43, 47, 53, 59, 61,
@@ -223,6 +289,14 @@ def test_problems_cover_causal_with_fully_masked_rows():
     (lambda: fst.shapes(gqa="yes"), r"gqa='yes'"),
     (lambda: fst.shapes(head_dims=[256]), r"max_head_dim=128"),
     (lambda: fst.shapes(head_dims=[]), r"head_dims"),
+    (lambda: fst.shapes(typical_seq=0), r"typical_seq=0"),
+    (lambda: fst.problems(score_profiles="rise"), r"score_profiles='rise'.*st.none"),
+    (lambda: fst.make_problem("normal+rise(step=9)", (1, 1, 1, 1, 1, 1), "fp16", 0), r"rise\(step=9\)"),
+    (lambda: fst.make_problem(None, (1, 1, 1, 1, 1, 1), "fp16", 0), r"distribution=None"),
+    (lambda: fst.ScoreProfile("climb", 9.0, 16, 0), r"kind='climb'"),
+    (lambda: fst.ScoreProfile("rise", 100.0, 16, 0, count=7), r"span of 600"),
+    (lambda: fst.ScoreProfile("rise", 0.0, 16, 0), r"step=0.0"),
+    (lambda: fst.ScoreProfile("spike", 9.0, 0, 0), r"every=0"),
     (lambda: fst.dtypes(["fp64"]), r"fp64"),
     (lambda: fst.dtypes([]), r"names"),
     (lambda: fst.distributions(["gauss"]), r"gauss"),
@@ -265,7 +339,7 @@ def test_fa3_outlier_rate_and_variance():
 
 @FAST
 @given(fst.problems(distributions=st.just("dominant_key"), causal=st.just((False, "bottom-right")),
-                    scale=fst.scales()))
+                    scale=fst.scales(), score_profiles=st.none()))
 def test_dominant_key_takes_all_probability(problem):
     p = softmax(problem)
     worst = p.max(axis=-1).min()
@@ -282,7 +356,7 @@ def test_dominant_key_at_every_dtype_and_larger_shapes():
 
 
 @settings(max_examples=40, deadline=None, database=None)
-@given(fst.problems(distributions=st.just("large_logits")))
+@given(fst.problems(distributions=st.just("large_logits"), score_profiles=st.none()))
 def test_large_logits_reach_their_range(problem):
     # The peak is set before masking and rounding: look at all scores, unmasked.
     k, _ = problem.kv64()
@@ -302,7 +376,8 @@ def test_large_logits_spread_over_the_range():
 
 
 @FAST
-@given(fst.problems(distributions=st.just("ties"), shapes=fst.shapes().filter(lambda s: s.nk >= 2)))
+@given(fst.problems(distributions=st.just("ties"), shapes=fst.shapes().filter(lambda s: s.nk >= 2),
+                    score_profiles=st.none()))
 def test_ties_duplicate_keys(problem):
     k = problem.k.astype(np.float64)
     for b in range(problem.batch):
@@ -311,7 +386,7 @@ def test_ties_duplicate_keys(problem):
 
 
 @FAST
-@given(fst.problems(distributions=st.just("constant_rows")))
+@given(fst.problems(distributions=st.just("constant_rows"), score_profiles=st.none()))
 def test_constant_rows(problem):
     v = problem.v.astype(np.float64)
     v_constant = (v == v[:, :, :1, :]).all()
@@ -346,6 +421,99 @@ def test_tiny_is_subnormal_scale():
             assert x.max() <= 4 * float(info.smallest_normal)
             assert (x < float(info.smallest_normal)).mean() > 0.5  # mostly subnormal (or 0)
             assert ((x > 0) & (x < float(info.smallest_normal))).any()
+
+
+# --- score profiles: the row max rises, falls or jumps late --------------------------------------
+def test_score_profile_offsets():
+    rise = fst.ScoreProfile("rise", 89.0, 64, 64, count=2)
+    c = rise.offsets(129)
+    assert (c[:64] == -89).all() and (c[64:128] == 0).all() and c[128] == 89
+    assert (fst.ScoreProfile("fall", 10.0, 16, 0, count=3).offsets(40)
+            == np.repeat([5.0, -5.0, -15.0], [16, 16, 8])).all()
+    spike = fst.ScoreProfile("spike", 100.0, 5, -1, count=3).offsets(10)  # only the last key fits
+    assert spike[-1] == 50 and (spike[:-1] == -50).all()
+    late = fst.ScoreProfile("spike", 20.0, 64, 300).offsets(70)  # past the end: the last key
+    assert late.argmax() == 69 and np.ptp(late) == 20
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(fst.score_profiles())
+def test_score_profiles_are_valid_and_round_trip(profile):
+    assert fst.ScoreProfile.parse(str(profile)) == profile
+    assert profile.kind == "spike" or profile.step * profile.count <= 600
+    c = profile.offsets(300)
+    assert np.ptp(c) <= 600 and abs(c.max() + c.min()) <= profile.step * profile.count
+
+
+PROFILED = fst.problems(score_profiles=fst.score_profiles(), shapes=CI_SHAPES)
+
+
+def _parts(problem):
+    name, _, text = dict(problem.tags)["distribution"].partition("+")
+    return name, fst.ScoreProfile.parse(text) if text else None
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(PROFILED)
+def test_profiled_problems_carry_their_offsets(problem):
+    _, profile = _parts(problem)
+    # coordinate 0 adds the profile's offset to every score, within the rounding of k
+    q0, k0 = problem.q64()[..., 0], problem.k.astype(np.float64)[..., 0]
+    assert (q0 == q0.flat[0]).all() and q0.flat[0] >= 1
+    added = problem.scale_value * q0.flat[0] * k0  # [B, Hkv, Nk]
+    c = profile.offsets(problem.nk)
+    u = 2.0 ** -finfo(problem.dtype).nmant
+    assert (np.abs(added - c) <= np.abs(c) * u + 1e-9).all()
+    assert np.abs(problem.k.astype(np.float64)).max() <= 1e4
+
+
+def _late_rise(problem, first: int = 64) -> float:
+    """The most any row's max over keys >= `first` exceeds its max over the keys before."""
+    s = np.where(problem.mask, scaled_scores(problem), -np.inf)
+    rise = s[..., first:].max(axis=-1) - s[..., :first].max(axis=-1)
+    return float(np.where(np.isfinite(rise), rise, -np.inf).max())
+
+
+EXP_FP32 = math.log(float(finfo("fp32").max))  # 88.72
+
+PROFILE_COVERAGE = {
+    "rise": lambda p: p.kind == "rise",
+    "fall": lambda p: p.kind == "fall",
+    "spike at the last key": lambda p: p.kind == "spike" and p.start == -1,
+    "step at fp32's exp overflow edge": lambda p: abs(p.step - EXP_FP32) < 0.5,
+    "step at fp16's exp overflow edge": lambda p: abs(p.step - math.log(65504)) < 0.5,
+    "step at fp32's exp underflow edge": lambda p: abs(p.step - 103.28) < 0.5,
+    "steps every 64 keys": lambda p: p.every == 64 and p.count > 1,
+    "steps one off a tile": lambda p: p.every in (15, 17, 31, 33, 63, 65, 127, 129),
+    "first step at key 128": lambda p: p.start == 128,
+}
+
+
+def test_score_profiles_cover():
+    assert not _unseen(fst.score_profiles(), PROFILE_COVERAGE, n=300)
+
+
+@pytest.mark.parametrize("first", [64, 128])
+def test_default_problems_raise_the_max_late_beyond_fp32s_exp_range(first):
+    """What a kernel keeping its first tile's max cannot survive in fp32: a row whose max after
+    key `first` exceeds its max before by more than ln(fp32 max), in the ci profile's problems."""
+    problems = fst.problems(shapes=fst.shapes(max_seq=257, typical_seq=64, max_work=200_000))
+    assert not _unseen(problems, {"late rise": lambda p: p.nk > first and _late_rise(p, first) > EXP_FP32},
+                       n=300)
+
+
+def test_problems_draw_profiles_in_a_third():
+    assert 0.15 <= _share(fst.problems(), lambda p: "+" in dict(p.tags)["distribution"]) <= 0.5
+    assert _share(fst.problems(score_profiles=st.none()), lambda p: "+" in dict(p.tags)["distribution"]) == 0
+
+
+def test_profiled_problem_rebuilds():
+    name = "fa3_outliers+spike(step=103.3,every=64,start=-1,count=1)"
+    a = fst.make_problem(name, (1, 2, 1, 7, 70, 16), "bf16", 4, causal=True)
+    assert dict(a.tags)["distribution"] == name
+    assert _same(a, fst.make_problem(name.replace(",", ", "), (1, 2, 1, 7, 70, 16), "bf16", 4,
+                                     causal=True))
+    assert _late_rise(a) > 100  # the last key, 103.3 logits above the rest
 
 
 # --- determinism --------------------------------------------------------------------------------

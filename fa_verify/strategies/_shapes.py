@@ -15,7 +15,8 @@ With `typical_seq` below `max_seq`, most shapes keep Nq, Nk <= typical_seq and o
 LONG_SHARE is *long*: its sequence lengths are drawn first, so they get the work budget, and
 one of them (both, when they are equal) lies above typical_seq — a tile edge (65, 127, 128,
 129, 255, 256, 257, ...), anything, or the most the budget allows — so that kernels' second
-and third query and key tiles (of 64 or 128) are reached at a small cost per property.
+and third query and key tiles (of 64 or 128) are reached at a small cost per property. A long
+shape also keeps B*H*Nq*Nk <= max_seq**2, as judging an example costs per score.
 """
 
 from __future__ import annotations
@@ -201,9 +202,13 @@ def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, m
     min_d = head_dims[0] if head_dims is not None else 1
 
     def left() -> int:
-        """The cap for the next dimension: the work left, keeping room for the smallest D."""
+        """The cap for the next dimension: the work left, keeping room for the smallest D; for a
+        long shape also B*H*Nq*Nk <= max_seq**2 (the cost of judging grows with the scores)."""
         reserve = 1 if "d" in got else min_d
-        return max_work // (math.prod(got.values()) * reserve)
+        cap = max_work // (math.prod(got.values()) * reserve)
+        if long:
+            cap = min(cap, max_seq ** 2 // math.prod(v for key, v in got.items() if key != "d"))
+        return cap
 
     # Choice 0 (short) is the one shrinking goes to; the last of 1/LONG_SHARE choices is long.
     slots = round(1 / LONG_SHARE)
