@@ -70,7 +70,7 @@ def add_parser(sub) -> None:
     cmd.add_argument("--max-examples", type=positive_int, default=None, metavar="N",
                      help="examples per property (default: the profile's; ci: 20)")
     cmd.add_argument("--max-seq", type=positive_int, default=None, metavar="N",
-                     help="largest Nq or Nk drawn (default: the profile's; ci: 64)")
+                     help="largest Nq or Nk drawn (default: the profile's; ci: 257, most examples <= 64)")
     cmd.add_argument("--seed", type=parse_seed, default=0, metavar="N|random", help=SEED_HELP + " (default 0)")
     for name, kwargs in SHARED_OPTIONS.items():
         cmd.add_argument(f"--{name}", **kwargs)
