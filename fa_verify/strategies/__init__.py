@@ -8,10 +8,11 @@
 
 `problems()` combines `shapes()`, `dtypes()`, `causal_modes()`, `distributions()`, `scales()`
 and `score_profiles()`; each can be narrowed (``fst.problems(dtypes=fst.dtypes(["bf16"]))``).
-Values come from the named generators in `DISTRIBUTIONS`, seeded from Hypothesis; in a third
-of the problems a `ScoreProfile` drawn by Hypothesis then makes the row max rise, fall or jump
-late, by up to hundreds of logits, to drive a kernel's online softmax. `make_problem` rebuilds
-a problem from its tags (distribution with its profile, seed) without Hypothesis.
+Values come from the named generators in `DISTRIBUTIONS`, seeded from Hypothesis; in about
+a quarter of the problems a `ScoreProfile` drawn by Hypothesis then makes the row max rise,
+fall or jump late, by up to hundreds of logits, to drive a kernel's online softmax.
+`make_problem` rebuilds a problem from its tags (distribution with its profile, seed) without
+Hypothesis.
 """
 
 from fa_verify.strategies._problems import (

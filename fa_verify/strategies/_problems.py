@@ -2,7 +2,7 @@
 
 A problem's values come from a numpy Generator seeded by an integer that Hypothesis draws, so
 an example replays exactly from its seed, and shrinking works on the shape, the options and the
-seed (not on individual elements). On top of them, a third of the problems carry a
+seed (not on individual elements). On top of them, about a quarter of the problems carry a
 `ScoreProfile` that Hypothesis draws (and shrinks): offsets that make the row max rise, fall
 or jump late. The distribution name (with the profile after a '+', as in
 ``"normal+rise(step=88.72,every=64,start=63,count=3)"``) and the seed are recorded in the
@@ -155,7 +155,8 @@ def _check_profile(profile) -> ScoreProfile:
 
 
 def _sometimes_profiles():
-    """None two draws in three (choices 0 and 1: shrinks towards None), else a profile."""
+    """None for choices 0 and 1 of three (shrinks towards None; Hypothesis' draws lean to the
+    simpler, so about three problems in four), else a profile."""
     return st.integers(0, 2).flatmap(lambda n: score_profiles() if n == 2 else st.none())
 
 
@@ -171,8 +172,8 @@ def problems(shapes=None, dtypes=None, causal=None, distributions=None, scale=No
       distributions: of distribution names (default ``distributions()``: all of them);
       scale: of None or a float (default ``scales()``: None, i.e. 1/sqrt(D), four times in
         five); pass ``st.none()`` to always use 1/sqrt(D);
-      score_profiles: of `ScoreProfile` or None (default: ``score_profiles()`` in one draw in
-        three, None otherwise); pass ``st.none()`` for the distributions' values alone, or
+      score_profiles: of `ScoreProfile` or None (default: ``score_profiles()`` for one choice
+        in three, about a quarter of the problems, None otherwise); pass ``st.none()`` for the distributions' values alone, or
         ``fst.score_profiles()`` for a profile in every problem.
     Tags record the distribution (and profile) and the seed; ``make_problem`` rebuilds the
     problem from them.

@@ -154,7 +154,7 @@ def score_profiles():
     """Strategy for a `ScoreProfile`: a rise, fall or spike of the row max, with steps at the
     exp edges or anywhere up to 200 logits, on or off the tile sizes 16 ... 128, early or late.
 
-    Shrinks towards a rising profile with small, few, early steps. `problems()` draws one in a
-    third of its examples.
+    Shrinks towards a rising profile with small, few, early steps. `problems()` draws one in about a
+    quarter of its examples.
     """
     return _profiles()

@@ -11,8 +11,8 @@ and MQA; for head dims the common ones (64, 128, ...) and odd ones (1, 3, 31, 33
 An arbitrary in-bounds integer is always possible too, so nothing in range is unreachable.
 Everything shrinks towards B = H = Hkv = Nq = Nk = D = 1.
 
-With `typical_seq` below `max_seq`, most shapes keep Nq, Nk <= typical_seq and one in
-LONG_SHARE is *long*: its sequence lengths are drawn first, so they get the work budget, and
+With `typical_seq` below `max_seq`, most shapes keep Nq, Nk <= typical_seq and one choice in
+1/LONG_SHARE (about one shape in five: Hypothesis' draws lean to the simpler) is *long*: its sequence lengths are drawn first, so they get the work budget, and
 one of them (both, when they are equal) lies above typical_seq — a tile edge (65, 127, 128,
 129, 255, 256, 257, ...), anything, or the most the budget allows — so that kernels' second
 and third query and key tiles (of 64 or 128) are reached at a small cost per property. A long
@@ -237,7 +237,7 @@ def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_d
     max_batch, max_heads, max_seq, max_head_dim: upper bounds of B, H (query heads), Nq and Nk,
         and D. All >= 1.
     typical_seq: if given and below max_seq, most shapes keep Nq, Nk <= typical_seq and one in
-        LONG_SHARE (a quarter) has Nq or Nk (or both) in (typical_seq, max_seq], within
+        LONG_SHARE choices (about one shape in five) has Nq or Nk (or both) in (typical_seq, max_seq], within
         max_work (so the other dimensions are small). None: every shape up to max_seq.
     head_dims: if given, D is drawn from these values only (each must be <= max_head_dim and
         <= max_work); otherwise D favours COMMON_HEAD_DIMS and may be any integer in range.
