@@ -173,8 +173,8 @@ def problems(shapes=None, dtypes=None, causal=None, distributions=None, scale=No
       scale: of None or a float (default ``scales()``: None, i.e. 1/sqrt(D), four times in
         five); pass ``st.none()`` to always use 1/sqrt(D);
       score_profiles: of `ScoreProfile` or None (default: ``score_profiles()`` for one choice
-        in three, about a quarter of the problems, None otherwise); pass ``st.none()`` for the distributions' values alone, or
-        ``fst.score_profiles()`` for a profile in every problem.
+        in three, about a quarter of the problems, None otherwise); pass ``st.none()`` for the
+        distributions' values alone, or ``fst.score_profiles()`` for a profile in every problem.
     Tags record the distribution (and profile) and the seed; ``make_problem`` rebuilds the
     problem from them.
     """
