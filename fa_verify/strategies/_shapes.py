@@ -16,8 +16,8 @@ With `typical_seq` below `max_seq`, most shapes keep Nq, Nk <= typical_seq and o
 sequence lengths are drawn first, so they get the work budget, and one of them (both, when
 they are equal) lies above typical_seq — a tile edge (65, 127, 128, 129, 255, 256, 257, ...),
 anything, or the most the budget allows — so that kernels' second and third query and key
-tiles (of 64 or 128) are reached at a small cost per property. A long
-shape also keeps B*H*Nq*Nk <= max_seq**2, as judging an example costs per score.
+tiles (of 64 or 128) are reached at a small cost per property. A long shape also keeps
+B*H*Nq*Nk <= max_seq**2, as judging an example costs per score.
 """
 
 from __future__ import annotations
