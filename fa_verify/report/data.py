@@ -11,14 +11,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from fa_verify.precision import PrecisionModel
-from fa_verify.report.aggregate import largest, out_stat
+from fa_verify.report.aggregate import geometric_mean, largest, out_stat, vs_rounded
 from fa_verify.report.buckets import Bucket, bucket_of, column_of
-from fa_verify.report.cases import worst_cases
+from fa_verify.report.cases import Case, worst_case, worst_cases
 from fa_verify.report.curves import curves
 from fa_verify.report.deviations import deviation_of
 from fa_verify.report.fa3 import Fa3Table, fa3_table
 from fa_verify.report.histogram import merge
 from fa_verify.report.run_info import RunInfo
+from fa_verify.report.ulp import ulp_stat
 
 
 @dataclass
@@ -32,11 +33,18 @@ class Cell:
     #: runs that fail only by the backend's declared conventions, and those conventions' names
     deviations: int
     conventions: list
+    #: the headline: RMSE of the output error over the exactly rounded reference's (`aggregate`)
+    vs_rounded: float | None
+    #: largest and p99 ULP error where |O| >= NOT_TINY x the row scale (None: not measured)
     ulp_max: float | None
     ulp_p99: float | None
     normalised_max: float | None
     normalised_p99: float | None
+    #: largest error / bound over the elements with a finite bound (relative to the backend's
+    #: own precision model, so not comparable across backends)
     bound_ratio: float | None
+    #: no run had an element with a finite error-model bound: the bound ratio is n/a
+    no_finite_bound: bool
     baseline_ratio: float | None
     #: elements without a finite error-model bound (bound_ratio does not cover them)
     unbounded: int
@@ -44,6 +52,9 @@ class Cell:
     histograms: dict | None
     #: the exact shapes seen, "B×H/Hkv×Nq×Nk×D"
     shapes: list
+    #: the worst failing run (else the worst declared deviation) as a cases.Case: its rule,
+    #: worst element, the property that sees it and a reproducer; None when every run passed
+    failure: Case | None = None
 
     @property
     def status(self) -> str:
@@ -52,20 +63,40 @@ class Cell:
     @classmethod
     def of(cls, records) -> "Cell":
         failing = [r for r in records if not r.passed and not deviation_of(r)]
-        deviating = [deviation_of(r) for r in records if deviation_of(r)]
+        deviating = [r for r in records if deviation_of(r)]
+        measured = [r for r in records if r.out_errors is not None]
+        bounded = [r for r in measured if has_finite_bound(r)]
         return cls(
             runs=len(records), failed=len(failing), rules=sorted({r.rule for r in failing}),
             deviations=len(deviating),
-            conventions=sorted({c["name"] for conventions in deviating for c in conventions}),
-            ulp_max=largest(out_stat(r, "ulp", "max") for r in records),
-            ulp_p99=largest(out_stat(r, "ulp", "p99") for r in records),
+            conventions=sorted({c["name"] for r in deviating for c in deviation_of(r)}),
+            vs_rounded=vs_rounded(records),
+            ulp_max=largest(ulp_stat(r, "max") for r in records),
+            ulp_p99=largest(ulp_stat(r, "p99") for r in records),
             normalised_max=largest(out_stat(r, "normalised", "max") for r in records),
             normalised_p99=largest(out_stat(r, "normalised", "p99") for r in records),
-            bound_ratio=largest(r.bound_ratio for r in records),
+            bound_ratio=largest(r.bound_ratio for r in bounded),
+            no_finite_bound=bool(measured) and not bounded,
             baseline_ratio=largest(r.baseline_ratio for r in records),
             unbounded=sum(r.unbounded for r in records),
             histograms=_merged_histograms(records),
-            shapes=sorted({shape_label(r.problem) for r in records}))
+            shapes=sorted({shape_label(r.problem) for r in records}),
+            failure=worst_case(failing or deviating))
+
+
+def has_finite_bound(record) -> bool:
+    """Whether the run's bound ratio says something: some element that attends a key has a
+    finite error-model bound, and the ratio is not 0 for an output with errors (which only
+    elements without a finite bound give: error / inf; records older than the `unbounded`
+    count show it so)."""
+    if record.bound_ratio is None:
+        return False
+    p = record.problem
+    # bottom-right causal with Nq > Nk: the first Nq - Nk rows of each head attend nothing
+    masked_rows = max(p.nq - p.nk, 0) if p.causal and p.causal_alignment == "bottom-right" else 0
+    live = p.batch * p.heads * (p.nq - masked_rows) * p.head_dim
+    erring = out_stat(record, "abs", "max")
+    return record.unbounded < live and not (record.bound_ratio == 0 and erring)
 
 
 def _status(failed: int, deviations: int) -> str:
@@ -113,6 +144,8 @@ class BackendSection:
     bound_ratio: float | None
     #: one Cell over all the backend's runs per column of the whole report (None: no runs)
     overview: list
+    #: what the overview ranks by: the geometric mean of the overview cells' × rounded
+    vs_rounded: float | None
 
     @property
     def status(self) -> str:
@@ -132,12 +165,21 @@ def backend_section(name: str, records, report_columns) -> BackendSection:
     buckets = sorted({b for b, _ in by_cell})
     rows = [Row(b, [Cell.of(by_cell[b, c]) if (b, c) in by_cell else None for c in columns])
             for b in buckets]
+    overview = [Cell.of(by_column[c]) if c in by_column else None for c in report_columns]
     return BackendSection(
         name=name, runs=len(records), failed=_failed(records), deviations=_deviating(records),
         precision={r.problem.dtype: _precision_text(r.precision)
                    for r in sorted(records, key=lambda r: column_of(r.problem))},
-        columns=columns, rows=rows, bound_ratio=largest(r.bound_ratio for r in records),
-        overview=[Cell.of(by_column[c]) if c in by_column else None for c in report_columns])
+        columns=columns, rows=rows,
+        bound_ratio=largest(r.bound_ratio for r in records if has_finite_bound(r)),
+        overview=overview, vs_rounded=geometric_mean(c.vs_rounded for c in overview if c))
+
+
+def ranked(sections) -> list:
+    """Most accurate first: by × rounded (the geometric mean over the columns the backend ran,
+    so that each dtype × causal column weighs alike), then by name; backends without the
+    figure (no sweep records) last."""
+    return sorted(sections, key=lambda s: (s.vs_rounded is None, s.vs_rounded or 0.0, s.name))
 
 
 @dataclass
@@ -243,7 +285,7 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
                       sweeps=sorted({r.sweep for r in records if r.sweep}),
                       first=stamps[0] if stamps else None, last=stamps[-1] if stamps else None),
         columns=columns,
-        sections=[backend_section(name, by_backend[name], columns) for name in sorted(by_backend)],
+        sections=ranked(backend_section(name, by_backend[name], columns) for name in by_backend),
         fa3=fa3_table(records), curves=curves(records),
         failures=failures, deviations=deviations(records), worst_passing=passing, skips=skip_groups(run), run=run,
         environment=(run.environment if run is not None and run.environment else environment or {}),

@@ -2,8 +2,8 @@
 
 Rows: the exactly rounded reference and naive same-precision attention (from the records'
 comparisons, counted once per problem), then every backend that ran the setup; the paper's
-figures stand beside them. "× rounded" divides by the exactly rounded RMSE, which makes the
-figures comparable across shapes (the paper's absolute ones depend on a shape it does not give).
+figures stand beside them. "× rounded" divides by the exactly rounded RMSE (as the overview's
+headline does, `aggregate.vs_rounded`), which makes the figures comparable across shapes (the paper's absolute ones depend on a shape it does not give).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fa_verify.dtypes import DTYPE_NAMES
-from fa_verify.report.aggregate import pooled_rmse
+from fa_verify.report.aggregate import pooled_rmse, ratio
 from fa_verify.results import EXACTLY_ROUNDED, NAIVE_SAME_PRECISION
 from fa_verify.sweeps import FA3_DISTRIBUTION, FA3_PAPER_RMSE, FA3_SHAPE
 
@@ -42,10 +42,6 @@ _COMPARISON_LABELS = {EXACTLY_ROUNDED: "exactly rounded reference",
                       NAIVE_SAME_PRECISION: "standard attention, same precision (naive)"}
 
 
-def _ratio(a, b):
-    return None if a is None or not b else a / b
-
-
 def is_fa3_problem(p) -> bool:
     return p.distribution == FA3_DISTRIBUTION and p.shape == FA3_SHAPE and not p.causal
 
@@ -70,7 +66,7 @@ def fa3_table(records) -> Fa3Table | None:
         runs_of[backend] = len(mine)
     rounded = rmse[_COMPARISON_LABELS[EXACTLY_ROUNDED]]
     rows = [Fa3Row(name, "backend" if name in backends else "comparison", values,
-                   {d: _ratio(values[d], rounded[d]) for d in dtypes}, runs_of[name])
+                   {d: ratio(values[d], rounded[d]) for d in dtypes}, runs_of[name])
             for name, values in rmse.items()]
     return Fa3Table(shape=f"B={FA3_SHAPE.batch} H={FA3_SHAPE.heads} N={FA3_SHAPE.nq} "
                           f"D={FA3_SHAPE.head_dim}, non-causal",

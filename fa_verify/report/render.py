@@ -15,6 +15,7 @@ from markupsafe import Markup
 
 from fa_verify.report.histogram import merge
 from fa_verify.report.plots import VIEW_RANGES, curve_svg, histogram_svg, sparkline
+from fa_verify.report.ulp import NOT_TINY_EXPONENT
 
 
 def fmt(x) -> str:
@@ -47,7 +48,8 @@ def environment() -> jinja2.Environment:
                              autoescape=jinja2.select_autoescape(["html"]),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters.update(fmt=fmt, rawnum=rawnum, md=md)
-    env.globals.update(sparkline=sparkline, view_range=_view_range)
+    env.globals.update(sparkline=sparkline, view_range=_view_range,
+                       not_tiny=f"2^{NOT_TINY_EXPONENT}")
     return env
 
 

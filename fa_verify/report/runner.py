@@ -22,9 +22,11 @@ from fa_verify.oracle import reference
 from fa_verify.precision import PrecisionModel
 from fa_verify.report.budget import Budget
 from fa_verify.report.deviations import KEY as DEVIATION_KEY, declared_deviation
+from fa_verify.report.failure import KEY as FAILURE_KEY, worst_element
 from fa_verify.report.histogram import histogram
 from fa_verify.report.progress import Progress
 from fa_verify.report.run_info import RunInfo, Skip
+from fa_verify.report.ulp import KEY as ULP_KEY, ulp_not_tiny
 from fa_verify.results import (
     EXACTLY_ROUNDED,
     NAIVE_SAME_PRECISION,
@@ -93,13 +95,17 @@ def compare(backend, problem, shared: Comparators, sweep: str):
     verdict = judge(out, lse)
     deviation = None if verdict.passed else declared_deviation(backend.conventions, problem,
                                                                out, lse, judge)
-    histograms = None
+    histograms, extra = None, {}
     if verdict.summary is not None:  # the output has the problem's shape
         errors = OutputErrors.compute(out, ref.out, ref.row_scale, precision.output)
         histograms = {"normalised": histogram(errors.normalised), "ulp": histogram(errors.ulp)}
+        extra[ULP_KEY] = ulp_not_tiny(errors, ref.out)
+        extra[FAILURE_KEY] = worst_element(verdict, ref, out, lse)
+    if deviation:
+        extra[DEVIATION_KEY] = deviation
     seconds = {"run": run_s, "check": time.perf_counter() - start, "reference": shared.seconds}
     return record_from_verdict(problem, backend.name, precision, verdict, seconds, "report",
-                               {DEVIATION_KEY: deviation} if deviation else None,
+                               {k: v for k, v in extra.items() if v is not None},
                                sweep=sweep, comparisons=shared.comparisons, histograms=histograms)
 
 

@@ -15,7 +15,12 @@ from fa_verify.report.buckets import Bucket, Column
 
 #: Version of summary.json's format; bump it when a field changes meaning or disappears.
 #: 2: "failed" counts leave out declared deviations, counted in "deviations".
-SUMMARY_VERSION = 2
+#: 3: cells and backends gain "vs_rounded" (the headline, × rounded) and cells "failure" (the
+#: worst failing run: rule, element, property, reproducer); cells' "ulp_max"/"ulp_p99" count
+#: only outputs not tiny against their row scale (null where not measured); "bound_ratio" is
+#: null with "no_finite_bound" true where no element has a finite bound (was 0); cases gain
+#: "element" and "property"; backends are listed most accurate first (by vs_rounded).
+SUMMARY_VERSION = 3
 
 
 def _plain(value):
