@@ -23,6 +23,7 @@ import pytest
 from fa_verify.backends import NaiveBackend, NumpyTiledBackend, get_backend
 from fa_verify.backends.torch_sdpa import MASKED_ROW_LSE_ZERO
 from fa_verify.cli.main import main
+from fa_verify.oracle import reference as _reference
 from fa_verify.report import write_report
 from fa_verify.report.budget import Budget
 from fa_verify.report.buckets import bucket_of, column_of
@@ -210,6 +211,41 @@ def test_page_loads_in_headless_chromium_without_errors(rendered, tmp_path):
         shutil.copy(shot, Path(os.environ["FA_VERIFY_SCREENSHOT_DIR"]) / "report.png")
 
 
+# --- the ranking ---------------------------------------------------------------------------
+
+#: One N = 256, D = 64 shape in every dtype and causal mode: enough elements for a stable RMSE.
+RANKING = Sweep("ranking", "the built-in backends' accuracy",
+                grid([(1, 2, 2, 256, 256, 64)]), budget_s=60.0)
+NEARLY_CORRECTLY_ROUNDED = ("naive-fp32", "torch-sdpa-math")  # P and P·V in fp32, one rounding
+FA2_STYLE = ("numpy-tiled", "fa2-cpu")  # P rounded to fp16/bf16 before P·V
+
+
+def test_the_overview_ranks_backends_by_their_error_over_the_exactly_rounded_one(tmp_path):
+    pytest.importorskip("torch")
+    store = ResultsStore(tmp_path / "results.jsonl")
+    run_sweep(RANKING, [get_backend(n) for n in FA2_STYLE + NEARLY_CORRECTLY_ROUNDED], store)
+    data = build(store.read(), generated=GENERATED, environment={})
+    sections = {s.name: s for s in data.sections}
+    figures = {name: {c.label: cell.vs_rounded for c, cell in zip(data.columns, s.overview)}
+               for name, s in sections.items()}
+    print({name: {k: round(v, 3) for k, v in f.items()} | {"rank": round(sections[name].vs_rounded, 3)}
+           for name, f in figures.items()})
+    for f in figures.values():  # rounding to nearest has the least error: 1 is the limit
+        assert all(v >= 1 for v in f.values()), f
+    for column in data.columns:
+        if column.dtype == "fp32":  # every backend accumulates in fp32 there: no class apart
+            continue
+        accurate = [figures[n][column.label] for n in NEARLY_CORRECTLY_ROUNDED]
+        fa2 = [figures[n][column.label] for n in FA2_STYLE]
+        assert max(accurate) < 1.05 < min(fa2), (column.label, accurate, fa2)
+    ranked = [s.name for s in data.sections]
+    assert set(ranked[:2]) == set(NEARLY_CORRECTLY_ROUNDED) and set(ranked[2:]) == set(FA2_STYLE)
+    page = render_html(data)
+    overview = page[page.index('id="overview"'):page.index('id="worst"')]
+    assert [overview.index(f">{name}</a>") for name in ranked] == sorted(
+        overview.index(f">{name}</a>") for name in ranked)  # the page shows them in rank order
+
+
 # --- the sweep runner ----------------------------------------------------------------------
 
 TINY = Sweep("tiny", "two shapes", grid([(1, 2, 2, 8, 8, 16), (1, 2, 1, 24, 24, 16)],
@@ -316,6 +352,40 @@ def test_only_a_declared_convention_makes_a_declared_deviation(tmp_path):
     assert (data.totals.failed, data.totals.deviations) == (2, 1)
     assert [(d.backend, d.property) for d in data.deviations] == [("declared", "fully_masked_rows")]
     assert {c.backend for c in data.failures} == {"other-value", "also-wrong"}
+
+
+class _OneWrong(NumpyTiledBackend):
+    """numpy-tiled (under its own name, so a reproducer can be written) with one output element
+    off by 1: out[0, 1, 15, 2] breaks the error-model bound."""
+
+    def _run(self, problem):
+        out, lse = super()._run(problem)
+        out = out.copy()
+        out[0, 1, 15, 2] += 1
+        return out, lse
+
+
+def test_a_failing_cell_shows_its_rule_worst_element_property_and_reproducer(tmp_path):
+    store = ResultsStore(tmp_path / "results.jsonl")
+    run_sweep(MASKED, [_OneWrong(), _MaskedLse("other-value", masked_lse=5.0)], store)
+    records = {r.backend: r for r in store.read()}
+    data = build(list(records.values()), generated=GENERATED, environment={})
+    cells = {s.name: s.overview[0] for s in data.sections}
+    wrong = cells["numpy-tiled"].failure
+    assert (wrong.rule, wrong.element["tensor"], wrong.element["index"]) == ("error_bound", "out", [0, 1, 15, 2])
+    problem = records["numpy-tiled"].problem.rebuild()
+    expected = _reference(problem).out[0, 1, 15, 2]
+    assert wrong.element["expected"] == expected
+    assert wrong.element["got"] == pytest.approx(expected + 1, abs=1e-5)
+    assert wrong.property == "oracle_agreement"
+    assert "get_property('oracle_agreement')" in wrong.reproducer
+    assert "lse_agreement" not in wrong.reproducer  # it replays the property that sees it, only
+    masked = cells["other-value"].failure  # not a built-in: no reproducer
+    assert (masked.rule, masked.element["tensor"], masked.element["got"], masked.element["expected"],
+            masked.property, masked.reproducer) == ("masked_rows", "lse", 5.0, -np.inf, "lse_agreement", None)
+    page = render_html(data)
+    assert "out[0, 1, 15, 2] = " in page and "seen by property <code>oracle_agreement</code>" in page
+    assert "lse[0, 0, 0] = 5, expected -inf" in page
 
 
 def test_report_exits_0_on_a_declared_deviation_and_1_with_fail_on_deviation(tmp_path, monkeypatch,
