@@ -27,6 +27,13 @@ def fmt(x) -> str:
     return f"{x:.3g}"
 
 
+def fmt_times(x) -> str:
+    """A "× rounded" figure: 3 significant digits, trailing zeros kept (1.00 is not 1.004)."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return fmt(x)
+    return f"{x:#.3g}".rstrip(".")
+
+
 def rawnum(x) -> str:
     """The exact value behind a shown number (data-v attribute), for tests and scrapers."""
     return "" if x is None else repr(float(x))
@@ -47,7 +54,7 @@ def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("fa_verify.report", "templates"),
                              autoescape=jinja2.select_autoescape(["html"]),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    env.filters.update(fmt=fmt, rawnum=rawnum, md=md)
+    env.filters.update(fmt=fmt, fmt_times=fmt_times, rawnum=rawnum, md=md)
     env.globals.update(sparkline=sparkline, view_range=_view_range,
                        not_tiny=f"2^{NOT_TINY_EXPONENT}")
     return env
