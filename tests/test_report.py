@@ -388,6 +388,19 @@ def test_a_failing_cell_shows_its_rule_worst_element_property_and_reproducer(tmp
     assert "lse[0, 0, 0] = 5, expected -inf" in page
 
 
+def test_the_reproducer_of_a_cell_replays_its_failure_on_the_real_backend(tmp_path):
+    pytest.importorskip("torch")
+    store = ResultsStore(tmp_path / "results.jsonl")
+    run_sweep(MASKED, [get_backend("torch-sdpa-flash-cpu")], store)  # LSE 0 at masked rows
+    [section] = build(store.read(), generated=GENERATED, environment={}).sections
+    case = section.overview[0].failure
+    assert (case.element["got"], case.element["expected"], case.property) == (0.0, -np.inf, "lse_agreement")
+    rerun = subprocess.run(case.reproducer, shell=True, capture_output=True, text=True,
+                           cwd=Path(__file__).parent.parent, timeout=120)
+    assert "property 'lse_agreement' failed" in rerun.stdout, rerun.stderr[-2000:]
+    assert "got 0, expected -inf" in rerun.stdout
+
+
 def test_report_exits_0_on_a_declared_deviation_and_1_with_fail_on_deviation(tmp_path, monkeypatch,
                                                                               capsys):
     pytest.importorskip("torch")

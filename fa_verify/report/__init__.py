@@ -4,9 +4,11 @@
     write_report(ResultsStore("reports/results.jsonl").read(), "reports")
 
 Pieces, in the order data flows: `runner` (sweep → records, with `budget` and `progress`;
-`deviations` marks runs that fail only by a backend's declared conventions),
-`data` (records → plain dataclasses, grouped by `buckets`), `render` (index.html and
-summary.md from the templates, figures from `plots`), `summary` (summary.json).
+`deviations` marks runs that fail only by a backend's declared conventions, `failure` keeps a
+failing run's worst element, `ulp` the ULP errors of outputs that are not tiny),
+`data` (records → plain dataclasses, grouped by `buckets`, figures combined by `aggregate`,
+whose "× rounded" ranks the backends), `render` (index.html and summary.md from the templates,
+figures from `plots`), `summary` (summary.json).
 """
 
 from __future__ import annotations
