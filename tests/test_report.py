@@ -388,6 +388,28 @@ def test_a_failing_cell_shows_its_rule_worst_element_property_and_reproducer(tmp
     assert "lse[0, 0, 0] = 5, expected -inf" in page
 
 
+def test_the_worst_element_is_the_one_its_rule_saw():
+    from fa_verify.report.failure import worst_element
+    from fa_verify.strategies import make_problem
+    from fa_verify.verdict import check_attention
+
+    problem = make_problem("normal", (1, 2, 1, 20, 12, 16), "fp32", 0, causal=True)
+    ref = _reference(problem)
+    out, lse = NumpyTiledBackend().run(problem)
+    assert worst_element(check_attention(out, problem, lse=lse, reference=ref), ref, out, lse) is None
+    nan = out.copy()
+    nan[0, 1, 17, 3] = np.nan
+    element = worst_element(check_attention(nan, problem, lse=lse, reference=ref), ref, nan, lse)
+    assert element["index"] == [0, 1, 17, 3] and np.isnan(element["got"])
+    assert element["expected"] == ref.out[0, 1, 17, 3]
+    off = lse.copy()
+    off[0, 0, 12] += 0.5
+    verdict = check_attention(out, problem, lse=off, reference=ref)
+    element = worst_element(verdict, ref, out, off)
+    assert (verdict.rule, element["tensor"], element["index"]) == ("lse_bound", "lse", [0, 0, 12])
+    assert element["got"] == pytest.approx(ref.lse[0, 0, 12] + 0.5, abs=1e-5)
+
+
 def test_the_reproducer_of_a_cell_replays_its_failure_on_the_real_backend(tmp_path):
     pytest.importorskip("torch")
     store = ResultsStore(tmp_path / "results.jsonl")
