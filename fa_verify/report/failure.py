@@ -57,7 +57,8 @@ def worst_element(verdict, reference, out, lse) -> dict | None:
     if verdict.rule == "error_bound":
         return _element("out", verdict.worst_index, verdict.worst_value, verdict.worst_reference,
                         f"error {verdict.worst_error:.3g} = {verdict.bound_ratio:.3g} × its bound")
-    # the comparison with naive same-precision attention: its largest normalised error
+    # the last rule compares the whole output with other implementations' errors: show the
+    # element with the largest normalised error
     i = tuple(verdict.summary.worst_index)
     return _element("out", i, got[i], reference.out[i], "the largest normalised error")
 
