@@ -257,16 +257,18 @@ def _member_out_unchecked(member: Member, rows: _Rows, precision: PrecisionModel
 # --- the ensemble --------------------------------------------------------------------------------
 
 
-def _chosen_rows(problem: AttentionProblem, bound_ratio: np.ndarray | None) -> np.ndarray:
+def _chosen_rows(problem: AttentionProblem, reference, bound) -> np.ndarray:
     """Flat indices into [B, H, Nq] of the rows to evaluate (all of them for small problems)."""
     B, H, Nq, D = problem.out_shape
     total = B * H * Nq
     if B * H * Nq * problem.nk * D <= FULL_WORK or total <= MAX_ROWS:
         return np.arange(total)
     spread = np.linspace(0, total - 1, MAX_ROWS // 2).round().astype(int)
-    if bound_ratio is None:
+    if bound is None:
         return np.unique(spread)
-    largest = np.argsort(bound_ratio.reshape(total), kind="stable")[::-1][:MAX_ROWS // 2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        relative = np.nan_to_num(bound.out / reference.row_scale, nan=0.0, posinf=0.0).max(axis=-1)
+    largest = np.argsort(relative.reshape(total), kind="stable")[::-1][:MAX_ROWS // 2]
     return np.unique(np.concatenate([largest, spread]))
 
 
@@ -291,14 +293,15 @@ def ensemble_outputs(problem: AttentionProblem, precision: PrecisionModel, rows=
     return outs
 
 
-def ensemble_errors(problem: AttentionProblem, precision: PrecisionModel, reference,
-                    bound_ratio: np.ndarray | None = None, members=MEMBERS) -> EnsembleErrors:
+def ensemble_errors(problem: AttentionProblem, precision: PrecisionModel, reference, bound=None,
+                    members=MEMBERS) -> EnsembleErrors:
     """Every member's max normalised error against `reference` (fa_verify.oracle.reference).
 
-    bound_ratio: [B, H, Nq] error-model bound over row scale (max over D), to pick the rows of a
-    large problem; fully masked rows count as error 0 (their output is 0 in every member).
+    bound: the problem's `error_model.Bound` under `precision`, to pick the rows of a large
+    problem (rows spread evenly only, when None). Fully masked rows count as error 0 (their
+    output is 0 in every member).
     """
-    rows = _chosen_rows(problem, bound_ratio)
+    rows = _chosen_rows(problem, reference, bound)
     B, H, Nq, D = problem.out_shape
     flat_ref = reference.out.reshape(B * H * Nq, D)[rows]
     flat_scale = np.broadcast_to(reference.row_scale, problem.out_shape).reshape(B * H * Nq, D)[rows]

@@ -377,9 +377,7 @@ def check_attention(out, problem: AttentionProblem, lse=None, precision=None, re
 def _ensemble_rule(errors: OutputErrors, problem, precision, reference, bound, factor, ensemble) -> dict:
     """The ensemble rule's fields: every term of the allowance, the ratio and where it peaks."""
     if ensemble is None:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            bound_ratio = np.nan_to_num(bound.out / reference.row_scale, nan=0.0, posinf=0.0).max(axis=-1)
-        ensemble = ensemble_errors(problem, precision, reference, bound_ratio)
+        ensemble = ensemble_errors(problem, precision, reference, bound)
     u_out, u_pv = unit_roundoff(precision.output), unit_roundoff(precision.pv_accumulation)
     sqrt_nk = float(np.sqrt(problem.nk))
     # Two output roundings, plus the typical sqrt(N) rounding noise of an accumulation in

@@ -92,7 +92,7 @@ def test_rendered_numbers_equal_the_stored_metrics(gold_records, rendered):
             continue
         e = records[0].out_errors
         expected = [e["ulp"]["max"], e["ulp"]["p99"], e["normalised"]["max"], e["normalised"]["p99"],
-                    records[0].bound_ratio, records[0].baseline_ratio]
+                    records[0].bound_ratio, records[0].ensemble_ratio]
         assert parser.cells[key] == ["" if x is None else repr(float(x)) for x in expected], key
         checked += 1
     assert checked >= 20
@@ -101,7 +101,7 @@ def test_rendered_numbers_equal_the_stored_metrics(gold_records, rendered):
 def test_summary_json_is_strict_and_matches_the_records(gold_records, rendered):
     text = (rendered / "summary.json").read_text()
     summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
-    assert summary["format_version"] == 2
+    assert summary["format_version"] == 3
     assert summary["totals"]["records"] == len(gold_records)
     declared = [r for r in gold_records if r.extra.get("declared_deviation")]
     assert len(declared) == 3 and {r.backend for r in declared} == {"torch-sdpa-flash-cpu"}

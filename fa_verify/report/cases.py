@@ -23,7 +23,7 @@ class Case:
     problem: str
     rule: str | None
     bound_ratio: float | None
-    baseline_ratio: float | None
+    ensemble_ratio: float | None
     normalised_max: float | None
     ulp_max: float | None
     error: str | None
@@ -52,14 +52,14 @@ def _case(record, count: int = 1) -> Case:
                 problem=(f"{p.shape} {p.dtype} {'causal ' + p.causal_alignment if p.causal else 'full'}, "
                          f"{p.distribution} inputs, seed {p.seed}"),
                 rule=record.rule, bound_ratio=record.bound_ratio,
-                baseline_ratio=record.baseline_ratio,
+                ensemble_ratio=record.ensemble_ratio,
                 normalised_max=out_stat(record, "normalised", "max"),
                 ulp_max=out_stat(record, "ulp", "max"), error=record.extra.get("error"),
                 reproducer=command, count=count)
 
 
 def _severity(record):
-    return (record.bound_ratio or 0.0, record.baseline_ratio or 0.0)
+    return (record.bound_ratio or 0.0, record.ensemble_ratio or 0.0)
 
 
 def worst_cases(records) -> tuple[list, list]:

@@ -37,7 +37,7 @@ class Cell:
     normalised_max: float | None
     normalised_p99: float | None
     bound_ratio: float | None
-    baseline_ratio: float | None
+    ensemble_ratio: float | None
     #: elements without a finite error-model bound (bound_ratio does not cover them)
     unbounded: int
     #: merged histograms {"normalised": ..., "ulp": ...} (None where no run stored one)
@@ -62,7 +62,7 @@ class Cell:
             normalised_max=largest(out_stat(r, "normalised", "max") for r in records),
             normalised_p99=largest(out_stat(r, "normalised", "p99") for r in records),
             bound_ratio=largest(r.bound_ratio for r in records),
-            baseline_ratio=largest(r.baseline_ratio for r in records),
+            ensemble_ratio=largest(r.ensemble_ratio for r in records),
             unbounded=sum(r.unbounded for r in records),
             histograms=_merged_histograms(records),
             shapes=sorted({shape_label(r.problem) for r in records}))
