@@ -44,7 +44,7 @@ from fa_verify.problem import AttentionProblem
 #: problems, 2e6, still run in full).
 FULL_WORK = 4_000_000
 #: Rows evaluated above FULL_WORK: half where the bound is largest, half spread evenly.
-MAX_ROWS = 256
+MAX_ROWS = 128
 #: Elements of one [rows, Nk, D] block of products held at once (memory, not accuracy).
 _BLOCK = 1 << 21
 
@@ -158,11 +158,9 @@ class _Stage:
             return x
         return x.astype(self.dtype).astype(self.work)
 
-    def fma(self, acc, a, b):
-        """acc + a·b rounded once: the product is exact in float64 (≤ 48 bits), the sum is
-        rounded to float64 and then to the stage (for an fp32 stage a double rounding, at most
-        2^-29 u more than an FMA's; it is what a kernel with a wider accumulator would do)."""
-        return self(acc.astype(np.float64) + a.astype(np.float64) * b.astype(np.float64))
+    def round64(self, x):
+        """x (float64) rounded to the stage and returned as float64 (for fused sums)."""
+        return x.astype(self.dtype).astype(np.float64)
 
 
 def _sum(terms: np.ndarray, order: str, rnd: _Stage, init=None) -> np.ndarray:
@@ -185,14 +183,15 @@ def _dot(a: np.ndarray, b: np.ndarray, member: Member, rnd: _Stage, init=None) -
     """init + Σ_j a[:, j] · b[:, j] along axis 1 (a and b broadcast), in the member's order."""
     if not member.fused or member.order == "pairwise":
         return _sum(rnd(a * b), member.order, rnd, init)
-    n = max(a.shape[1], b.shape[1])
-    steps = range(n) if member.order == "forward" else range(n - 1, -1, -1)
-    a = np.broadcast_to(a, np.broadcast_shapes(a.shape, b.shape))
-    b = np.broadcast_to(b, a.shape)
-    total = np.zeros(a[:, 0].shape, rnd.work) if init is None else init
+    # FMA: the products are exact in float64 (at most 48 significant bits), each addition is
+    # rounded to float64 and then to the stage: for an fp32 stage a double rounding, at most
+    # 2^-29 u more than an FMA's; it is what a kernel with a wider accumulator would do.
+    products = a.astype(np.float64) * b.astype(np.float64)
+    steps = range(products.shape[1]) if member.order == "forward" else range(products.shape[1] - 1, -1, -1)
+    total = np.zeros(products[:, 0].shape) if init is None else init.astype(np.float64)
     for j in steps:
-        total = rnd.fma(total, a[:, j], b[:, j])
-    return total
+        total = rnd.round64(total + products[:, j])
+    return total.astype(rnd.work)
 
 
 # --- one member on a block of rows ---------------------------------------------------------------
