@@ -7,8 +7,8 @@
 For every available built-in backend (torch-sdpa-flash-cpu's one deviation is its LSE, which
 this property does not judge) and every implementation in tests/fixtures/honest_variants.py, it runs the `oracle_agreement`
 property (the fixed edge cases, then Hypothesis examples of the profile) with several seeds and
-records, per judged example, r = kernel's max normalised error / E (the ensemble's largest)
-and the ensemble rule's "used" ratio. Prints the distribution per target and overall, the
+records, per judged example, r = kernel's max normalised error / E (the ensemble's largest),
+the smallest K the example needs, (error − floor) / E, and the ensemble rule's "used" ratio. Prints the distribution per target and overall, the
 examples that fail any rule, and a JSON line with everything when --json is given.
 """
 
@@ -60,7 +60,10 @@ def main(argv=None):
                     if v.ensemble_error is None:
                         continue
                     r = v.normalised_error / v.ensemble_error if v.ensemble_error > 0 else float("inf")
-                    rows.append({"target": backend.name, "dtype": problem.dtype, "r": r,
+                    # the smallest K this verdict needs: (error - floor) / E, 0 when the floor covers it
+                    needed = max(0.0, v.normalised_error - v.ensemble_floor) / v.ensemble_error if v.ensemble_error else 0.0
+                    rows.append({"target": backend.name, "dtype": problem.dtype, "r": r, "k_needed": needed,
+                                 "E": v.ensemble_error, "floor": v.ensemble_floor,
                                  "used": v.ensemble_ratio, "bound": v.bound_ratio,
                                  "member": v.ensemble_member, "problem": problem.describe(),
                                  "distribution": dict(problem.tags).get("distribution")})
@@ -70,14 +73,14 @@ def main(argv=None):
             search_property(backend, "oracle_agreement", selection, on_result=collect)
     seconds = time.perf_counter() - started
     print(f"config {config}, profile {args.profile}, {args.seeds} seeds, {len(rows)} verdicts, {seconds:.0f}s")
-    print(f"{'target':40s} {'n':>5s} {'r max':>8s} {'r p99':>8s} {'r med':>8s} {'used max':>9s} {'bound max':>9s}")
+    print(f"{'target':40s} {'n':>5s} {'r max':>8s} {'r p99':>8s} {'r med':>8s} {'K need':>8s} {'used max':>9s} "
+          f"{'bound max':>9s}")
     for name in dict.fromkeys(r["target"] for r in rows):
         _line(name, [r for r in rows if r["target"] == name])
     _line("ALL", rows)
     for dtype in ("fp32", "fp16", "bf16"):
         _line(f"ALL {dtype}", [r for r in rows if r["dtype"] == dtype])
-    worst = max(rows, key=lambda r: r["r"] if np.isfinite(r["r"]) else -1)
-    print(f"largest finite r: {worst}")
+    print(f"largest K needed: {max(rows, key=lambda r: r['k_needed'])}")
     print(f"verdicts failing any rule: {len(failures)}")
     for f in failures[:10]:
         print("  ", f)
@@ -90,10 +93,11 @@ def main(argv=None):
 def _line(name, rows):
     r = np.array([x["r"] for x in rows if np.isfinite(x["r"])])
     used = max((x["used"] for x in rows), default=float("nan"))
+    needed = max((x["k_needed"] for x in rows), default=float("nan"))
     bound = max((x["bound"] for x in rows if x["bound"] == x["bound"]), default=float("nan"))
     if r.size:
-        print(f"{name:40s} {len(rows):5d} {r.max():8.3f} {np.quantile(r, 0.99):8.3f} {np.median(r):8.3f} "
-              f"{used:9.3f} {bound:9.3f}")
+        print(f"{name:40s} {len(rows):5d} {r.max():8.3g} {np.quantile(r, 0.99):8.3f} {np.median(r):8.3f} "
+              f"{needed:8.3f} {used:9.3f} {bound:9.3f}")
 
 
 if __name__ == "__main__":
