@@ -8,7 +8,7 @@ For every available built-in backend (torch-sdpa-flash-cpu's one deviation is it
 this property does not judge) and every implementation in tests/fixtures/honest_variants.py, it runs the `oracle_agreement`
 property (the fixed edge cases, then Hypothesis examples of the profile) with several seeds and
 records, per judged example, r = kernel's max normalised error / E (the ensemble's largest),
-the smallest K the example needs, (error − floor) / E, and the ensemble rule's "used" ratio. Prints the distribution per target and overall, the
+the smallest K the example needs (`_k_needed`), and the ensemble rule's "used" ratio. Prints the distribution per target and overall, the
 examples that fail any rule, and a JSON line with everything when --json is given.
 """
 
@@ -26,6 +26,7 @@ import honest_variants  # noqa: E402
 
 from fa_verify.backends import CallableBackend  # noqa: E402
 from fa_verify.backends.registry import builtin_backends  # noqa: E402
+from fa_verify.oracle import reference  # noqa: E402
 from fa_verify.properties import Selection, search_property  # noqa: E402
 
 def targets(names):
@@ -52,6 +53,8 @@ def main(argv=None):
     failures = []
     started = time.perf_counter()
     for backend in targets(args.target):
+        last = []  # the output of the target's last run, which the verdict judged
+        backend.run = _recording(backend.run, last)
         for seed in range(args.seeds):
             selection = Selection.from_profile(args.profile, seed=seed, max_examples=args.max_examples, shrink=False)
 
@@ -60,8 +63,7 @@ def main(argv=None):
                     if v.ensemble_error is None:
                         continue
                     r = v.normalised_error / v.ensemble_error if v.ensemble_error > 0 else float("inf")
-                    # the smallest K this verdict needs: (error - floor) / E, 0 when the floor covers it
-                    needed = max(0.0, v.normalised_error - v.ensemble_floor) / v.ensemble_error if v.ensemble_error else 0.0
+                    needed = _k_needed(last[0], problem, v)
                     rows.append({"target": backend.name, "dtype": problem.dtype, "r": r, "k_needed": needed,
                                  "E": v.ensemble_error, "floor": v.ensemble_floor,
                                  "used": v.ensemble_ratio, "bound": v.bound_ratio,
@@ -71,6 +73,7 @@ def main(argv=None):
                         failures.append((backend.name, seed, v.message().splitlines()[:2]))
 
             search_property(backend, "oracle_agreement", selection, on_result=collect)
+        del backend.run
     seconds = time.perf_counter() - started
     print(f"config {config}, profile {args.profile}, {args.seeds} seeds, {len(rows)} verdicts, {seconds:.0f}s")
     print(f"{'target':40s} {'n':>5s} {'r max':>8s} {'r p99':>8s} {'r med':>8s} {'K need':>8s} {'used max':>9s} "
@@ -88,6 +91,26 @@ def main(argv=None):
         with open(args.json, "a") as fh:
             fh.write(json.dumps({"config": config, "profile": args.profile, "seeds": args.seeds,
                                  "rows": rows, "failures": len(failures)}) + "\n")
+
+
+def _recording(run, last):
+    def recorded(problem):
+        result = run(problem)
+        last[:] = [result[0]]
+        return result
+    return recorded
+
+
+def _k_needed(out, problem, verdict) -> float:
+    """The smallest K with which this output passes the ensemble rule: max over the elements of
+    (error - floor * row scale - absolute floor) / (E * row scale), 0 where the floors cover it."""
+    ref = reference(problem)
+    scale = np.broadcast_to(ref.row_scale, problem.out_shape)
+    err = np.abs(np.asarray(out, np.float64) - ref.out)
+    spare = err - verdict.ensemble_floor * scale - verdict.absolute_floor
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.where(spare > 0, spare / (verdict.ensemble_error * scale), 0.0)
+    return float(np.max(k, initial=0.0))
 
 
 def _line(name, rows):
