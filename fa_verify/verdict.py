@@ -179,6 +179,9 @@ class Verdict:
         rows = ("" if self.ensemble_rows == self.total_rows else
                 f", on the {self.ensemble_rows} of {self.total_rows} rows with the largest bounds and spread evenly")
         per_row = self.ensemble_factor * self.ensemble_error + self.ensemble_floor
+        if self.ensemble_member is None:
+            return (f"Ensemble rule: not applied: every one of the {len(self.ensemble_errors)} honest "
+                    f"implementations of this precision model overflows on these inputs")
         return (f"Ensemble rule: max normalised error {_g(self.normalised_error)}; allowed per element "
                 f"(K × E + floor) × row scale + absolute floor, with K = {_g(self.ensemble_factor)}, "
                 f"E = {_g(self.ensemble_error)} (the largest max normalised error of "

@@ -127,6 +127,8 @@ def test_an_overflowing_member_is_left_out_of_E():
     assert any(np.isinf(e) for e in ens.errors.values())
     finite = [e for e in ens.errors.values() if np.isfinite(e)]
     assert ens.max_error == (max(finite) if finite else np.inf)
+    if not finite:
+        assert ens.worst_member is None
 
 
 VARIANT_PROBLEMS = [
