@@ -31,7 +31,7 @@ the members, so its max error exceeds max(members) only in the tail, and K
 (DEFAULT_ENSEMBLE_FACTOR) covers that tail and what no member models (an exp with a few ulp of
 error such as CUDA's __expf, a score rounded to a wider dtype). K was chosen from measurements
 (tests/measure_ensemble_ratios.py, README "The error model and verdicts"): over the built-in
-backends and tests/fixtures/honest_variants.py, under five OpenBLAS core-type/thread settings
+backends and tests/fixtures/honest_variants.py, under four OpenBLAS core types with 1 or 2 threads
 and the ci and thorough profiles, the smallest K each judged example needed (its error beyond
 the floor over E) never exceeded 1 — correct kernels are no worse than the worst member —
 so K = 4 leaves a factor of 4 for what was not measured. The floor, FLOOR_ROUNDINGS (u_out + sqrt(Nk) u_pv) in normalised
