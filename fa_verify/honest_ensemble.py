@@ -30,7 +30,7 @@ members on the same inputs. No closed form gives that probability; measured
 was 0.99, under four OpenBLAS core types and the ci and thorough profiles: 0 false positives,
 i.e. below 3.5e-4 per example at 95% confidence (rule of three) for kernels and inputs like those.
 
-Large problems: the members cost O(B·H·Nq·Nk·D) elementwise operations each, about 50 ns per
+Large problems: the members cost O(B·H·Nq·Nk·D) elementwise operations each, tens of ns per
 multiply-add here, so above `FULL_WORK` they run on the `MAX_ROWS` query rows with the largest
 error-model bound relative to their row scale (where an honest kernel's rounding errors are
 largest: large logits, peaky rows) plus rows spread evenly over the rest; the ensemble's max
