@@ -61,7 +61,7 @@ Default: "worst-case". Measured (tests/test_error_model.py, N <= 1024, D = 64): 
 correct kernels use at most 0.54 of the bound in fp16/bf16 (P rounding dominates) and 0.07
 in fp32; the probabilistic mode moves 16-bit bounds by a few percent (gamma_D at D = 64 is
 below lam^2, where the worst case is kept) and tightens fp32 at most 3x at N = 1024. That
-does not pay for giving up a guarantee; fp32's looseness is what the verdict's baseline rule
+does not pay for giving up a guarantee; fp32's looseness is what the verdict's ensemble rule
 is for.
 
 Underflow: exp results and products p v below the smallest normal carry absolute errors up

@@ -2,7 +2,7 @@
 
 Every comparison of a backend with the oracle — from `fa_verify report` sweeps,
 `fa_verify check`, and pytest runs with `--fa-results` — becomes a `Record`: the problem,
-the backend and its precision model, error statistics, bound and baseline ratios, the
+the backend and its precision model, error statistics, bound and ensemble-rule ratios, the
 verdict and timings. `ResultsStore(path).append(record)` writes it at once, so an
 interrupted run keeps everything recorded so far, and `keys()` lets a run resume.
 
@@ -31,7 +31,8 @@ from fa_verify.errors import InvalidArgumentError
 from fa_verify.strategies import Shape, make_problem
 
 #: Version of the record format; bump it when a field changes meaning or disappears.
-FORMAT_VERSION = 1
+#: 2: the baseline rule's baseline_ratio became the ensemble rule's ensemble_ratio
+FORMAT_VERSION = 2
 #: Where a comparison came from.
 SOURCES = ("report", "check", "pytest")
 #: Names in Record.comparisons: the reference rounded to the dtype (the least error any kernel
@@ -106,7 +107,8 @@ class Record:
     lse_errors: dict | None
     bound_ratio: float | None
     lse_bound_ratio: float | None
-    baseline_ratio: float | None
+    #: the verdict's ensemble rule: error / its allowance (fails above 1)
+    ensemble_ratio: float | None
     passed: bool
     #: the first rule that failed, None when passed
     rule: str | None
@@ -182,7 +184,7 @@ def record_from_verdict(problem, backend_name: str, precision, verdict, seconds,
                    out_errors=summary, lse_errors=lse,
                    bound_ratio=_number(verdict.bound_ratio),
                    lse_bound_ratio=_number(verdict.lse_bound_ratio),
-                   baseline_ratio=_number(verdict.baseline_ratio),
+                   ensemble_ratio=_number(verdict.ensemble_ratio),
                    passed=bool(verdict.passed), rule=verdict.rule,
                    unbounded=int(verdict.unbounded_count),
                    sweep=sweep, comparisons=comparisons, histograms=histograms)
@@ -202,7 +204,7 @@ def record_from_failure(problem, backend_name: str, precision, rule: str, cause:
     extra = {"error": cause, **(extra or {})}
     return _record(problem, backend_name, precision, seconds, source, extra,
                    out_errors=None, lse_errors=None, bound_ratio=None, lse_bound_ratio=None,
-                   baseline_ratio=None, passed=False, rule=rule, sweep=sweep)
+                   ensemble_ratio=None, passed=False, rule=rule, sweep=sweep)
 
 
 def _record(problem, backend_name, precision, seconds, source, extra, **outcome) -> Record:

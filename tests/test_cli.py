@@ -71,7 +71,7 @@ def test_check_fails_a_buggy_callable_with_reproducer(capsys, monkeypatch):
     code, out, _ = _run(capsys, "check", "user_kernels:drops_last_key", "--max-examples", "50")
     assert code == 1
     assert "FAIL oracle_agreement: FAILED after" in out and "minimal counterexample" in out and "reproduce:" in out
-    assert re.search(r"failed rule '(error_bound|baseline)'", out)
+    assert re.search(r"failed rule '(error_bound|ensemble)'", out)
 
 
 def test_check_fails_a_callable_that_breaks_the_protocol(capsys, monkeypatch):

@@ -105,9 +105,6 @@ def test_mutants_exit_codes():
 
 
 @needs_cpu_runner
-@pytest.mark.xfail(strict=True, reason="a false positive of the 'baseline' rule kills the unchanged fa2 (fp32, "
-                                       "large_logits, (1,3/1,13,31,96) top-left: 2.6e-05 vs naive 4.5e-06, allowed "
-                                       "1.9e-05); remove this mark when the verdict no longer rejects it")
 def test_mutants_exit_1_when_a_mutant_survives(tmp_path):
     mutants = tmp_path / "mutants.toml"
     mutants.write_text(EQUIVALENT_MUTANT)

@@ -112,6 +112,30 @@ def test_a_failure_that_does_not_replay_still_kills():
     assert "did not repeat" in suite.detail
 
 
+def test_a_kill_counts_only_on_an_example_the_unmutated_kernel_passes():
+    """A target failing where its control (the unmutated kernel) fails too is not killed there:
+    the example is set aside and the search goes on; a correct control lets the kill count."""
+    from fa_verify.backends.naive import naive_attention
+    from fa_verify.precision import PrecisionModel
+    from fa_verify.properties import as_backend
+
+    def correct(problem):
+        return naive_attention(problem, PrecisionModel.fp32_accumulate(problem.dtype))
+
+    def shifted(problem):  # outside the convex hull of V on every example
+        out, lse = correct(problem)
+        return out + 1000, lse
+
+    bug, control = as_backend(shifted, name="bug"), as_backend(correct, name="control")
+    killed = run_suite(bug, SMALL, properties=["convex_hull"], control=control)
+    assert killed.killed and killed.killer == "convex_hull" and killed.examples_to_kill == 1
+    assert not killed.shared_failures
+    shared = run_suite(bug, SMALL, properties=["convex_hull"], control=as_backend(shifted, name="also-bug"))
+    assert not shared.killed and shared.properties[0]["status"] != "failed"
+    assert len(shared.shared_failures) >= 1 and "convex_hull" in shared.shared_failures[0]
+    assert shared.as_dict()["shared_failures"] == shared.shared_failures
+
+
 @needs_cpu_runner
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_no_false_positive_on_the_unmutated_kernels(family):

@@ -100,7 +100,7 @@ def test_records_of_another_format_version_are_skipped_with_a_warning(tmp_path):
     a = _record()
     future = json.loads(a.to_json()) | {"format_version": FORMAT_VERSION + 1, "new": 1}
     store.path.write_text(json.dumps(future) + "\n" + a.to_json() + "\n")
-    with pytest.warns(ResultsWarning, match="format_version=2"):
+    with pytest.warns(ResultsWarning, match=f"format_version={FORMAT_VERSION + 1}"):
         assert store.read() == [a]
 
 

@@ -1,5 +1,5 @@
 """Verdicts on real outputs: correct kernels pass, seeded bugs fail and the message names the
-rule; shape, finite, masked-row and baseline rules; message and record formats."""
+rule; shape, finite, masked-row and ensemble rules; message and record formats."""
 
 import json
 import re
@@ -14,7 +14,8 @@ from fa_verify.backends import naive_attention, tiled_attention
 from fa_verify.dtypes import numpy_dtype, round_to
 from fa_verify.oracle import reference
 from fa_verify.verdict import (
-    DEFAULT_BASELINE_FACTOR,
+    DEFAULT_ENSEMBLE_FACTOR,
+    FLOOR_ROUNDINGS,
     RULES,
     Verdict,
     assert_attention_close,
@@ -121,10 +122,10 @@ def test_correct_kernels_pass_with_margin(name, dtype, kind, causal, record_prop
     out, lse = CORRECT[name](problem)
     verdict = assert_attention_close(out, problem, lse=lse, reference=ref)
     record_property("bound_ratio", verdict.bound_ratio)
-    record_property("baseline_ratio", verdict.baseline_ratio)
+    record_property("ensemble_ratio", verdict.ensemble_ratio)
     assert verdict.passed and verdict.rule is None
     assert verdict.bound_ratio <= 0.75, verdict.message()
-    assert verdict.baseline_ratio <= 0.5, verdict.message()
+    assert verdict.ensemble_ratio <= 0.5, verdict.message()
     assert verdict.lse_bound_ratio is None or verdict.lse_bound_ratio <= 0.75
 
 
@@ -191,7 +192,7 @@ def test_16bit_accumulation_of_16bit_inputs_fails_on_long_outlier_rows(dtype):
     stays within 0.6-0.9 of the bound (not caught). It shows on long rows and outliers."""
     problem, ref = _case("fa3_outliers", dtype, False, n=1024, heads=1)
     out, lse = _fa2(problem, "lowp_accumulator")
-    verdict = check_attention(out, problem, lse=lse, reference=ref, baseline_factor=None)
+    verdict = check_attention(out, problem, lse=lse, reference=ref, ensemble_factor=None)
     assert verdict.rule == "error_bound" and verdict.bound_ratio > 1.3, verdict.message()
 
 
@@ -266,21 +267,51 @@ def test_torch_flash_cpu_masked_row_lse_convention_is_reported():
     assert check_attention(out, problem).passed  # the output itself is right
 
 
-def test_baseline_rule_catches_what_the_loose_fp32_bound_admits():
-    """fp32: an error 20x the naive fp32 baseline's stays inside the worst-case bound (which is
-    10-100x looser than real fp32 errors) but fails the baseline rule."""
+def test_ensemble_rule_catches_what_the_loose_fp32_bound_admits():
+    """fp32: an error 20x the largest of the honest ensemble's stays inside the worst-case bound
+    (which is 10-100x looser than real fp32 errors) but fails the ensemble rule."""
+    from fa_verify.honest_ensemble import ensemble_errors
+
     problem, ref = _case("normal", "fp32", False)
-    naive, _ = naive_attention(problem, PrecisionModel.same_precision("fp32"))
-    base = np.max(np.abs(naive.astype(np.float64) - ref.out) / ref.row_scale)
+    ensemble = ensemble_errors(problem, PrecisionModel.flash("fp32"), ref)
     rng = np.random.default_rng(0)
-    out = (ref.out + 20 * base * ref.row_scale * rng.choice([-1.0, 1.0], ref.out.shape)).astype(np.float32)
-    verdict = check_attention(out, problem, reference=ref, baseline_out=naive)
-    assert verdict.bound_ratio < 1 and verdict.rule == "baseline", verdict.message()
-    assert verdict.baseline_ratio > 1 and verdict.baseline_factor == DEFAULT_BASELINE_FACTOR
-    assert "naive same-precision" in verdict.message()
-    skipped = check_attention(out, problem, reference=ref, baseline_factor=None)
-    assert skipped.passed and skipped.baseline_ratio is None
-    assert check_attention(out, problem, reference=ref, baseline_out=naive, baseline_factor=50).passed
+    out = (ref.out + 20 * ensemble.max_error * ref.row_scale * rng.choice([-1.0, 1.0], ref.out.shape))
+    verdict = check_attention(out.astype(np.float32), problem, reference=ref)
+    assert verdict.bound_ratio < 1 and verdict.rule == "ensemble", verdict.message()
+    assert verdict.ensemble_ratio > 1 and verdict.ensemble_factor == DEFAULT_ENSEMBLE_FACTOR
+    assert verdict.ensemble_error == ensemble.max_error and verdict.ensemble_member == ensemble.worst_member
+    assert "honest implementations of this precision model" in verdict.message()
+    skipped = check_attention(out.astype(np.float32), problem, reference=ref, ensemble_factor=None)
+    assert skipped.passed and skipped.ensemble_ratio is None
+    assert check_attention(out.astype(np.float32), problem, reference=ref, ensemble=ensemble,
+                           ensemble_factor=50).passed
+
+
+ENSEMBLE_LINE = re.compile(
+    r"Ensemble rule: max normalised error (\S+); allowed per element \(K × E \+ floor\) × row scale \+ "
+    r"absolute floor, with K = (\S+), E = (\S+) \(.* reached by '([\w-]+)'\), floor = (\S+) × \(u_out (\S+) "
+    r"\+ √Nk (\S+) × u_pv (\S+)\) = (\S+), so K × E \+ floor = (\S+); absolute floor (\S+); used (\S+) of "
+    r"it at \[[\d, ]+\]: error (\S+) against (\S+) × row scale (\S+) \+ (\S+) = (\S+)$")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_ensemble_allowance_is_printed_with_every_term(dtype):
+    """The printed terms reproduce the printed allowance and the "used" ratio (3-4 digits)."""
+    problem, ref = _case("large_logits", dtype, True)
+    out, lse = _fa2(problem, "scale_3pct")
+    verdict = check_attention(out, problem, lse=lse, reference=ref)
+    line = next(x for x in verdict.message().splitlines() if x.startswith("Ensemble rule:"))
+    match = ENSEMBLE_LINE.match(line)
+    assert match, line
+    (err_max, k, e, member, floor_k, u_out, sqrt_nk, u_pv, floor, per_row, absolute, used, err, per_row2,
+     row_scale, absolute2, allowed) = match.groups()
+    assert float(k) == DEFAULT_ENSEMBLE_FACTOR and member == verdict.ensemble_member
+    assert float(floor) == pytest.approx(float(floor_k) * (float(u_out) + float(sqrt_nk) * float(u_pv)), rel=2e-3)
+    assert float(floor_k) == FLOOR_ROUNDINGS and float(sqrt_nk) == pytest.approx(np.sqrt(problem.nk), rel=5e-4)
+    assert float(per_row) == pytest.approx(float(k) * float(e) + float(floor), rel=2e-3) and per_row == per_row2
+    assert float(allowed) == pytest.approx(float(per_row) * float(row_scale) + float(absolute), rel=2e-3)
+    assert float(used) == pytest.approx(float(err) / float(allowed), rel=5e-3)
+    assert absolute == absolute2 and float(err_max) == pytest.approx(verdict.normalised_error, rel=1e-3)
 
 
 # --- message and record formats ---------------------------------------------------------------
@@ -304,7 +335,7 @@ def test_message_reads_like_torch_testing():
     assert tuple(int(match.group(i)) for i in range(4, 8)) == verdict.worst_index
     assert float(match.group(8)) == pytest.approx(verdict.bound_ratio, rel=1e-2)
     assert match.group(9) == verdict.dominant_term
-    assert "LSE:" in text and "Baseline:" in text and "Errors: normalised max" in text
+    assert "LSE:" in text and "Ensemble rule:" in text and "Errors: normalised max" in text
     assert 0 < verdict.share_over <= 1
 
 
@@ -315,7 +346,7 @@ def test_verdict_as_dict_is_json_ready():
     record = verdict.as_dict()
     assert record["passed"] is True and record["rule"] is None
     assert record["summary"]["normalised"]["count"] == out.size
-    assert set(RULES) >= {"shape", "finite", "masked_rows", "error_bound", "lse_bound", "baseline"}
+    assert set(RULES) >= {"shape", "finite", "masked_rows", "error_bound", "lse_bound", "ensemble"}
     json.loads(json.dumps(record))
     assert isinstance(verdict, Verdict)
 
@@ -339,14 +370,14 @@ def test_a_precision_too_coarse_to_bound_is_reported_not_hidden():
     assert verdict.passed and verdict.unbounded_count == verdict.total
     assert verdict.message().startswith("attention output passes the rules that could judge it")
     assert "No finite bound for" in verdict.message()
-    assert verdict.baseline_ratio < 1  # the baseline rule still judges
+    assert verdict.ensemble_ratio < 1  # the ensemble rule still judges
 
 
 def test_bad_arguments():
     problem, ref = _case("normal", "fp16", False)
     out, _ = _fa2(problem)
-    with pytest.raises(InvalidArgumentError, match="baseline_factor"):
-        check_attention(out, problem, reference=ref, baseline_factor=-1)
+    with pytest.raises(InvalidArgumentError, match="ensemble_factor"):
+        check_attention(out, problem, reference=ref, ensemble_factor=-1)
     with pytest.raises(InvalidArgumentError, match="precision"):
         check_attention(out, problem, reference=ref, precision=3)
     with pytest.raises(InvalidArgumentError, match="AttentionProblem"):

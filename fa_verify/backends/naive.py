@@ -1,7 +1,9 @@
 """Standard attention that materialises S, rounded stage by stage as a precision model says.
 
-`naive_attention(problem, PrecisionModel.same_precision(dtype))` is the error model's
-"same-precision baseline" (what flash-attention's tests compare kernels against);
+`naive_attention(problem, PrecisionModel.same_precision(dtype))` is the "same-precision
+baseline" flash-attention's tests compare kernels against (fa_verify.judge's flash-attention
+rule; the report's comparison column) — not the verdict's rule, whose ensemble must not
+depend on which BLAS kernel computes the matrix products here;
 with `PrecisionModel.fp32_accumulate(dtype)` it is an fp32 reference for 16-bit inputs.
 """
 

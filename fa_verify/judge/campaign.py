@@ -9,6 +9,12 @@ the minimal counterexample Hypothesis shrank the killer's failure to. Only the k
 failure is shrunk; the properties after it search without shrinking (to list what else
 catches the bug, cheaply), or not at all with `stop_at_first=True`.
 
+A kill counts only on an example the unmutated kernel passes: with `control` (judge_mutant
+passes the mutant's unmutated kernel), every example the target fails is run on the control
+too, and where the control fails it as well the example is set aside (counted in
+`SuiteRun.shared_failures`, not a kill) and the search goes on — otherwise a false positive of
+the rules would be reported as a kill of every mutant of that kernel.
+
 `judge_mutant` runs the suite on a mutant through the CUDA-on-CPU runner and, when no
 property kills it, once more on its AddressSanitizer build (a kill there is "killed by
 sanitizer", reported apart). `false_positive_runs` runs the suite on the unmutated kernels with
@@ -21,7 +27,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from fa_verify.check import check_backend
-from fa_verify.properties import FAILED, PROPERTIES, Selection, get_property
+from fa_verify.properties import FAILED, PROPERTIES, Property, Selection, get_property
+from fa_verify.properties._result import not_applicable
 from fa_verify.strategies import Shape
 
 #: Where a kill came from.
@@ -84,6 +91,8 @@ class SuiteRun:
     seconds: float = 0.0
     #: per property: status, examples, examples to failure, seconds
     properties: list = field(default_factory=list)
+    #: examples the target failed that the unmutated control failed too (set aside, not kills)
+    shared_failures: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"target": self.target, "seed": self.seed, "killed": self.killed,
@@ -93,20 +102,50 @@ class SuiteRun:
                 "counterexample": None if self.counterexample is None else self.counterexample.as_dict(),
                 "detail": self.detail, "reproducer": self.reproducer or None,
                 "examples": self.examples, "seconds": round(self.seconds, 3),
-                "properties": list(self.properties)}
+                "properties": list(self.properties), "shared_failures": list(self.shared_failures)}
 
 
 def _first_lines(text: str, n: int = 3, width: int = 240) -> str:
     return "\n".join(line[:width] for line in text.splitlines()[:n])
 
 
+def _unless_control_fails(prop: Property, control, shared: list) -> Property:
+    """`prop` whose failures count only where `control` passes the same example (and seed);
+    where the control fails too, the example is not applicable and noted in `shared`."""
+
+    def judge(backend, problem, seed):
+        result = prop(backend, problem, seed)
+        if not result.failed:
+            return result
+        try:
+            control_result = prop(control, problem, seed)
+        except Exception as exc:  # noqa: BLE001 - a control that raises fails the example too
+            why = f"raised {type(exc).__name__}: {exc}"
+        else:
+            if not control_result.failed:
+                return result
+            why = _first_lines(control_result.detail, 1)
+        shared.append(f"{prop.name}: {problem.describe()}: {why}")
+        return not_applicable(prop.name, problem, f"the unmutated {control.name} fails this example too")
+
+    if prop.seeded:
+        def check(backend, problem, seed=0):
+            return judge(backend, problem, seed)
+    else:
+        def check(backend, problem):
+            return judge(backend, problem, 0)
+    check.__doc__ = prop.check.__doc__
+    return replace(prop, check=check)
+
+
 def run_suite(backend, selection: Selection = Selection(), *, properties=None, stop_at_first: bool = False,
-              progress=None) -> SuiteRun:
+              progress=None, control=None) -> SuiteRun:
     """Search every property (or those named) on `backend`, in the suite's order.
 
     The first failing property's counterexample is shrunk (if `selection.shrink`); later ones
     search without shrinking, or are skipped when `stop_at_first`. progress(outcome) is called
-    after each property.
+    after each property. control: a backend (the unmutated kernel) that must pass an example
+    for the target's failure on it to count.
     """
     props = PROPERTIES if properties is None else [get_property(p) for p in properties]
     run = SuiteRun(target=backend.name, seed=selection.seed)
@@ -120,7 +159,8 @@ def run_suite(backend, selection: Selection = Selection(), *, properties=None, s
 
     for prop in props:
         search_selection = selection if not run.killed else replace(selection, shrink=False)
-        outcome = check_backend(backend, search_selection, properties=[prop.name],
+        searched = prop if control is None else _unless_control_fails(prop, control, run.shared_failures)
+        outcome = check_backend(backend, search_selection, properties=[searched],
                                 on_result=on_result).properties[0]
         run.properties.append({"property": outcome.property, "status": outcome.status,
                                "examples": outcome.examples, "examples_to_failure": outcome.examples_to_failure,
@@ -214,19 +254,22 @@ class MutantVerdict:
 def judge_mutant(mutant, selection: Selection = Selection(), *, sanitizer: bool = True,
                  stop_at_first: bool = False, progress=None) -> MutantVerdict:
     """Run the property suite on `mutant` (fa_verify.kernels.mutants.Mutant) through the CPU runner; if it
-    survives and `sanitizer`, again on its AddressSanitizer build."""
+    survives and `sanitizer`, again on its AddressSanitizer build. Either kill counts only on an
+    example the unmutated kernel passes."""
+    from fa_verify.backends.cuda_kernels import CpuKernelBackend
     from fa_verify.judge.mutants import MutantBackend
 
     backend = MutantBackend(mutant)
+    control = CpuKernelBackend(mutant.kernel_family)
     began = time.perf_counter()
     backend.build()
     build_seconds = time.perf_counter() - began
-    plain = run_suite(backend, selection, stop_at_first=stop_at_first, progress=progress)
+    plain = run_suite(backend, selection, stop_at_first=stop_at_first, progress=progress, control=control)
     verdict = MutantVerdict(mutant.name, mutant.family, mutant.bug_class, mutant.description, build_seconds, plain)
     if not plain.killed and sanitizer:
         asan = MutantBackend(mutant, sanitize=True)
         asan.build()
-        run = run_suite(asan, selection, stop_at_first=True, progress=progress)
+        run = run_suite(asan, selection, stop_at_first=True, progress=progress, control=control)
         if run.killed:
             run.killed_by_kind = BY_SANITIZER if _sanitizer_report(run) else BY_PROPERTY
         verdict.sanitizer = run

@@ -162,6 +162,11 @@ class CampaignReport:
             for name, o in rule.unmutated.items():
                 if o.killed:
                     lines.append(f"{rule.name} rejects the correct kernel {name}: {o.failure}")
+        shared = {m.name: len(m.plain.shared_failures) + len(m.sanitizer.shared_failures if m.sanitizer else [])
+                  for m in self.mutants}
+        if any(shared.values()):
+            lines.append("failing examples set aside because the unmutated kernel fails them too (not kills): "
+                         + ", ".join(f"{name} ({n})" for name, n in shared.items() if n))
         if self.sanitizer_only:
             lines.append("killed only by the sanitizer: " + ", ".join(m.name for m in self.sanitizer_only))
         if self.statistical_only:

@@ -261,7 +261,7 @@ NAIVE16 = KernelFamily(
     configs={d: TileConfig(16, None, 128) for d in (16, 32, 64, 96, 128, 256)},
     precision_model=_naive16_precision, smem_regions=_no_smem, scratch="input",
     notes="takes a trailing T* scratch of B*H*Nq*Nk elements; its precision model (scores in "
-          "the input dtype) gives an infinite error-model bound for most rows, so the baseline "
+          "the input dtype) gives an infinite error-model bound for most rows, so the ensemble "
           "rule judges it")
 
 #: Every kernel family, by name.

@@ -70,7 +70,10 @@ PROPERTY_NAMES = tuple(p.name for p in PROPERTIES)
 
 
 def get_property(name_or_check) -> Property:
-    """A Property by name or by its check function."""
+    """A Property by name or by its check function; a Property is returned as it is (one the
+    suite's were derived from with dataclasses.replace, e.g. fa_verify.judge's)."""
+    if isinstance(name_or_check, Property):
+        return name_or_check
     for prop in PROPERTIES:
         if name_or_check in (prop.name, prop.check, prop):
             return prop

@@ -25,7 +25,7 @@ class Case:
     problem: str
     rule: str | None
     bound_ratio: float | None
-    baseline_ratio: float | None
+    ensemble_ratio: float | None
     normalised_max: float | None
     ulp_max: float | None
     error: str | None
@@ -59,7 +59,7 @@ def _case(record, count: int = 1) -> Case:
                 problem=(f"{p.shape} {p.dtype} {'causal ' + p.causal_alignment if p.causal else 'full'}, "
                          f"{p.distribution} inputs, seed {p.seed}"),
                 rule=record.rule, bound_ratio=record.bound_ratio,
-                baseline_ratio=record.baseline_ratio,
+                ensemble_ratio=record.ensemble_ratio,
                 normalised_max=out_stat(record, "normalised", "max"),
                 ulp_max=ulp_stat(record, "max"), error=record.extra.get("error"),
                 element=record.extra.get(FAILURE_KEY), property=property_of(record),
@@ -67,11 +67,11 @@ def _case(record, count: int = 1) -> Case:
 
 
 def _severity(record):
-    return (record.bound_ratio or 0.0, record.baseline_ratio or 0.0)
+    return (record.bound_ratio or 0.0, record.ensemble_ratio or 0.0)
 
 
 def worst_case(records) -> Case | None:
-    """The worst of `records` (by bound, then baseline ratio) as a Case; None if there are none."""
+    """The worst of `records` (by bound, then ensemble ratio) as a Case; None if there are none."""
     return _case(max(records, key=_severity), len(records)) if records else None
 
 

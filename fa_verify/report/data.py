@@ -47,7 +47,7 @@ class Cell:
     bound_ratio: float | None
     #: no run had an element with a finite error-model bound: the bound ratio is n/a
     no_finite_bound: bool
-    baseline_ratio: float | None
+    ensemble_ratio: float | None
     #: elements without a finite error-model bound (bound_ratio does not cover them)
     unbounded: int
     #: merged histograms {"normalised": ..., "ulp": ...} (None where no run stored one)
@@ -79,7 +79,7 @@ class Cell:
             normalised_p99=largest(out_stat(r, "normalised", "p99") for r in records),
             bound_ratio=largest(r.bound_ratio for r in bounded),
             no_finite_bound=bool(measured) and not bounded,
-            baseline_ratio=largest(r.baseline_ratio for r in records),
+            ensemble_ratio=largest(r.ensemble_ratio for r in records),
             unbounded=sum(r.unbounded for r in records),
             histograms=_merged_histograms(records),
             shapes=sorted({shape_label(r.problem) for r in records}),

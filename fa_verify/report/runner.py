@@ -1,8 +1,9 @@
 """Run a sweep: every point on every backend, judged against the oracle, appended to the store.
 
 Per point the problem is built once, and so are the things every backend is compared with:
-the certified reference, naive same-precision attention (the verdict's baseline, and FA3's
-"standard attention"), and the reference rounded to the dtype (the best any kernel can do).
+the certified reference, naive same-precision attention (FA3's "standard attention"), the
+reference rounded to the dtype (the best any kernel can do), and per precision model the
+error-model bound and the honest ensemble of the verdict's ensemble rule.
 Each backend's run then costs its own run time plus its verdict.
 
 Records are appended as they are made, so an interrupted run loses at most the run in
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from fa_verify.backends.naive import naive_attention
 from fa_verify.dtypes import round_to
 from fa_verify.error_model import error_bound
+from fa_verify.honest_ensemble import ensemble_errors
 from fa_verify.metrics import OutputErrors
 from fa_verify.oracle import reference
 from fa_verify.precision import PrecisionModel
@@ -51,12 +53,21 @@ class Comparators:
     seconds: float
     _bounds: dict = field(default_factory=dict)
 
+    _ensembles: dict = field(default_factory=dict)
+
     def bound(self, precision):
         """The error-model bound under `precision`, computed once per model: most backends
         of a dtype share one (the FA2 model), and the bound costs as much as the reference."""
         if precision not in self._bounds:
             self._bounds[precision] = error_bound(self.problem, precision, self.reference)
         return self._bounds[precision]
+
+    def ensemble(self, precision):
+        """The honest ensemble's errors under `precision` (the verdict's ensemble rule), once per model."""
+        if precision not in self._ensembles:
+            self._ensembles[precision] = ensemble_errors(self.problem, precision, self.reference,
+                                                         self.bound(precision))
+        return self._ensembles[precision]
 
     @classmethod
     def of(cls, problem) -> "Comparators":
@@ -90,7 +101,7 @@ def compare(backend, problem, shared: Comparators, sweep: str):
 
     def judge(out, lse):
         return check_attention(out, problem, lse=lse, precision=precision, reference=ref,
-                               baseline_out=shared.naive_out, bound=shared.bound(precision))
+                               bound=shared.bound(precision), ensemble=shared.ensemble(precision))
 
     verdict = judge(out, lse)
     deviation = None if verdict.passed else declared_deviation(backend.conventions, problem,

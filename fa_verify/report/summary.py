@@ -20,7 +20,9 @@ from fa_verify.report.buckets import Bucket, Column
 #: only outputs not tiny against their row scale (null where not measured); "bound_ratio" is
 #: null with "no_finite_bound" true where no element has a finite bound (was 0); cases gain
 #: "element" and "property"; backends are listed most accurate first (by vs_rounded).
-SUMMARY_VERSION = 3
+#: 4: cells' "baseline_ratio" became "ensemble_ratio" (the verdict's ensemble rule replaced
+#: the naive-baseline rule).
+SUMMARY_VERSION = 4
 
 
 def _plain(value):
