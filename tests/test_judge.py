@@ -257,7 +257,9 @@ def test_mutants_command_usage_errors(capsys, monkeypatch):
 
     assert main(["mutants", "--mutant", "no-such-mutant"]) == 2
     assert main(["mutants", "--family", "nope"]) == 2
-    assert main(["mutants", "--seeds", "-1"]) == 2
+    with pytest.raises(SystemExit) as exit_info:  # checked by argparse, before anything runs
+        main(["mutants", "--seeds", "-1"])
+    assert exit_info.value.code == 2
     capsys.readouterr()
     monkeypatch.setattr("fa_verify.backends.cuda_kernels.cpu_runner_availability",
                         lambda: Availability(False, "g++ is not installed"))
