@@ -78,19 +78,21 @@ def results_recorder(path, backend: Backend, source: str, seed: int | None = Non
     verdict failed (rule: the property's name); the cause is in the record's extra["error"].
     Passing examples of such properties measure no error against the oracle: nothing to record.
     `seed` (the search's Hypothesis seed) goes into every record's extra, and so does how a
-    report's reproducer rebuilds the target (`Target.as_dict()`, where it can)."""
+    report's reproducer rebuilds a function target (`Target.as_dict()`; a built-in backend's
+    name is enough)."""
     from fa_verify.properties.search import TARGET_RAISED
     from fa_verify.results import RUN_ERROR, ResultsStore, record_from_failure, record_from_verdict
 
     store = ResultsStore(path)
-    targets = {}  # per dtype (the precision model is the dtype's)
+    targets = {}  # per dtype (the precision model is the dtype's); None: not recorded
 
     def target(dtype):
         if dtype not in targets:
             try:
-                targets[dtype] = Target.of(backend, dtype).as_dict()
+                found = Target.of(backend, dtype)
             except NotReproducible:
-                targets[dtype] = None
+                found = None
+            targets[dtype] = found.as_dict() if found is not None and found.kind != "builtin" else None
         return targets[dtype]
 
     def record(problem, result, seconds):
