@@ -9,7 +9,7 @@ Options:
   --fa-seed N|random  the Hypothesis seed of fa_search (default: the profile's); random draws
                       one per session, printed in the header and recorded with --fa-results
   --fa-repro-dir DIR  where fa_search writes a failing example's reproducer (a script and its
-                      inputs; default: ROOTDIR/.fa_verify/repro)
+                      inputs; default: $FA_VERIFY_REPRO_DIR, else ROOTDIR/.fa_verify/repro)
 Fixtures:
   fa_backend   parametrises a test over the selected backends
   fa_search    fa_search(target, property) searches one property on a target (a Backend or a
@@ -124,13 +124,13 @@ def fa_search(request, fa_profile):
 
     from fa_verify.check import results_recorder
     from fa_verify.properties import FAILED, NOT_APPLICABLE, Selection, as_backend, search_property
-    from fa_verify.properties.reproduce import DEFAULT_FOLDER
+    from fa_verify.properties.reproduce import default_folder
 
     results = request.config.getoption("fa_results")
     # A known failure (xfail) needs no minimal counterexample, nor a reproducer nobody sees.
     known = request.node.get_closest_marker("xfail") is not None
     repro_dir = None if known else (request.config.getoption("fa_repro_dir")
-                                    or request.config.rootpath / DEFAULT_FOLDER)
+                                    or default_folder(request.config.rootpath))
     selection = Selection.from_profile(fa_profile.name, database=settings().database, shrink=not known,
                                        seed=request.config.getoption("fa_seed"))
 

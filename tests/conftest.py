@@ -2,14 +2,14 @@
 
 import pytest
 
-from fa_verify.properties import reproduce
+from fa_verify.properties.reproduce import FOLDER_VARIABLE
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _reproducers_in_a_temporary_folder(tmp_path_factory):
     """`fa_verify check` writes failing examples' reproducers under the current folder unless
-    told otherwise; tests that check failing targets write them into a temporary folder instead
-    of the working tree."""
+    told otherwise; in tests (and the commands they start) into a temporary folder instead of
+    the working tree."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(reproduce, "DEFAULT_FOLDER", tmp_path_factory.mktemp("repro"))
+        patch.setenv(FOLDER_VARIABLE, str(tmp_path_factory.mktemp("repro")))
         yield

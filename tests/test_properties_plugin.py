@@ -43,7 +43,8 @@ def test_fa_search_and_fa_oracle_in_another_projects_tests(pytester):
     assert {r["backend"] for r in records} == {"numpy-tiled", "tiled"}
 
 
-def test_a_failing_property_prints_the_counterexample_and_reproducer(pytester):
+def test_a_failing_property_prints_the_counterexample_and_reproducer(pytester, monkeypatch):
+    monkeypatch.delenv("FA_VERIFY_REPRO_DIR")  # the default folder: under the rootdir
     shutil.copy(FIXTURES / "attention_variants.py", pytester.path)
     pytester.makepyfile(test_kernel="""
         def test_merge(fa_backend, fa_search):

@@ -44,8 +44,9 @@ SHARED_OPTIONS = {
                          "'fa_verify report'"),
     "repro-dir": dict(default=None, metavar="DIR", type=writable_folder,
                       help="write each failing example's reproducer (a script and its inputs, .npz) "
-                           "into DIR (default: .fa_verify/repro in the current folder; pytest: in its "
-                           "rootdir); run it from any folder with the printed 'python3 ...' command"),
+                           "into DIR (default: $FA_VERIFY_REPRO_DIR, else .fa_verify/repro in the current "
+                           "folder; pytest: in its rootdir); run it from any folder with the printed "
+                           "'python3 ...' command"),
 }
 
 
@@ -149,7 +150,7 @@ def _verdict(outcome) -> str:
 def _run(args) -> int:
     from fa_verify.check import check_backend, results_recorder
     from fa_verify.properties import Selection, get_property
-    from fa_verify.properties.reproduce import DEFAULT_FOLDER
+    from fa_verify.properties.reproduce import default_folder
 
     for name in args.properties or ():
         get_property(name)  # an unknown name is a usage error before anything runs
@@ -173,7 +174,7 @@ def _run(args) -> int:
         # With --json, stdout holds only the document: progress goes to stderr as it comes.
         progress = functools.partial(_print_property, file=sys.stderr if args.json else sys.stdout)
         outcome = check_backend(backend, selection, properties=args.properties, on_result=record,
-                                progress=progress, repro_dir=args.repro_dir or DEFAULT_FOLDER)
+                                progress=progress, repro_dir=args.repro_dir or default_folder())
         outcomes.append(outcome)
         if not args.json:
             counts = outcome.counts()

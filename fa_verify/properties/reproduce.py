@@ -39,9 +39,15 @@ from fa_verify.properties._result import FAILED, NOT_APPLICABLE
 ENVIRONMENT_NAMES = ("PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING")
 #: ... and every variable with one of these prefixes.
 ENVIRONMENT_PREFIXES = ("TRITON_", "OPENBLAS_", "OMP_", "MKL_", "JAX_", "XLA_", "PYTORCH_", "TORCH_")
-#: Where `fa_verify check` and the pytest plugin write reproducers unless told (under the
-#: current folder, or pytest's rootdir).
+#: Where `fa_verify check` and the pytest plugin write reproducers unless told: this variable's
+#: folder, else DEFAULT_FOLDER under the current folder (pytest: its rootdir).
+FOLDER_VARIABLE = "FA_VERIFY_REPRO_DIR"
 DEFAULT_FOLDER = Path(".fa_verify") / "repro"
+
+
+def default_folder(root=".") -> Path:
+    """Where reproducers go when no folder is given (see FOLDER_VARIABLE)."""
+    return Path(os.environ.get(FOLDER_VARIABLE) or Path(root) / DEFAULT_FOLDER)
 
 
 class NotReproducible(Exception):
