@@ -14,8 +14,10 @@ as its uint16 bits, and the problem's dtype, causal flag, alignment and scale). 
    `fa_verify.properties` on it, with the property's seed: a property whose failing example is
    derived from the problem (merge-law chunks, permutations, the null model) derives it again.
 
-It prints each result and exits 1 while a property still fails, 0 once none does, 2 when it
-cannot judge (the property is not applicable, or the target cannot be rebuilt).
+It prints each result and exits 1 while a property still fails (a target that raises fails
+with its traceback, the way to debug it), 0 once none does, 2 when it cannot judge (the
+property is not applicable, or the target cannot be rebuilt). The target runs in the script's
+own process.
 """
 
 from __future__ import annotations
@@ -222,7 +224,8 @@ _SCRIPT = '''\
 """fa_verify reproducer: {about}
 {failure}
 Run it from any folder: python3 {script}
-Exit 1: a property still fails (its verdict is printed); 0: none does; 2: it cannot judge.
+Exit 1: a property still fails (its verdict, or the target's traceback, is printed);
+0: none does; 2: it cannot judge (not applicable, or the example cannot be rebuilt here).
 The inputs are {inputs} beside this file (fa_verify.properties.reproduce.load_problem).
 """
 import os
