@@ -32,7 +32,7 @@ import attention_variants as variants  # noqa: E402
 import user_kernels  # noqa: E402
 
 #: A user's module: wrong (it drops the last key) until a file FIXED lies beside it, or while
-#: TRITON_INTERPRET=1 for `interpreted`.
+#: TRITON_INTERPRET=1 for `interpreted`; `run` is `attention` as a run(problem) function.
 KERNEL = '''
 import os
 from user_kernels_copy import _attention
@@ -47,6 +47,10 @@ def attention(q, k, v, *, causal, scale):
 
 def interpreted(q, k, v, *, causal, scale):
     return _attention(q, k, v, causal, scale, drop_last_key=os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def run(problem):
+    return attention(problem.q, problem.k, problem.v, causal=problem.causal, scale=problem.scale_value)
 '''
 
 
@@ -144,6 +148,18 @@ def test_a_derived_example_replays_from_the_base_problem_and_the_seed(prop, targ
     assert outcome.failure.detail.splitlines()[0] in rerun.stdout  # the same chunks/permutation, same numbers
 
 
+def test_a_run_function_of_the_pytest_plugin_replays_too(project, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(project)
+    import my_kernels
+
+    outcome = search_property(my_kernels.run, "oracle_agreement", Selection(max_examples=20, dtypes=("fp16",)),
+                              repro_dir=tmp_path / "repro")
+    assert outcome.status == "failed" and "as_backend(" in Path(outcome.reproducer_files["script"]).read_text()
+    assert _replay(outcome.reproducer_files["script"], tmp_path).returncode == 1
+    (project / "FIXED").touch()
+    assert _replay(outcome.reproducer_files["script"], tmp_path).returncode == 0
+
+
 def test_targets_are_rebuilt_by_name_or_said_why_not():
     assert Target.of(get_backend("numpy-tiled"), "fp16").expression() == "get_backend('numpy-tiled')"
     bshd = Target.of(CallableBackend(user_kernels.float64_then_round, layout="bshd", precision="same-precision"),
@@ -158,3 +174,10 @@ def test_every_option_of_the_callable_protocol_is_carried():
     """A new CallableBackend option changes what is run or judged: its reproducer must pass it."""
     parameters = set(inspect.signature(CallableBackend).parameters) - {"fn", "name", "dtypes"}
     assert set(callable_options(CallableBackend(user_kernels.float64_then_round), "fp32")) == parameters
+
+
+def test_repro_dir_naming_a_file_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "numpy-tiled", "--repro-dir", str(tmp_path / "taken")])
+    assert exit_.value.code == 2 and "--repro-dir" in capsys.readouterr().err
