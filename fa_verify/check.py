@@ -2,7 +2,8 @@
 
 `check_backend(backend, selection)` searches every property of `fa_verify.properties` (or the
 ones named) on the target and returns a `CheckOutcome`: per property passed, failed (with
-the minimal counterexample, examples-to-failure and a reproducer) or not applicable.
+the minimal counterexample, examples-to-failure and, given a folder, a reproducer script) or not
+applicable.
 `results_recorder` turns every oracle verdict, and every failing example, into a record of a
 `ResultsStore`, for reports.
 """
@@ -12,11 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from fa_verify.backends import Backend, CallableBackend, get_backend, load_callable
+from fa_verify.backends import Backend
 from fa_verify.problem import AttentionProblem
 from fa_verify.properties import PROPERTIES, FAILED, NOT_APPLICABLE, PASSED, Selection, get_property
-from fa_verify.properties.reproduce import backend_expression
-from fa_verify.properties.reproduce import reproducer as property_reproducer
+from fa_verify.properties.reproduce import NotReproducible, Target
 from fa_verify.properties.search import PropertyOutcome, search_property
 
 
@@ -52,16 +52,18 @@ class CheckOutcome:
 
 
 def check_backend(backend: Backend, selection: Selection = Selection(), properties=None,
-                  on_result=None, progress=None) -> CheckOutcome:
+                  on_result=None, progress=None, repro_dir=None) -> CheckOutcome:
     """Search each property (all, or those named in `properties`) on `backend`.
 
-    progress(outcome) is called after each property; on_result as in `search_property`.
+    progress(outcome) is called after each property; on_result and repro_dir (the folder for
+    failures' reproducers) as in `search_property`.
     """
     props = PROPERTIES if properties is None else [get_property(p) for p in properties]
     outcome = CheckOutcome(backend=backend.name)
     start = time.perf_counter()
     for prop in props:
-        result: PropertyOutcome = search_property(backend, prop, selection, on_result=on_result)
+        result: PropertyOutcome = search_property(backend, prop, selection, on_result=on_result,
+                                                   repro_dir=repro_dir)
         outcome.properties.append(result)
         if progress is not None:
             progress(result)
@@ -75,14 +77,28 @@ def results_recorder(path, backend: Backend, source: str, seed: int | None = Non
     target raised, crashed or timed out (rule RUN_ERROR), or a property without an oracle
     verdict failed (rule: the property's name); the cause is in the record's extra["error"].
     Passing examples of such properties measure no error against the oracle: nothing to record.
-    `seed` (the search's Hypothesis seed) goes into every record's extra."""
+    `seed` (the search's Hypothesis seed) goes into every record's extra, and so does how a
+    report's reproducer rebuilds a function target (`Target.as_dict()`; a built-in backend's
+    name is enough)."""
     from fa_verify.properties.search import TARGET_RAISED
     from fa_verify.results import RUN_ERROR, ResultsStore, record_from_failure, record_from_verdict
 
     store = ResultsStore(path)
+    targets = {}  # per dtype (the precision model is the dtype's); None: not recorded
+
+    def target(dtype):
+        if dtype not in targets:
+            try:
+                found = Target.of(backend, dtype)
+            except NotReproducible:
+                found = None
+            targets[dtype] = found.as_dict() if found is not None and found.kind != "builtin" else None
+        return targets[dtype]
 
     def record(problem, result, seconds):
         extra = {"property": result.name}
+        if target(problem.dtype) is not None:
+            extra["target"] = target(problem.dtype)
         if result.seed is not None:
             extra["property_seed"] = result.seed
         if seed is not None:
@@ -97,20 +113,6 @@ def results_recorder(path, backend: Backend, source: str, seed: int | None = Non
                                              seconds, source, extra=extra))
 
     return record
-
-
-def reproducer(backend_name: str, problem: AttentionProblem, properties=("oracle_agreement",),
-               seed: int = 0) -> str:
-    """A one-line command that checks `properties` (names; seeded ones with `seed`) of `problem`
-    on the backend named `backend_name`: a built-in, or MODULE:FUNC with the callable
-    protocol's defaults."""
-    if ":" in backend_name:
-        backend = CallableBackend(load_callable(backend_name), name=backend_name)
-    else:
-        backend = get_backend(backend_name)
-    expression = backend_expression(backend, problem.dtype)
-    return " && ".join(property_reproducer(expression, get_property(name), problem, seed)
-                       for name in properties)
 
 
 class Oracle:

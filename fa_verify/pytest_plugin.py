@@ -8,11 +8,13 @@ Options:
   --fa-results FILE   append every oracle comparison's metrics to FILE, for `fa_verify report`
   --fa-seed N|random  the Hypothesis seed of fa_search (default: the profile's); random draws
                       one per session, printed in the header and recorded with --fa-results
+  --fa-repro-dir DIR  where fa_search writes a failing example's reproducer (a script and its
+                      inputs; default: $FA_VERIFY_REPRO_DIR, else ROOTDIR/.fa_verify/repro)
 Fixtures:
   fa_backend   parametrises a test over the selected backends
   fa_search    fa_search(target, property) searches one property on a target (a Backend or a
                run(problem) function): a failure fails the test with the minimal counterexample
-               and a reproducer, "not applicable" skips it
+               and the command running its reproducer script, "not applicable" skips it
   fa_oracle    the certified reference: fa_oracle.reference(problem),
                fa_oracle.assert_close(out, problem, lse=..., precision=..., name=...)
   fa_profile   the `fa_verify.profiles.Profile` in effect
@@ -122,17 +124,20 @@ def fa_search(request, fa_profile):
 
     from fa_verify.check import results_recorder
     from fa_verify.properties import FAILED, NOT_APPLICABLE, Selection, as_backend, search_property
+    from fa_verify.properties.reproduce import default_folder
 
     results = request.config.getoption("fa_results")
-    # A known failure (xfail) needs no minimal counterexample: skip the shrinking.
-    selection = Selection.from_profile(fa_profile.name, database=settings().database,
-                                       shrink=request.node.get_closest_marker("xfail") is None,
+    # A known failure (xfail) needs no minimal counterexample, nor a reproducer nobody sees.
+    known = request.node.get_closest_marker("xfail") is not None
+    repro_dir = None if known else (request.config.getoption("fa_repro_dir")
+                                    or default_folder(request.config.rootpath))
+    selection = Selection.from_profile(fa_profile.name, database=settings().database, shrink=not known,
                                        seed=request.config.getoption("fa_seed"))
 
     def search(target, prop):
         backend = as_backend(target)
         record = results_recorder(results, backend, "pytest", seed=selection.seed) if results else None
-        outcome = search_property(backend, prop, selection, on_result=record)
+        outcome = search_property(backend, prop, selection, on_result=record, repro_dir=repro_dir)
         if outcome.status == NOT_APPLICABLE:
             pytest.skip(outcome.message())
         if outcome.status == FAILED:

@@ -80,7 +80,7 @@ def test_the_suite_kills_every_mutant(name):
     assert verdict.killed, f"{name} ({verdict.description}) survived the property suite"
     kill = verdict.kill
     assert kill.examples_to_kill >= 1 and kill.seconds_to_kill >= 0
-    assert kill.counterexample is not None and kill.reproducer
+    assert kill.counterexample is not None
     if BY_NAME[name].caught_by == "sanitizer" and not verdict.plain.killed:
         assert kill.killed_by_kind == "sanitizer", kill.detail
 

@@ -116,11 +116,12 @@ def test_a_reproducer_in_the_report_replays_the_property_that_failed(tmp_path):
     backend = CallableBackend(variants.wrong_lse, name="attention_variants:wrong_lse")
     search_property(backend, "lse_agreement", Selection(max_examples=3, shrink=False),
                     on_result=results_recorder(path, backend, "check"))
-    failures, _ = worst_cases(ResultsStore(path).read())
-    assert failures and "get_property('lse_agreement')" in failures[0].reproducer
-    assert "oracle_agreement" not in failures[0].reproducer
-    rerun = subprocess.run(failures[0].reproducer, shell=True, capture_output=True, text=True, cwd=FIXTURES)
-    assert "property 'lse_agreement' failed" in rerun.stdout, rerun.stderr
+    failures, _ = worst_cases(ResultsStore(path).read(), repro_dir=tmp_path / "repro")
+    [script] = (tmp_path / "repro").glob("repro_*.py")
+    assert failures and failures[0].reproducer.endswith(str(script)) and script.name.startswith("repro_lse_agreement_")
+    rerun = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=tmp_path)
+    assert rerun.returncode == 1 and "property 'lse_agreement' failed" in rerun.stdout, rerun.stderr
+    assert "oracle_agreement" not in rerun.stdout
 
 
 def test_a_sweep_record_replays_agreement_of_the_output_and_of_the_lse():

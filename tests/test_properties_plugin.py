@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,8 @@ def test_fa_search_and_fa_oracle_in_another_projects_tests(pytester):
     assert {r["backend"] for r in records} == {"numpy-tiled", "tiled"}
 
 
-def test_a_failing_property_prints_the_counterexample_and_reproducer(pytester):
+def test_a_failing_property_prints_the_counterexample_and_reproducer(pytester, monkeypatch):
+    monkeypatch.delenv("FA_VERIFY_REPRO_DIR")  # the default folder: under the rootdir
     shutil.copy(FIXTURES / "attention_variants.py", pytester.path)
     pytester.makepyfile(test_kernel="""
         def test_merge(fa_backend, fa_search):
@@ -51,7 +54,11 @@ def test_a_failing_property_prints_the_counterexample_and_reproducer(pytester):
                                            "--fa-backend", "numpy-tiled")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*merge_law: FAILED after * examples*", "*minimal counterexample: B=*",
-                                 "*reproduce: python -c*"])
+                                 "*reproduce: python3 .fa_verify/repro/repro_merge_law_*.py"])
+    [script] = (pytester.path / ".fa_verify" / "repro").glob("repro_merge_law_*.py")  # under the rootdir
+    elsewhere = pytester.mkdir("elsewhere")
+    rerun = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=elsewhere)
+    assert rerun.returncode == 1 and "property 'merge_law' failed" in rerun.stdout, rerun.stderr
 
 
 def test_unknown_backend_is_a_usage_error(pytester):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis.database import InMemoryExampleDatabase
 
 from fa_verify.backends import CallableBackend, get_backend
-from fa_verify.check import Oracle, check_backend, reproducer, results_recorder
+from fa_verify.check import Oracle, check_backend, results_recorder
 from fa_verify.errors import AttentionMismatch, InvalidArgumentError
 from fa_verify.profiles import PROFILES, get_profile
 from fa_verify.properties import PROPERTY_NAMES, Selection, get_property, search_property
@@ -33,14 +33,16 @@ def test_the_suite_covers_every_property_once():
     assert tests == set(PROPERTY_NAMES)
 
 
-def test_a_failure_has_a_minimal_counterexample_and_a_reproducer_that_reproduces_it():
+def test_a_failure_has_a_minimal_counterexample_and_a_reproducer_that_reproduces_it(tmp_path):
     backend = CallableBackend(variants.wrong_lse, name="attention_variants:wrong_lse")
-    outcome = search_property(backend, "lse_agreement", FAST)
+    outcome = search_property(backend, "lse_agreement", FAST, repro_dir=tmp_path / "repro")
     assert outcome.status == "failed" and outcome.examples_to_failure == 1
     assert outcome.problem.nq * outcome.problem.nk <= 4  # shrunk from an edge case
-    assert "minimal counterexample" in outcome.message() and "reproduce: python -c" in outcome.message()
-    rerun = subprocess.run(outcome.reproducer, shell=True, capture_output=True, text=True, cwd=FIXTURES)
-    assert "property 'lse_agreement' failed" in rerun.stdout, rerun.stderr
+    assert "minimal counterexample" in outcome.message() and "reproduce: python3 " in outcome.message()
+    rerun = subprocess.run([sys.executable, outcome.reproducer_files["script"]], capture_output=True, text=True,
+                           cwd=tmp_path)
+    assert rerun.returncode == 1 and "property 'lse_agreement' failed" in rerun.stdout, rerun.stderr
+    assert search_property(backend, "lse_agreement", FAST).reproducer == ""  # no folder, nothing written
 
 
 def test_examples_to_failure_counts_the_examples_judged_before_the_first_failure():
@@ -132,11 +134,3 @@ def test_oracle_records_and_raises(tmp_path):
         oracle.assert_close(out * 2, problem, name="doubled")
     assert [r.backend for r in ResultsStore(tmp_path / "r.jsonl").read()] == ["tiled", "doubled"]
     assert oracle.reference(problem).out.shape == problem.out_shape
-
-
-def test_reproducer_for_reports_rebuilds_builtin_and_callable_targets():
-    problem = make_problem("normal", (1, 1, 1, 3, 3, 8), "fp16", 1, causal=True)
-    assert "get_backend('numpy-tiled')" in reproducer("numpy-tiled", problem)
-    command = reproducer("attention_variants:split_kv", problem)
-    rerun = subprocess.run(command, shell=True, capture_output=True, text=True, cwd=FIXTURES)
-    assert "property 'oracle_agreement' passed" in rerun.stdout, rerun.stderr

@@ -9,7 +9,7 @@ import os
 import secrets
 import sys
 
-from fa_verify.cli.arguments import positive_int, writable_file
+from fa_verify.cli.arguments import positive_int, writable_file, writable_folder
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
 
 _CAUSAL = {"yes": (True,), "no": (False,), "both": (False, True)}
@@ -42,6 +42,11 @@ SHARED_OPTIONS = {
     "results": dict(default=None, metavar="FILE", type=writable_file,
                     help="append every oracle comparison's metrics to FILE (JSON lines), for "
                          "'fa_verify report'"),
+    "repro-dir": dict(default=None, metavar="DIR", type=writable_folder,
+                      help="write each failing example's reproducer (a script and its inputs, .npz) "
+                           "into DIR (default: $FA_VERIFY_REPRO_DIR, else .fa_verify/repro in the current "
+                           "folder; pytest: in its rootdir); run it from any folder with the printed "
+                           "'python3 ...' command"),
 }
 
 
@@ -55,7 +60,7 @@ def add_parser(sub) -> None:
                     "NaN-padded inputs, determinism and unbiased rounding, each over Hypothesis "
                     "problems. Prints per property: passed (and how many examples were informative: "
                     "a trivial output such as zeros fails their tolerance), failed (examples to "
-                    "failure, the minimal counterexample, a reproducer; or no informative example) "
+                    "failure, the minimal counterexample, a reproducer script; or no informative example) "
                     "or not applicable. Exit 0: no property "
                     "failed; 1: one failed; 2: usage or setup error.")
     cmd.add_argument("target", metavar="TARGET",
@@ -145,6 +150,7 @@ def _verdict(outcome) -> str:
 def _run(args) -> int:
     from fa_verify.check import check_backend, results_recorder
     from fa_verify.properties import Selection, get_property
+    from fa_verify.properties.reproduce import default_folder
 
     for name in args.properties or ():
         get_property(name)  # an unknown name is a usage error before anything runs
@@ -168,7 +174,7 @@ def _run(args) -> int:
         # With --json, stdout holds only the document: progress goes to stderr as it comes.
         progress = functools.partial(_print_property, file=sys.stderr if args.json else sys.stdout)
         outcome = check_backend(backend, selection, properties=args.properties, on_result=record,
-                                progress=progress)
+                                progress=progress, repro_dir=args.repro_dir or default_folder())
         outcomes.append(outcome)
         if not args.json:
             counts = outcome.counts()

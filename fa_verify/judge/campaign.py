@@ -86,7 +86,6 @@ class SuiteRun:
     counterexample: Counterexample | None = None
     #: the killer's failure, first lines
     detail: str = ""
-    reproducer: str = ""
     examples: int = 0
     seconds: float = 0.0
     #: per property: status, examples, examples to failure, seconds
@@ -100,7 +99,7 @@ class SuiteRun:
                 "examples_to_kill": self.examples_to_kill,
                 "seconds_to_kill": None if self.seconds_to_kill is None else round(self.seconds_to_kill, 3),
                 "counterexample": None if self.counterexample is None else self.counterexample.as_dict(),
-                "detail": self.detail, "reproducer": self.reproducer or None,
+                "detail": self.detail,
                 "examples": self.examples, "seconds": round(self.seconds, 3),
                 "properties": list(self.properties), "shared_failures": list(self.shared_failures)}
 
@@ -179,7 +178,6 @@ def run_suite(backend, selection: Selection = Selection(), *, properties=None, s
                     run.counterexample = Counterexample.of(outcome.problem)
                 detail = outcome.failure.detail if outcome.failure is not None else ""
                 run.detail = _first_lines(detail)
-                run.reproducer = outcome.reproducer
                 if stop_at_first:
                     break
         before += outcome.examples

@@ -1,38 +1,308 @@
-"""One-line shell commands that rebuild a failing example and check the property again."""
+"""Reproducers: a failing example as a short script that runs from any folder.
+
+`write_reproducer(folder, target, properties, problem)` writes `repro_<property>_<hash>.py` and,
+beside it, the example's inputs `repro_<property>_<hash>.npz` (q, k, v exactly as drawn, bf16
+as its uint16 bits, and the problem's dtype, causal flag, alignment and scale). The script
+
+1. sets the environment variables that mattered when it was written (`ENVIRONMENT_NAMES` and
+   `ENVIRONMENT_PREFIXES`; PYTHONPATH made absolute), re-executing itself when they differ so
+   that they apply from the interpreter's start (PYTHONPATH, BLAS threads, TRITON_INTERPRET);
+2. puts the folder fa_verify was imported from, and the one the target's module was, first on
+   sys.path;
+3. rebuilds the target (`Target`: a built-in backend by name, or MODULE:FUNC with the options
+   of the callable protocol) and the problem, and calls the property's check function from
+   `fa_verify.properties` on it, with the property's seed: a property whose failing example is
+   derived from the problem (merge-law chunks, permutations, the null model) derives it again.
+
+It prints each result and exits 1 while a property still fails (a target that raises fails
+with its traceback, the way to debug it), 0 once none does, 2 when it cannot judge (the
+property is not applicable, or the target cannot be rebuilt). The target runs in the script's
+own process.
+"""
 
 from __future__ import annotations
 
-from fa_verify.backends import Backend, CallableBackend
-from fa_verify.backends.registry import builtin_backends
+import hashlib
+import json
+import os
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fa_verify.dtypes import numpy_dtype
 from fa_verify.problem import AttentionProblem
-from fa_verify.properties.registry import Property
+from fa_verify.properties._result import FAILED, NOT_APPLICABLE
 
-#: Python that imports fa_verify.backends inside a one-line reproducer.
-BACKENDS_MODULE = "__import__('fa_verify.backends', fromlist=['get_backend'])"
-
-
-def backend_expression(backend: Backend, dtype: str) -> str:
-    """Python that rebuilds `backend` (for reproducers), or a placeholder for custom ones."""
-    if isinstance(backend, CallableBackend):
-        m = backend.precision(dtype)
-        spec = f"score={m.score_accumulation},p={m.p_rounding},pv={m.pv_accumulation},out={m.output}"
-        return (f"{BACKENDS_MODULE}.CallableBackend({BACKENDS_MODULE}.load_callable({backend.name!r}), "
-                f"layout={backend.layout!r}, array={backend.array!r}, "
-                f"causal_alignment={backend.causal_alignment!r}, precision={spec!r})")
-    if backend.name in {b.name for b in builtin_backends()}:
-        return f"{BACKENDS_MODULE}.get_backend({backend.name!r})"
-    return "YOUR_BACKEND"
+#: Environment variables a reproducer sets again when they were set at check time: they change
+#: what a target computes or how it runs (Triton's interpreter, the GPU, BLAS threading, paths).
+ENVIRONMENT_NAMES = ("PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING")
+#: ... and every variable with one of these prefixes.
+ENVIRONMENT_PREFIXES = ("TRITON_", "OPENBLAS_", "OMP_", "MKL_", "JAX_", "XLA_", "PYTORCH_", "TORCH_")
+#: Where `fa_verify check` and the pytest plugin write reproducers unless told: this variable's
+#: folder, else DEFAULT_FOLDER under the current folder (pytest: its rootdir).
+FOLDER_VARIABLE = "FA_VERIFY_REPRO_DIR"
+DEFAULT_FOLDER = Path(".fa_verify") / "repro"
 
 
-def reproducer(backend: str, prop: Property, problem: AttentionProblem, seed: int) -> str:
-    """A one-line shell command that rebuilds `problem` from its tags and checks `prop` again on
-    the target the Python expression `backend` builds (see `backend_expression`)."""
-    tags = dict(problem.tags)
-    shape = (problem.batch, problem.heads, problem.kv_heads, problem.nq, problem.nk, problem.head_dim)
-    make = (f"make_problem({tags.get('distribution')!r}, {shape}, {problem.dtype!r}, {tags.get('seed')}, "
-            f"causal={problem.causal}, causal_alignment={problem.causal_alignment!r}, scale={problem.scale!r})")
-    seed_arg = f", seed={seed}" if prop.seeded else ""
-    return (f"python -c \"import sys; sys.path.insert(0, ''); from fa_verify.strategies import make_problem; "
-            f"from fa_verify.properties import get_property; "
-            f"print(get_property({prop.name!r})({backend}, {make}"
-            f"{seed_arg}).message())\"")
+def default_folder(root=".") -> Path:
+    """Where reproducers go when no folder is given (see FOLDER_VARIABLE)."""
+    return Path(os.environ.get(FOLDER_VARIABLE) or Path(root) / DEFAULT_FOLDER)
+
+
+class NotReproducible(Exception):
+    """The target cannot be rebuilt by a script (the message says why and what would do)."""
+
+
+def relevant_environment(environ=None) -> dict:
+    """The variables of `environ` (default os.environ) a reproducer sets again; PYTHONPATH's
+    relative entries made absolute, so that the script runs from any folder."""
+    environ = os.environ if environ is None else environ
+    kept = {name: value for name, value in sorted(environ.items())
+            if name in ENVIRONMENT_NAMES or name.startswith(ENVIRONMENT_PREFIXES)}
+    if "PYTHONPATH" in kept:
+        kept["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in kept["PYTHONPATH"].split(os.pathsep))
+    return kept
+
+
+def _import_folder(module) -> str | None:
+    """The sys.path entry `module` was imported from (None for one without a file)."""
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    depth = module.__name__.count(".") + hasattr(module, "__path__")  # a package's file is its __init__.py
+    return str(Path(file).absolute().parents[depth])
+
+
+def _resolve(reference: str):
+    """What MODULE:FUNC names among the modules imported already (None if nothing)."""
+    module_name, _, attributes = reference.partition(":")
+    obj = sys.modules.get(module_name)
+    for part in attributes.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _reference(fn, name: str) -> tuple[str, str | None]:
+    """("MODULE:FUNC", the folder its module was imported from) naming `fn`: its target `name`
+    when that is a MODULE:FUNC (a function made by a factory has no importable qualified name),
+    else its module and qualified name; NotReproducible when neither names it."""
+    qualified = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', None)}"
+    for reference in (name, qualified):
+        if ":" in reference and not reference.startswith("__main__:") and _resolve(reference) is fn:
+            return reference, _import_folder(sys.modules[reference.partition(":")[0]])
+    if qualified.startswith("__main__:"):
+        raise NotReproducible(f"{qualified} is defined in the script that ran the check: move it into a "
+                              "module and check it as MODULE:FUNC")
+    raise NotReproducible(f"{qualified} is not importable by name (a lambda, a nested function or a "
+                          "callable object): define it at the top level of a module, or name it as MODULE:FUNC")
+
+
+def precision_spec(model) -> str:
+    """The `--precision` spec of a PrecisionModel (its input dtype is the problem's)."""
+    return f"score={model.score_accumulation},p={model.p_rounding},pv={model.pv_accumulation},out={model.output}"
+
+
+def callable_options(backend, dtype: str) -> dict:
+    """The keyword arguments of CallableBackend that change what `backend` runs or how it is
+    judged, for problems of `dtype`. A new option of CallableBackend belongs here too (a test
+    compares this with the constructor's parameters)."""
+    return {"layout": backend.layout, "array": backend.array, "causal_alignment": backend.causal_alignment,
+            "precision": precision_spec(backend.precision(dtype))}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a reproducer rebuilds: a built-in backend (`reference` None), or the function
+    `reference` (MODULE:FUNC, imported from `folder`) wrapped as `kind` ("callable": the callable
+    protocol, CallableBackend with `options`; "run": a run(problem) function, RunFunctionBackend)."""
+
+    name: str
+    kind: str = "builtin"
+    reference: str | None = None
+    folder: str | None = None
+    options: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, backend, dtype: str) -> "Target":
+        """The target that rebuilds `backend` for problems of `dtype`; NotReproducible if none can."""
+        from fa_verify.backends import CallableBackend, builtin_backends
+        from fa_verify.properties._subject import RunFunctionBackend
+
+        if isinstance(backend, CallableBackend):
+            reference, folder = _reference(backend.fn, backend.name)
+            return cls(backend.name, "callable", reference, folder, callable_options(backend, dtype))
+        if isinstance(backend, RunFunctionBackend):
+            reference, folder = _reference(backend._fn, backend.name)
+            return cls(backend.name, "run", reference, folder,
+                       {"precision": precision_spec(backend.precision(dtype))})
+        if any(type(b) is type(backend) and b.name == backend.name for b in builtin_backends()):
+            return cls(backend.name)
+        raise NotReproducible(f"{backend.name!r} is a {type(backend).__name__}: a reproducer rebuilds built-in "
+                              "backends and functions importable as MODULE:FUNC only")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Target":
+        return cls(**data)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def imports(self) -> str:
+        return {"builtin": "from fa_verify.backends import get_backend",
+                "callable": "from fa_verify.backends import CallableBackend, load_callable",
+                "run": "from fa_verify.backends import load_callable\n"
+                       "    from fa_verify.properties import as_backend"}[self.kind]
+
+    def expression(self) -> str:
+        """Python that rebuilds the target (after `imports()`), one keyword argument a line."""
+        if self.kind == "builtin":
+            return f"get_backend({self.name!r})"
+        make = "as_backend" if self.kind == "run" else "CallableBackend"
+        arguments = [f"load_callable({self.reference!r})", f"name={self.name!r}",
+                     *(f"{k}={v!r}" for k, v in self.options.items())]
+        return f"{make}(\n        " + ",\n        ".join(arguments) + ")"
+
+
+# --- the inputs ---------------------------------------------------------------------------------
+
+def save_problem(problem: AttentionProblem, path) -> None:
+    """q, k, v (bf16 as uint16 bits: numpy has no bf16) and the parameters, as an .npz file."""
+    parameters = {"dtype": problem.dtype, "causal": problem.causal, "causal_alignment": problem.causal_alignment,
+                  "scale": problem.scale, "tags": [list(t) for t in problem.tags]}
+    arrays = {name: getattr(problem, name) for name in ("q", "k", "v")}
+    if problem.dtype == "bf16":
+        arrays = {name: x.view(np.uint16) for name, x in arrays.items()}
+    with open(path, "wb") as f:
+        np.savez(f, parameters=np.array(json.dumps(parameters, default=str)), **arrays)
+
+
+def load_problem(path) -> AttentionProblem:
+    """The problem `save_problem` wrote, bit for bit."""
+    with np.load(path, allow_pickle=False) as data:
+        parameters = json.loads(str(data["parameters"]))
+        dtype = numpy_dtype(parameters["dtype"])
+        q, k, v = (np.ascontiguousarray(data[name]).view(dtype) for name in ("q", "k", "v"))
+    return AttentionProblem(q, k, v, causal=parameters["causal"], causal_alignment=parameters["causal_alignment"],
+                            scale=parameters["scale"], tags=tuple(tuple(t) for t in parameters["tags"]))
+
+
+# --- the script ---------------------------------------------------------------------------------
+
+def exit_status(results) -> int:
+    """A reproducer's exit status: 1 if a property failed, 2 if one could not judge, else 0."""
+    statuses = {r.status for r in results}
+    return 1 if FAILED in statuses else 2 if NOT_APPLICABLE in statuses else 0
+
+
+def _shortest(path: Path) -> str:
+    """`path` relative to the current folder when it lies inside it, else absolute."""
+    relative = os.path.relpath(path)
+    return str(path) if relative.startswith("..") else relative
+
+
+@dataclass(frozen=True)
+class Reproducer:
+    """A written reproducer: the script and its inputs (absolute paths)."""
+
+    script: Path
+    inputs: Path
+
+    @property
+    def command(self) -> str:
+        """The short command that runs it (a path relative to the current folder inside it)."""
+        return f"python3 {shlex.quote(_shortest(self.script))}"
+
+    def files(self) -> dict:
+        return {"script": str(self.script), "inputs": str(self.inputs)}
+
+
+_SCRIPT = '''\
+#!/usr/bin/env python3
+"""fa_verify reproducer: {about}
+{failure}
+Run it from any folder: python3 {script}
+Exit 1: a property still fails (its verdict, or the target's traceback, is printed);
+0: none does; 2: it cannot judge (not applicable, or the example cannot be rebuilt here).
+The inputs are {inputs} beside this file (fa_verify.properties.reproduce.load_problem).
+"""
+import os
+import sys
+
+# Environment variables that were set when the example failed; re-executed so that they apply
+# from the interpreter's start (PYTHONPATH, BLAS threads, TRITON_INTERPRET, ...).
+ENVIRONMENT = {environment}
+if any(os.environ.get(name) != value for name, value in ENVIRONMENT.items()):
+    os.execve(sys.executable, [sys.executable, *sys.argv], {{**os.environ, **ENVIRONMENT}})
+# The folders fa_verify and the target were imported from.
+sys.path[:0] = {path}
+
+try:
+    {imports}
+    from fa_verify.properties import {checks}
+    from fa_verify.properties.reproduce import exit_status, load_problem
+
+    problem = load_problem(os.path.join(os.path.dirname(os.path.abspath(__file__)), {inputs!r}))
+    target = {target}
+except Exception as exc:  # not the target's failure: the example cannot be rebuilt here
+    print(f"cannot rebuild the example: {{type(exc).__name__}}: {{exc}}", file=sys.stderr)
+    sys.exit(2)
+
+results = [
+{calls}
+]
+for result in results:
+    print(result.message())
+sys.exit(exit_status(results))
+'''
+
+
+def _fa_verify_folder() -> str:
+    import fa_verify
+
+    return _import_folder(fa_verify)
+
+
+def _docstring_text(text: str) -> str:
+    """`text` safe inside the script's docstring."""
+    return text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+
+
+def write_reproducer(folder, target: Target, properties, problem: AttentionProblem, seed: int = 0,
+                     failure: str = "", search_seed: int | None = None) -> Reproducer:
+    """Write the script and inputs replaying `properties` (Property objects; seeded ones with
+    `seed`) of `problem` on `target` into `folder` (created if missing); `failure` (what failed
+    when it was written) and `search_seed` (the Hypothesis seed that found it) go into the
+    script's docstring. The name's hash covers the target,
+    properties, seed and inputs: the same failure overwrites its own reproducer."""
+    folder = Path(folder).absolute()
+    folder.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(json.dumps([target.as_dict(), [p.name for p in properties], seed,
+                                        problem.describe(), problem.causal_alignment]).encode())
+    for x in (problem.q, problem.k, problem.v):
+        digest.update(np.ascontiguousarray(x).tobytes())
+    stem = f"repro_{'+'.join(p.name for p in properties)}_{digest.hexdigest()[:10]}"
+    script, inputs = folder / f"{stem}.py", folder / f"{stem}.npz"
+    save_problem(problem, inputs)
+    path = [_fa_verify_folder()] + ([target.folder] if target.folder else [])
+    calls = "\n".join(f"    {p.check.__name__}(target, problem{f', seed={seed}' if p.seeded else ''}),"
+                      for p in properties)
+    about = f"{', '.join(p.name for p in properties)} on {target.name}, {problem.describe()}"
+    failure = "".join(f"When written: {line}\n" for line in failure.splitlines()[:1])
+    if search_seed is not None:
+        failure += f"Found by a search with Hypothesis seed {search_seed} (fa_verify check --seed {search_seed}).\n"
+    script.write_text(_SCRIPT.format(
+        about=_docstring_text(about), failure=_docstring_text(failure), script=_docstring_text(str(script)),
+        inputs=inputs.name, environment=_dict_source(relevant_environment()), path=repr(list(dict.fromkeys(path))), imports=target.imports(),
+        checks=", ".join(sorted({p.check.__name__ for p in properties})), target=target.expression(),
+        calls=calls))
+    return Reproducer(script, inputs)
+
+
+def _dict_source(mapping: dict) -> str:
+    """A dict literal, one item per line (environment values are long)."""
+    if not mapping:
+        return "{}"
+    return "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in mapping.items()) + "}"

@@ -3,7 +3,8 @@
 `search_property(backend, prop, selection)` draws problems the property is meaningful on and
 the target can run (its dtypes, head dims and causal alignments are probed once), runs the
 check on each, and returns a `PropertyOutcome`: passed, failed with the minimal counterexample
-Hypothesis shrank to and a one-line reproducer, or not applicable (with the reason). It is the
+Hypothesis shrank to (and, given a folder, a reproducer script written there: `reproduce`), or
+not applicable (with the reason). It is the
 engine of `fa_verify check`, of the pytest plugin's `fa_search` fixture, and so of properties/.
 """
 
@@ -27,7 +28,7 @@ from fa_verify.properties._result import FAILED, NOT_APPLICABLE, PASSED, Propert
 from fa_verify.properties._subject import as_backend
 from fa_verify.properties.draw import capabilities, edge_problems, problem_strategy
 from fa_verify.properties.registry import Property, get_property
-from fa_verify.properties.reproduce import backend_expression, reproducer
+from fa_verify.properties.reproduce import NotReproducible, Target, write_reproducer
 from fa_verify.properties.selection import Selection
 
 
@@ -49,7 +50,11 @@ class PropertyOutcome:
     failure: PropertyResult | None = None
     problem: AttentionProblem | None = field(default=None, repr=False)
     seed: int | None = None
+    #: the command that runs the reproducer written for the failure ("" when none was)
     reproducer: str = ""
+    #: its script and inputs (absolute paths), or why none could be written
+    reproducer_files: dict | None = None
+    no_reproducer: str = ""
     worst_ratio: float | None = None
     notes: tuple = ()
     #: examples the null-model guard judged informative / uninformative (a trivial output
@@ -88,14 +93,16 @@ class PropertyOutcome:
                 f"  minimal counterexample: {self.failure.problem} distribution={tags.get('distribution')} "
                 f"seed={tags.get('seed')}{seed}\n"
                 + "\n".join(f"  {line}" for line in self.failure.detail.splitlines())
-                + f"\n  reproduce: {self.reproducer}")
+                + (f"\n  reproduce: {self.reproducer}" if self.reproducer else "")
+                + (f"\n  no reproducer: {self.no_reproducer}" if self.no_reproducer else ""))
 
     def as_dict(self) -> dict:
         return {"property": self.property, "backend": self.backend, "status": self.status,
                 "examples": self.examples, "examples_to_failure": self.examples_to_failure,
                 "seconds": round(self.seconds, 3), "reason": self.reason,
                 "failure": None if self.failure is None else self.failure.message(),
-                "reproducer": self.reproducer or None, "worst_ratio": self.worst_ratio,
+                "reproducer": self.reproducer or None, "reproducer_files": self.reproducer_files,
+                "no_reproducer": self.no_reproducer or None, "worst_ratio": self.worst_ratio,
                 "notes": list(self.notes), "informative": self.informative,
                 "uninformative": self.uninformative}
 
@@ -156,9 +163,23 @@ def _target_failure(prop: Property, problem, exc: BaseException) -> PropertyResu
     return PropertyResult(prop.name, FAILED, problem.describe(), detail=f"{TARGET_RAISED} {what}{where}")
 
 
-def search_property(backend, prop, selection: Selection = Selection(), on_result=None) -> PropertyOutcome:
+def _write_reproducer(outcome: PropertyOutcome, backend, prop: Property, folder, search_seed) -> None:
+    """The failing example's reproducer, in `folder`; or why there is none."""
+    problem = outcome.problem
+    try:
+        written = write_reproducer(folder, Target.of(backend, problem.dtype), [prop], problem,
+                                   outcome.seed or 0, failure=outcome.failure.detail, search_seed=search_seed)
+    except (NotReproducible, OSError) as exc:
+        outcome.no_reproducer = str(exc)
+    else:
+        outcome.reproducer, outcome.reproducer_files = written.command, written.files()
+
+
+def search_property(backend, prop, selection: Selection = Selection(), on_result=None,
+                    repro_dir=None) -> PropertyOutcome:
     """Search for a counterexample to `prop` (a Property, its name or check) on `backend` (a
     Backend or a run(problem) function). `on_result(problem, result, seconds)` sees every result.
+    A failing example's reproducer is written into the folder `repro_dir` (none when None).
 
     Failures of the target — wrong numbers, a broken output protocol, a crash or any exception
     it raises — are counterexamples; other fa_verify errors (setup, misuse) are raised. A failure
@@ -243,7 +264,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
             result = replace(result, detail=NOT_REPEATED + result.detail)
         outcome.status, outcome.failure, outcome.problem = FAILED, result, problem
         outcome.seed = seed if prop.seeded else None
-        outcome.reproducer = reproducer(backend_expression(backend, problem.dtype), prop, problem, seed)
+        if repro_dir is not None:
+            _write_reproducer(outcome, backend, prop, repro_dir, selection.seed)
     except Unsatisfiable:
         pass
     outcome.seconds = time.perf_counter() - start

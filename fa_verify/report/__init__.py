@@ -24,7 +24,8 @@ OUTPUTS = ("index.html", "summary.json", "summary.md")
 
 def write_report(records, out_dir, *, run: RunInfo | None = None,
                  generated: str | None = None) -> ReportData:
-    """Render `records` into out_dir/index.html, summary.json and summary.md.
+    """Render `records` into out_dir/index.html, summary.json and summary.md, and the worst
+    cases' reproducers into out_dir/repro/.
 
     run: the sweep's RunInfo (skips, environment); without it the environment is this machine's.
     generated: the timestamp shown (default: now, UTC).
@@ -35,8 +36,8 @@ def write_report(records, out_dir, *, run: RunInfo | None = None,
 
     generated = generated or utc_now()
     environment = None if run is not None and run.environment else collect()
-    data = build(records, run=run, environment=environment, generated=generated)
     out = Path(out_dir)
+    data = build(records, run=run, environment=environment, generated=generated, repro_dir=out / "repro")
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("index.html", render_html(data)), ("summary.json", summary_json(data)),
                        ("summary.md", render_markdown(data))):

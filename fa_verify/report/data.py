@@ -63,7 +63,8 @@ class Cell:
         return _status(self.failed, self.deviations)
 
     @classmethod
-    def of(cls, records) -> "Cell":
+    def of(cls, records, repro_dir=None) -> "Cell":
+        """The cell of `records`; its failure's reproducer is written into `repro_dir` (none: None)."""
         failing = [r for r in records if not r.passed and not deviation_of(r)]
         deviating = [r for r in records if deviation_of(r)]
         measured = [r for r in records if r.out_errors is not None]
@@ -83,7 +84,7 @@ class Cell:
             unbounded=sum(r.unbounded for r in records),
             histograms=_merged_histograms(records),
             shapes=sorted({shape_label(r.problem) for r in records}),
-            failure=worst_case(failing or deviating))
+            failure=worst_case(failing or deviating, repro_dir))
 
 
 def has_finite_bound(record) -> bool:
@@ -158,16 +159,16 @@ def _precision_text(p: dict) -> str:
     return PrecisionModel(**p).describe()
 
 
-def backend_section(name: str, records, report_columns) -> BackendSection:
+def backend_section(name: str, records, report_columns, repro_dir=None) -> BackendSection:
     columns = sorted({column_of(r.problem) for r in records})
     by_cell, by_column = defaultdict(list), defaultdict(list)
     for r in records:
         by_cell[bucket_of(r.problem), column_of(r.problem)].append(r)
         by_column[column_of(r.problem)].append(r)
     buckets = sorted({b for b, _ in by_cell})
-    rows = [Row(b, [Cell.of(by_cell[b, c]) if (b, c) in by_cell else None for c in columns])
+    rows = [Row(b, [Cell.of(by_cell[b, c], repro_dir) if (b, c) in by_cell else None for c in columns])
             for b in buckets]
-    overview = [Cell.of(by_column[c]) if c in by_column else None for c in report_columns]
+    overview = [Cell.of(by_column[c], repro_dir) if c in by_column else None for c in report_columns]
     return BackendSection(
         name=name, runs=len(records), failed=_failed(records), deviations=_deviating(records),
         precision={r.problem.dtype: _precision_text(r.precision)
@@ -265,8 +266,9 @@ class ReportData:
 
 
 def build(records, *, run: RunInfo | None = None, environment: dict | None = None,
-          generated: str = "", title: str = "fa_verify report") -> ReportData:
-    """The report of `records`; `run` adds skips and the environment of the run."""
+          generated: str = "", title: str = "fa_verify report", repro_dir=None) -> ReportData:
+    """The report of `records`; `run` adds skips and the environment of the run; the worst
+    cases' reproducers are written into the folder `repro_dir` (none when None)."""
     by_backend = defaultdict(list)
     for r in records:
         by_backend[r.backend].append(r)
@@ -275,7 +277,7 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
         sources[r.source] += 1
     stamps = sorted(r.timestamp for r in records)
     columns = sorted({column_of(r.problem) for r in records})
-    failures, passing = worst_cases([r for r in records if not deviation_of(r)])
+    failures, passing = worst_cases([r for r in records if not deviation_of(r)], repro_dir)
     notes = []
     if run is not None and run.interrupted:
         notes.append("The run was interrupted: this report shows the runs recorded before it stopped.")
@@ -287,7 +289,7 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
                       sweeps=sorted({r.sweep for r in records if r.sweep}),
                       first=stamps[0] if stamps else None, last=stamps[-1] if stamps else None),
         columns=columns,
-        sections=ranked(backend_section(name, by_backend[name], columns) for name in by_backend),
+        sections=ranked(backend_section(name, by_backend[name], columns, repro_dir) for name in by_backend),
         fa3=fa3_table(records), curves=curves(records),
         failures=failures, deviations=deviations(records), worst_passing=passing, skips=skip_groups(run), run=run,
         environment=(run.environment if run is not None and run.environment else environment or {}),
