@@ -10,12 +10,28 @@ out= (and lse=) buffers to fill, of the shapes above in the output dtype and flo
 returns nothing (a returned value is ignored). The buffers start NaN-filled inside guard bands
 (`buffers.GuardedOutput`), so an element left unwritten or a write past either end is reported
 with its index. In both forms the inputs must come back bitwise unchanged.
+
+Isolation: with isolate=True (the default wherever the target is named as MODULE:FUNC: the CLI,
+the pytest plugin, `check_backend("MODULE:FUNC")`) the function runs in a worker process
+(fa_verify.isolation), started once and reused across examples, which imports it by that
+reference from the folder and sys.path of the parent. Each call has a time limit (`timeout`
+seconds) and a memory limit (`memory_limit`: RLIMIT_DATA, by default half the machine's memory);
+a crash (the signal), a hang (the seconds) or an allocation past the limit (the bytes) fails the
+example with what happened, and the next call starts a fresh worker. The input and output
+checks run in the worker, on what the function saw.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import inspect
+import os
+import pickle
+import re
+import signal
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -23,12 +39,17 @@ from fa_verify.backends.base import AVAILABLE, Backend, check_output, parse_prec
 from fa_verify.backends.buffers import GuardedOutput, InputSnapshot, check_written
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
-from fa_verify.errors import BackendOutputError, InvalidArgumentError
+from fa_verify.errors import BackendOutputError, InvalidArgumentError, KernelCrashError, KernelTimeoutError
+from fa_verify.isolation import RAISED_AT, WorkerDied, WorkerProcess, WorkerTimedOut, format_size, parse_size, serve
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import CAUSAL_ALIGNMENTS
 
 LAYOUTS = ("bhsd", "bshd")
 ARRAYS = ("numpy", "torch")
+#: Seconds one call of an isolated callable may take (--timeout).
+DEFAULT_TIMEOUT = 60.0
+#: An isolated callable's memory limit (--memory-limit): a size, a share of the machine's memory or "none".
+DEFAULT_MEMORY_LIMIT = "50%"
 
 
 class CallableBackend(Backend):
@@ -38,11 +59,15 @@ class CallableBackend(Backend):
     a PrecisionModel (for its input dtype only), or None for PrecisionModel.flash, the most
     lenient model a legitimate kernel uses. `dtypes=None` means every dtype the precision
     allows. `causal_alignment` is the alignment the function implements for causal=True.
+    `isolate=True` runs it in a worker process with `timeout` seconds and `memory_limit` per call
+    (see the module's doc); the function must then be importable as MODULE:FUNC (`name` may
+    give that reference), not a lambda, a local function or one defined in __main__.
     """
 
     def __init__(self, fn, name: str | None = None, layout: str = "bhsd", array: str = "numpy",
                  causal_alignment: str = "bottom-right", dtypes=None,
-                 precision: str | PrecisionModel | None = None):
+                 precision: str | PrecisionModel | None = None, isolate: bool = False,
+                 timeout: float = DEFAULT_TIMEOUT, memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT):
         if not callable(fn):
             raise InvalidArgumentError(f"fn={fn!r} is not callable")
         for arg, value, allowed in (("layout", layout, LAYOUTS), ("array", array, ARRAYS),
@@ -68,6 +93,15 @@ class CallableBackend(Backend):
         self.fills = output_parameters(fn)
         self.causal_alignment, self._precision = causal_alignment, precision
         self.name = name or _qualified_name(fn)
+        self._worker = None
+        if isolate:
+            options = dict(name=self.name, layout=layout, array=array, causal_alignment=causal_alignment,
+                           dtypes=self.dtypes, precision=precision)
+            self._worker = CallableWorker(_reference(fn, name), options, timeout, memory_limit)
+
+    @property
+    def isolated(self) -> bool:
+        return self._worker is not None
 
     def precision(self, dtype) -> PrecisionModel:
         if isinstance(self._precision, PrecisionModel):
@@ -86,6 +120,10 @@ class CallableBackend(Backend):
         return reason
 
     def _run(self, problem):
+        return self._worker.run(problem) if self._worker is not None else self.run_here(problem)
+
+    def run_here(self, problem):
+        """_run in this process (the worker calls it too)."""
         # Copies, so a function that writes into its inputs cannot change the problem; the
         # snapshot shows whether it did (torch tensors share the copies' memory).
         inputs = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if self.layout == "bshd" else x.copy()
@@ -150,6 +188,157 @@ def output_parameters(fn) -> tuple:
             f"fn={_qualified_name(fn)} takes lse= but not out=: the out= form of the callable protocol "
             "needs an out parameter (lse is optional); or drop lse and return (out, lse)")
     return names
+
+
+def _reference(fn, name: str | None) -> str:
+    """The MODULE:FUNC by which a worker process imports `fn`: `name` if it is one, else the
+    function's own module and qualified name; InvalidArgumentError when neither finds `fn`."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    for spec in (name, f"{module}:{qualname}"):
+        if not spec or ":" not in spec or spec.startswith("__main__:") or "<" in spec:
+            continue
+        try:
+            if load_callable(spec) is fn:
+                return spec
+        except InvalidArgumentError:
+            continue
+    raise InvalidArgumentError(
+        f"fn={_qualified_name(fn)} cannot be isolated: the worker process imports the function by a "
+        "MODULE:FUNC reference, and this one is a lambda, a local function or defined in __main__; define it "
+        "at the top level of an importable module (or pass that reference as name=), or pass isolate=False")
+
+
+class CallableWorker:
+    """Runs a MODULE:FUNC callable in a worker process (fa_verify.isolation) with a time limit and
+    a memory limit per call; a crash, a hang or running out of memory raises an error that says
+    so, and the next call starts a fresh worker."""
+
+    def __init__(self, spec: str, options: dict, timeout: float, memory_limit):
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds")
+        self.spec, self.options, self.timeout = spec, options, float(timeout)
+        self.memory_limit = memory_limit_bytes(memory_limit)
+        env = dict(os.environ)
+        # This fa_verify first: the worker must run the same code as its parent.
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+        command = (sys.executable, "-c", "import sys; from fa_verify.backends.user_callable import worker_main; "
+                                         "worker_main(int(sys.argv[1]), int(sys.argv[2]))")
+        self.process = WorkerProcess(command, env=env, cwd=os.getcwd(), memory_limit=self.memory_limit,
+                                     traceback_signal=signal.SIGUSR1)
+
+    def limits(self) -> str:
+        memory = "no memory limit" if self.memory_limit is None else f"{format_size(self.memory_limit)} of memory"
+        return f"{self.timeout:g} s and {memory} per call"
+
+    def run(self, problem):
+        name = self.options["name"]
+        with self.process.lock:
+            try:
+                if not self.process.alive:
+                    self.process.stop()
+                    self.process.start()
+                    kind, payload = self.process.call(("load", sys.path, self.spec, self.options, self.memory_limit),
+                                                      self.process.startup_timeout)
+                    if kind != "ok":
+                        raise InvalidArgumentError(f"the worker process cannot load {self.spec}: {payload[2]}")
+                kind, payload = self.process.call(("run", problem), self.timeout)
+            except WorkerTimedOut as late:
+                raise _located(KernelTimeoutError(
+                    f"{name} did not return within {self.timeout:g} s (killed; the next example starts a fresh "
+                    "worker process; --timeout sets the limit)"), late.output) from None
+            except WorkerDied as died:
+                raise _crash_error(name, died) from None
+        if kind == "done":
+            return payload
+        raise _raised_again(*payload)
+
+
+def memory_limit_bytes(limit) -> int | None:
+    """Bytes from a memory_limit argument: an int, a string for isolation.parse_size, or None."""
+    if limit is None or isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        return limit
+    if isinstance(limit, str):
+        try:
+            return parse_size(limit)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"memory_limit={limit!r}: {exc}") from None
+    raise InvalidArgumentError(f"memory_limit={limit!r} must be a positive number of bytes, a size such as "
+                               "'4GiB' or '50%', or None")
+
+
+def _crash_error(name: str, died: WorkerDied) -> KernelCrashError:
+    """The error for a worker that died in a call: the signal, where Python was (faulthandler's
+    traceback, innermost frame first) and what the worker printed last."""
+    cause = str(died)
+    if cause == "SIGKILL":
+        cause += " (killed from outside the worker: the system's out-of-memory killer?)"
+    error = KernelCrashError(f"{name} crashed the worker process: {cause} (the next example starts a fresh one)",
+                             detail=died.output)
+    return _located(error, died.output)
+
+
+def _located(error: Exception, output: str) -> Exception:
+    """`error`, carrying the innermost frame of the Python traceback that faulthandler wrote to
+    `output` (on a crash, or on the signal sent before a hung worker is killed)."""
+    frame = re.search(r'File "([^"]+)", line (\d+)', output.split("most recent call first", 1)[-1])
+    setattr(error, RAISED_AT, f"{frame.group(1)}:{frame.group(2)}" if frame else "the worker process")
+    return error
+
+
+def _portable(exc: BaseException, memory_limit: int | None = None) -> tuple:
+    """What the parent needs to raise `exc` again: (the exception if it pickles and is an
+    Exception, else None, its type's name, its message, where it was raised)."""
+    type_name, message, tb = type(exc).__name__, str(exc), exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else None
+    if isinstance(exc, MemoryError):
+        limit = "no limit" if memory_limit is None else format_size(memory_limit)
+        message = f"{message or 'out of memory'} (the worker's memory limit: {limit}; --memory-limit)"
+        exc = MemoryError(message)
+    try:  # SystemExit and KeyboardInterrupt must not stop the parent: a stand-in carries them
+        exc = pickle.loads(pickle.dumps(exc)) if isinstance(exc, Exception) else None
+    except Exception:  # noqa: BLE001 - an exception type the parent cannot rebuild: its name and message
+        exc = None
+    return exc, type_name, message, where
+
+
+def _raised_again(exc, type_name, message, where) -> BaseException:
+    """The exception raised in the worker, rebuilt in the parent (a stand-in of the same name if it
+    did not pickle), carrying where it was raised."""
+    if exc is None:
+        exc = type(type_name or "Exception", (Exception,), {})(message)
+    setattr(exc, RAISED_AT, where)
+    return exc
+
+
+def worker_main(inbox_fd: int, outbox_fd: int) -> None:
+    """The worker process: ("load", sys.path, spec, options, memory_limit) -> ("ok", None); then
+    ("run", problem) -> ("done", (out, lse)) or ("raised", _portable(...)); it exits after a
+    MemoryError, whose process may be unfit to go on."""
+    # Python's traceback goes to the log the parent reads on a crash, and before a hang is killed.
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1)
+    state = {}
+
+    def handle(request):
+        if request[0] == "load":
+            _, path, spec, options, state["limit"] = request
+            sys.path[:] = path
+            try:
+                state["backend"] = CallableBackend(load_callable(spec), **options)
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                return "raised", _portable(exc)
+            return "ok", None
+        try:
+            return "done", state["backend"].run_here(request[1])
+        except MemoryError as exc:
+            return "out of memory", _portable(exc, state["limit"])
+        except BaseException as exc:  # noqa: BLE001 - SystemExit included: whatever the target raises
+            return "raised", _portable(exc)
+
+    serve(inbox_fd, outbox_fd, handle, exit_after=("out of memory",))
 
 
 def _qualified_name(fn) -> str:

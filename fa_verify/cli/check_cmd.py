@@ -10,6 +10,7 @@ import secrets
 import sys
 
 from fa_verify.cli.arguments import positive_int, writable_file, writable_folder
+from fa_verify.backends.user_callable import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
 
 _CAUSAL = {"yes": (True,), "no": (False,), "both": (False, True)}
@@ -48,6 +49,20 @@ SHARED_OPTIONS = {
                            "folder; pytest: in its rootdir); run it from any folder with the printed "
                            "'python3 ...' command"),
 }
+
+
+def add_isolation_options(add_argument, prefix: str = "") -> None:
+    """--no-isolate, --timeout and --memory-limit (--fa-... in the pytest plugin); None when not
+    given, ISOLATION_DEFAULTS then."""
+    add_argument(f"--{prefix}no-isolate", dest=f"{prefix.replace('-', '_')}isolate", action="store_const",
+                 const=False, default=None,
+                 help="run MODULE:FUNC in this process, for a debugger (default: in a worker process, so that "
+                      "a crash, a hang or a runaway allocation fails the example instead of the run)")
+    add_argument(f"--{prefix}timeout", type=float, default=None, metavar="SECONDS",
+                 help=f"time limit of one call of an isolated MODULE:FUNC (default {DEFAULT_TIMEOUT:g})")
+    add_argument(f"--{prefix}memory-limit", default=None, metavar="SIZE",
+                 help="memory an isolated MODULE:FUNC may allocate (RLIMIT_DATA): e.g. 4GiB, 50%% of the "
+                      f"machine's memory, or none (default {DEFAULT_MEMORY_LIMIT.replace('%', '%%')})")
 
 
 def add_parser(sub) -> None:
@@ -96,6 +111,7 @@ def add_parser(sub) -> None:
                                default=None,
                                help="causal alignment the callable implements (default bottom-right; "
                                     "torch SDPA's is_causal is top-left)")
+    add_isolation_options(callable_opts.add_argument)
     callable_opts.add_argument("--precision", default=None,
                                help="precision model: a preset (flash, fp32-accumulate, "
                                     "same-precision) or 'score=fp32,p=bf16,pv=fp32,out=bf16'; "
@@ -111,11 +127,12 @@ def _targets(args):
         sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
         fn = load_callable(args.target)
         return [CallableBackend(fn, name=args.target, **_callable_options(args))]
-    given = [f"--{name.replace('_', '-')}" for name in CALLABLE_DEFAULTS if getattr(args, name) is not None]
+    given = [f"--{'no-isolate' if name == 'isolate' else name.replace('_', '-')}" for name in CALLABLE_DEFAULTS
+             if getattr(args, name) is not None]
     if given:
         raise InvalidArgumentError(
             f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to MODULE:FUNC targets only; "
-            f"{args.target!r} names built-in backends, whose layout, arrays and precision are their own "
+            f"{args.target!r} names built-in backends, whose layout, arrays, precision and isolation are their own "
             f"(see 'fa_verify backends'): drop {' and '.join(given)}, or check your function as MODULE:FUNC")
     if args.target == "all":
         return [b for b in builtin_backends() if b.availability().available]
@@ -127,7 +144,10 @@ def _targets(args):
 
 
 #: The callable-protocol options and their defaults (CallableBackend's).
-CALLABLE_DEFAULTS = {"layout": "bhsd", "array": "numpy", "causal_alignment": "bottom-right", "precision": None}
+#: Where --no-isolate, --timeout and --memory-limit are not given (the pytest plugin's too).
+ISOLATION_DEFAULTS = {"isolate": True, "timeout": DEFAULT_TIMEOUT, "memory_limit": DEFAULT_MEMORY_LIMIT}
+CALLABLE_DEFAULTS = {"layout": "bhsd", "array": "numpy", "causal_alignment": "bottom-right", "precision": None,
+                     **ISOLATION_DEFAULTS}
 
 
 def _callable_options(args) -> dict:

@@ -22,6 +22,7 @@ from hypothesis.errors import Flaky, Unsatisfiable
 
 from fa_verify import strategies as fst
 from fa_verify.errors import BackendOutputError, FaVerifyError, KernelRunError
+from fa_verify.isolation import RAISED_AT
 from fa_verify.problem import AttentionProblem
 from fa_verify.profiles import RELAXED_HEALTH_CHECKS
 from fa_verify.properties._result import FAILED, NOT_APPLICABLE, PASSED, PropertyFailure, PropertyResult
@@ -158,6 +159,8 @@ def _target_failure(prop: Property, problem, exc: BaseException) -> PropertyResu
         tb = tb.tb_next
     if tb is not None:
         where = f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
+    if getattr(exc, RAISED_AT, None):  # raised in the worker process of an isolated target
+        where = f" (at {getattr(exc, RAISED_AT)})"
     what = (f"SystemExit({exc.code!r}): it called sys.exit({exc.code!r})" if isinstance(exc, SystemExit)
             else f"{type(exc).__name__}: {exc}")
     return PropertyResult(prop.name, FAILED, problem.describe(), detail=f"{TARGET_RAISED} {what}{where}")
