@@ -10,6 +10,9 @@ Options:
                       one per session, printed in the header and recorded with --fa-results
   --fa-repro-dir DIR  where fa_search writes a failing example's reproducer (a script and its
                       inputs; default: $FA_VERIFY_REPRO_DIR, else ROOTDIR/.fa_verify/repro)
+  --fa-no-isolate     run MODULE:FUNC backends in the test process (default: in a worker
+                      process, where a crash, a hang or a runaway allocation fails the example)
+  --fa-timeout S, --fa-memory-limit SIZE   limits per call of an isolated MODULE:FUNC
 Fixtures:
   fa_backend   parametrises a test over the selected backends
   fa_search    fa_search(target, property) searches one property on a target (a Backend or a
@@ -29,7 +32,7 @@ _SEED_DRAWN = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser):
-    from fa_verify.cli.check_cmd import SEED_HELP, SHARED_OPTIONS, parse_seed
+    from fa_verify.cli.check_cmd import SEED_HELP, SHARED_OPTIONS, add_isolation_options, parse_seed
 
     group = parser.getgroup("fa_verify", "fa_verify: attention kernel properties")
     group.addoption("--fa-backend", action="append", default=None, metavar="NAME",
@@ -39,6 +42,7 @@ def pytest_addoption(parser):
         group.addoption(f"--fa-{name}", **kwargs)
     group.addoption("--fa-seed", type=parse_seed, default=None, metavar="N|random",
                     help=SEED_HELP.replace("--seed", "--fa-seed") + " (default: the profile's)")
+    add_isolation_options(group.addoption, prefix="fa-")
 
 
 def pytest_configure(config):
@@ -86,7 +90,9 @@ def _backends(config) -> list:
             if names is None:
                 backends = [b for b in builtin_backends() if b.availability().available]
             else:
-                backends = [CallableBackend(load_callable(n), name=n) if ":" in n else get_backend(n)
+                isolation = dict(isolate=config.getoption("fa_isolate"), timeout=config.getoption("fa_timeout"),
+                                 memory_limit=config.getoption("fa_memory_limit"))
+                backends = [CallableBackend(load_callable(n), name=n, **isolation) if ":" in n else get_backend(n)
                             for n in names]
         except FaVerifyError as exc:
             raise pytest.UsageError(f"--fa-backend: {exc}") from None
