@@ -1,5 +1,7 @@
 """The parent's side of a worker process: code under test that may crash, hang or exhaust memory
-runs there, so that fa_verify survives it, reports it and starts a fresh worker.
+runs there, so that fa_verify survives it, reports it and starts a fresh worker. Used by the
+CUDA-on-CPU runner (fa_verify.cuda_cpu._process) and by isolated MODULE:FUNC callables
+(fa_verify.backends.user_callable); the worker's side of the protocol is worker_loop.serve.
 
 Protocol (multiprocessing.connection framing over two pipes, whose descriptors are the last two
 arguments of the worker's command line): the worker says ("ready", pid), then answers each request
@@ -213,27 +215,3 @@ class WorkerProcess:
             if self._log is not None:
                 self._log.close()
                 self._log = None
-
-
-def serve(inbox_fd: int, outbox_fd: int, handle, exit_after=()) -> None:
-    """The worker's loop: say ready, then answer each request with handle(request) -> (kind,
-    payload), until the parent closes the pipe or a reply's kind is in `exit_after` (the
-    process may be unfit to go on: it exits after replying). The worker dies with its parent."""
-    import ctypes
-
-    inbox = Connection(inbox_fd, writable=False)
-    outbox = Connection(outbox_fd, readable=False)
-    try:
-        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: no orphan stuck in a hang
-    except (AttributeError, OSError):
-        pass
-    outbox.send(("ready", os.getpid()))
-    while True:
-        try:
-            request = inbox.recv()
-        except (EOFError, OSError):
-            return
-        reply = handle(request)
-        outbox.send(reply)
-        if reply[0] in exit_after:
-            return

@@ -40,8 +40,9 @@ from fa_verify.backends.buffers import GuardedOutput, InputSnapshot, check_writt
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import BackendOutputError, InvalidArgumentError, KernelCrashError, KernelTimeoutError
-from fa_verify.isolation import RAISED_AT, WorkerDied, WorkerProcess, WorkerTimedOut, format_size, parse_size, serve
+from fa_verify.isolation import RAISED_AT, WorkerDied, WorkerProcess, WorkerTimedOut, format_size, parse_size
 from fa_verify.precision import PrecisionModel
+from fa_verify.worker_loop import serve
 from fa_verify.problem import CAUSAL_ALIGNMENTS
 
 LAYOUTS = ("bhsd", "bshd")
@@ -322,7 +323,7 @@ def worker_main(inbox_fd: int, outbox_fd: int) -> None:
     faulthandler.register(signal.SIGUSR1)
     state = {}
 
-    def handle(request):
+    def handle(request, send):
         if request[0] == "load":
             _, path, spec, options, state["limit"] = request
             sys.path[:] = path

@@ -14,15 +14,12 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
-import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 
+from fa_verify import isolation
 from fa_verify.errors import (
     BackendUnavailableError,
     KernelCrashError,
@@ -57,19 +54,15 @@ def asan_runtime() -> str:
 
 
 class WorkerProcess:
-    """One worker subprocess (sanitizer or not), started on first use and after every death."""
+    """The worker subprocess (sanitizer or not), started on first use and after every death;
+    the process itself is fa_verify.isolation's."""
 
     def __init__(self, sanitize: bool):
         self.sanitize = sanitize
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._tx: Connection | None = None
-        self._rx: Connection | None = None
-        self._log = None
+        self._process = isolation.WorkerProcess([sys.executable, "-S", str(_WORKER_SCRIPT)],
+                                                cwd=str(_WORKER_SCRIPT.parent), startup_timeout=_STARTUP_TIMEOUT)
 
-    # -- lifecycle -------------------------------------------------------------------------------
-
-    def _start(self) -> None:
+    def _environment(self) -> dict:
         env = dict(os.environ)
         if self.sanitize:
             env["LD_PRELOAD"] = asan_runtime()
@@ -77,103 +70,42 @@ class WorkerProcess:
         else:
             env.pop("LD_PRELOAD", None)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-        to_worker_r, to_worker_w = os.pipe()
-        from_worker_r, from_worker_w = os.pipe()
-        # O_APPEND: the worker appends while the parent reads with pread and truncates between launches.
-        self._log = tempfile.TemporaryFile(mode="a+b", prefix="fa_verify_worker_")
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-S", str(_WORKER_SCRIPT), str(to_worker_r), str(from_worker_w)],
-                pass_fds=(to_worker_r, from_worker_w),
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=str(_WORKER_SCRIPT.parent),
-            )
-        finally:
-            os.close(to_worker_r)
-            os.close(from_worker_w)
-        self._tx = Connection(to_worker_w, readable=False)
-        self._rx = Connection(from_worker_r, writable=False)
-        if not self._rx.poll(_STARTUP_TIMEOUT):
-            self._kill()
-            raise KernelRunError(f"the CUDA-on-CPU worker did not start within {_STARTUP_TIMEOUT:g} s")
-        try:
-            self._rx.recv()
-        except (EOFError, OSError):
-            text = self._read_log()
-            self._reap()
-            raise KernelRunError("the CUDA-on-CPU worker failed to start:\n" + text[-4000:], detail=text) from None
+        return env
 
-    def _reap(self) -> int:
-        rc = self._proc.wait() if self._proc is not None else 0
-        for conn in (self._tx, self._rx):
-            if conn is not None:
-                conn.close()
-        self._proc = self._tx = self._rx = None
-        return rc
-
-    def _kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-        self._reap()
+    def _start(self) -> None:
+        self._process.env = self._environment()  # as the environment is now, as it was at each start before
+        try:
+            self._process.start()
+        except isolation.WorkerTimedOut:
+            raise KernelRunError(f"the CUDA-on-CPU worker did not start within {_STARTUP_TIMEOUT:g} s") from None
+        except isolation.WorkerDied as died:
+            raise KernelRunError("the CUDA-on-CPU worker failed to start:\n" + died.output[-4000:],
+                                 detail=died.output) from None
 
     def close(self) -> None:
-        with self._lock:
-            if self._proc is not None:
-                self._tx.close()  # the worker reads EOF and exits
-                self._tx = None
-                try:
-                    self._proc.wait(timeout=2)
-                except subprocess.TimeoutExpired:
-                    pass
-                self._kill()
-            if self._log is not None:
-                self._log.close()
-                self._log = None
-
-    def _read_log(self) -> str:
-        if self._log is None:
-            return ""
-        fd = self._log.fileno()
-        size = os.fstat(fd).st_size
-        return os.pread(fd, size, 0).decode(errors="replace") if size else ""
-
-    # -- one launch --------------------------------------------------------------------------------
+        self._process.close()
 
     def run(self, request: dict, timeout: float, what: str, buffer_names: list[str]) -> tuple[dict, str]:
         """Send one launch; return (result, the kernel's printed output) or raise a KernelRunError.
 
         `what` names the launch and `buffer_names` the request's buffers, for the messages.
         """
-        with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                if self._proc is not None:
-                    self._reap()
+        buffers: list[tuple[int, int]] = []
+
+        def announced(kind, table) -> None:
+            buffers[:] = table
+
+        with self._process.lock:
+            if not self._process.alive:
+                self._process.stop()
                 self._start()
-            os.ftruncate(self._log.fileno(), 0)
-            buffers: list[tuple[int, int]] = []
-            deadline = time.monotonic() + timeout
             try:
-                self._tx.send(request)
-                while True:
-                    if not self._rx.poll(max(0.0, deadline - time.monotonic())):
-                        self._kill()
-                        raise KernelTimeoutError(f"kernel timed out after {timeout:g} s ({what})")
-                    kind, payload = self._rx.recv()
-                    if kind == "buffers":
-                        buffers = payload
-                        continue
-                    break
-            except (EOFError, OSError):
-                output = self._read_log()
-                status = self._reap()
-                raise _death_error(status, output, buffers, what, buffer_names) from None
-            except BaseException:  # KeyboardInterrupt: the worker's late reply must not meet the next request
-                self._kill()
-                raise
-            output = self._read_log()
+                kind, payload = self._process.call(request, timeout, interim=("buffers",), on_interim=announced)
+            except isolation.WorkerTimedOut:
+                raise KernelTimeoutError(f"kernel timed out after {timeout:g} s ({what})") from None
+            except isolation.WorkerDied as died:
+                raise _death_error(died.status, died.output, buffers, what, buffer_names) from None
+            output = self._process.output()
             if kind == "error":
                 raise KernelRunError(f"the CUDA-on-CPU worker could not run {what}: {payload}", detail=output)
             return payload, output
@@ -193,10 +125,7 @@ def _death_error(status: int, output: str, buffers, what: str, buffer_names: lis
         where = _locate(kind, report, buffers, buffer_names)
         return KernelSanitizerError(f"AddressSanitizer: {kind}{where} ({what})\n{report}", detail=report)
     if status < 0:
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
+        name = isolation.describe_status(status)
         message = f"kernel crashed: {name} ({what})"
         if name == "SIGSEGV":
             message += ("\n(an invalid address: sanitize=True reports the access; or a fiber stack overflow: "

@@ -2,44 +2,35 @@
 
 Why a separate process: a kernel under test may segfault, abort, corrupt memory or spin forever;
 the test process must survive all of it and report a failing example. The parent kills and
-restarts this worker as needed. Run by path, it imports only the standard library and its
-neighbour _exec.py, and it dies with its parent (PR_SET_PDEATHSIG) even when stuck in a kernel.
+restarts this worker as needed. Run by path, it imports only the standard library, its
+neighbour _exec.py and fa_verify/worker_loop.py (the request loop, shared with other workers),
+and it dies with its parent (PR_SET_PDEATHSIG) even when stuck in a kernel.
 
 Protocol (multiprocessing.connection framing over two pipes): the worker says ("ready", pid);
 for each request it may say ("buffers", [(address, size), ...]) before launching, then replies
 ("done", result) or ("error", text).
 """
 
-import ctypes
-import os
 import sys
-from multiprocessing.connection import Connection
+from pathlib import Path
 
 import _exec
 
-_PR_SET_PDEATHSIG = 1
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # fa_verify/, for worker_loop alone
+import worker_loop  # noqa: E402 - found through the line above
 
 
 def main() -> None:
-    inbox = Connection(int(sys.argv[1]), writable=False)
-    outbox = Connection(int(sys.argv[2]), readable=False)
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, 9)  # SIGKILL when the parent goes away
-    except (AttributeError, OSError):
-        pass
-    outbox.send(("ready", os.getpid()))
-    while True:
+    def handle(request, send):
         try:
-            request = inbox.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            result = _exec.launch_with_copies(request, announce=lambda table: outbox.send(("buffers", table)))
+            result = _exec.launch_with_copies(request, announce=lambda table: send(("buffers", table)))
             reply = ("done", result)
         except Exception as exc:  # a library that does not load, an allocation that fails
             reply = ("error", f"{type(exc).__name__}: {exc}")
         sys.stdout.flush()
-        outbox.send(reply)
+        return reply
+
+    worker_loop.serve(int(sys.argv[1]), int(sys.argv[2]), handle)
 
 
 if __name__ == "__main__":
