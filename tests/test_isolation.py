@@ -103,7 +103,7 @@ def test_input_and_output_buffer_checks_run_in_the_worker(fixtures_dir):
 def test_isolation_needs_an_importable_function_and_sane_limits():
     with pytest.raises(InvalidArgumentError, match="cannot be isolated.*isolate=False"):
         CallableBackend(lambda q, k, v, *, causal, scale: q, isolate=True)
-    for bad in (dict(timeout=0), dict(memory_limit="lots"), dict(memory_limit=-1)):
+    for bad in (dict(timeout=0), dict(timeout=float("inf")), dict(memory_limit="lots"), dict(memory_limit=-1)):
         with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
             CallableBackend(load_callable("fa_verify.backends.naive:naive_attention"), isolate=True, **bad)
     assert parse_size("4GiB") == parse_size("4g") == 4 * 2**30 and parse_size("none") is None
@@ -111,8 +111,9 @@ def test_isolation_needs_an_importable_function_and_sane_limits():
 
 
 def test_a_bad_limit_on_the_command_line_exits_2(fixtures_dir, capsys):
-    assert main(["check", "misbehaving_kernels:exits", "--memory-limit", "lots"]) == 2
-    assert "lots" in capsys.readouterr().err
+    for option in (["--memory-limit", "lots"], ["--timeout", "0"], ["--memory-limit", "lots", "--no-isolate"]):
+        assert main(["check", "misbehaving_kernels:exits", *option]) == 2
+        assert option[1] in capsys.readouterr().err
 
 
 pytest_plugins = ["pytester"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import inspect
+import math
 import os
 import pickle
 import re
@@ -94,15 +95,15 @@ class CallableBackend(Backend):
         self.fills = output_parameters(fn)
         self.causal_alignment, self._precision = causal_alignment, precision
         self.name = name or _qualified_name(fn)
+        # Checked in-process too: a bad limit is an error whether or not it applies.
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+            raise InvalidArgumentError(f"timeout={timeout!r} must be a positive, finite number of seconds")
+        memory_limit = memory_limit_bytes(memory_limit)
         self._worker = None
         if isolate:
             options = dict(name=self.name, layout=layout, array=array, causal_alignment=causal_alignment,
                            dtypes=self.dtypes, precision=precision)
-            self._worker = CallableWorker(_reference(fn, name), options, timeout, memory_limit)
-
-    @property
-    def isolated(self) -> bool:
-        return self._worker is not None
+            self._worker = CallableWorker(_reference(fn, name), options, float(timeout), memory_limit)
 
     def precision(self, dtype) -> PrecisionModel:
         if isinstance(self._precision, PrecisionModel):
@@ -214,11 +215,8 @@ class CallableWorker:
     a memory limit per call; a crash, a hang or running out of memory raises an error that says
     so, and the next call starts a fresh worker."""
 
-    def __init__(self, spec: str, options: dict, timeout: float, memory_limit):
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise InvalidArgumentError(f"timeout={timeout!r} must be a positive number of seconds")
-        self.spec, self.options, self.timeout = spec, options, float(timeout)
-        self.memory_limit = memory_limit_bytes(memory_limit)
+    def __init__(self, spec: str, options: dict, timeout: float, memory_limit: int | None):
+        self.spec, self.options, self.timeout, self.memory_limit = spec, options, timeout, memory_limit
         env = dict(os.environ)
         # This fa_verify first: the worker must run the same code as its parent.
         package_root = str(Path(__file__).resolve().parents[2])
@@ -227,10 +225,6 @@ class CallableWorker:
                                          "worker_main(int(sys.argv[1]), int(sys.argv[2]))")
         self.process = WorkerProcess(command, env=env, cwd=os.getcwd(), memory_limit=self.memory_limit,
                                      traceback_signal=signal.SIGUSR1)
-
-    def limits(self) -> str:
-        memory = "no memory limit" if self.memory_limit is None else f"{format_size(self.memory_limit)} of memory"
-        return f"{self.timeout:g} s and {memory} per call"
 
     def run(self, problem):
         name = self.options["name"]
