@@ -90,8 +90,11 @@ def _backends(config) -> list:
             if names is None:
                 backends = [b for b in builtin_backends() if b.availability().available]
             else:
-                isolation = dict(isolate=config.getoption("fa_isolate"), timeout=config.getoption("fa_timeout"),
-                                 memory_limit=config.getoption("fa_memory_limit"))
+                from fa_verify.cli.check_cmd import ISOLATION_DEFAULTS
+
+                given = {name: config.getoption(f"fa_{name}") for name in ISOLATION_DEFAULTS}
+                isolation = {name: default if given[name] is None else given[name]
+                             for name, default in ISOLATION_DEFAULTS.items()}
                 backends = [CallableBackend(load_callable(n), name=n, **isolation) if ":" in n else get_backend(n)
                             for n in names]
         except FaVerifyError as exc:

@@ -114,6 +114,8 @@ def test_a_bad_limit_on_the_command_line_exits_2(fixtures_dir, capsys):
     for option in (["--memory-limit", "lots"], ["--timeout", "0"], ["--memory-limit", "lots", "--no-isolate"]):
         assert main(["check", "misbehaving_kernels:exits", *option]) == 2
         assert option[1] in capsys.readouterr().err
+    assert main(["check", "naive", "--no-isolate"]) == 2  # a built-in backend: the option is for MODULE:FUNC
+    assert "--no-isolate applies to MODULE:FUNC targets only" in capsys.readouterr().err
 
 
 pytest_plugins = ["pytester"]
