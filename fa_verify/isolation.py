@@ -32,6 +32,10 @@ from multiprocessing.connection import Connection
 
 from fa_verify.errors import InvalidArgumentError
 
+#: Seconds one call of an isolated callable may take (--timeout).
+DEFAULT_TIMEOUT = 60.0
+#: An isolated callable's memory limit (--memory-limit): a size, a share of the machine's memory or "none".
+DEFAULT_MEMORY_LIMIT = "50%"
 _STARTUP_TIMEOUT = 60.0
 #: Seconds a timed-out worker is given to print its traceback before it is killed.
 _TRACEBACK_WAIT = 0.2

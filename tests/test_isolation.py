@@ -63,7 +63,7 @@ def test_the_limit_refuses_what_the_machine_would_grant(fixtures_dir, capsys):
 
 def test_system_exit_in_the_target_is_a_failing_example(fixtures_dir, capsys):
     code, failures, _ = check(capsys, "exits")
-    assert code == 1 and len(failures) == 2 and all("SystemExit: 3" in line for line in failures)
+    assert code == 1 and len(failures) == 2 and all("SystemExit(3): it called sys.exit(3)" in line for line in failures)
 
 
 def test_one_worker_serves_every_example_and_no_isolate_runs_in_process(fixtures_dir, capsys, tmp_path, monkeypatch):

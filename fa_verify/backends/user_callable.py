@@ -32,6 +32,7 @@ import pickle
 import re
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -41,17 +42,22 @@ from fa_verify.backends.buffers import GuardedOutput, InputSnapshot, check_writt
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import BackendOutputError, InvalidArgumentError, KernelCrashError, KernelTimeoutError
-from fa_verify.isolation import RAISED_AT, WorkerDied, WorkerProcess, WorkerTimedOut, format_size, parse_size
+from fa_verify.isolation import (
+    DEFAULT_MEMORY_LIMIT,
+    DEFAULT_TIMEOUT,
+    RAISED_AT,
+    WorkerDied,
+    WorkerProcess,
+    WorkerTimedOut,
+    format_size,
+    parse_size,
+)
 from fa_verify.precision import PrecisionModel
 from fa_verify.worker_loop import serve
 from fa_verify.problem import CAUSAL_ALIGNMENTS
 
 LAYOUTS = ("bhsd", "bshd")
 ARRAYS = ("numpy", "torch")
-#: Seconds one call of an isolated callable may take (--timeout).
-DEFAULT_TIMEOUT = 60.0
-#: An isolated callable's memory limit (--memory-limit): a size, a share of the machine's memory or "none".
-DEFAULT_MEMORY_LIMIT = "50%"
 
 
 class CallableBackend(Backend):
@@ -244,6 +250,9 @@ class CallableWorker:
                     "worker process; --timeout sets the limit)"), late.output) from None
             except WorkerDied as died:
                 raise _crash_error(name, died) from None
+        payload, warned = payload
+        for message, category, filename, lineno in warned:  # issued here, so the parent's filters see them
+            warnings.warn_explicit(message, category, filename, lineno)
         if kind == "done":
             return payload
         raise _raised_again(*payload)
@@ -283,7 +292,7 @@ def _located(error: Exception, output: str) -> Exception:
 
 def _portable(exc: BaseException, memory_limit: int | None = None) -> tuple:
     """What the parent needs to raise `exc` again: (the exception if it pickles and is an
-    Exception, else None, its type's name, its message, where it was raised)."""
+    Exception or SystemExit, else None, its type's name, its message, where it was raised)."""
     type_name, message, tb = type(exc).__name__, str(exc), exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
@@ -292,11 +301,21 @@ def _portable(exc: BaseException, memory_limit: int | None = None) -> tuple:
         limit = "no limit" if memory_limit is None else format_size(memory_limit)
         message = f"{message or 'out of memory'} (the worker's memory limit: {limit}; --memory-limit)"
         exc = MemoryError(message)
-    try:  # SystemExit and KeyboardInterrupt must not stop the parent: a stand-in carries them
-        exc = pickle.loads(pickle.dumps(exc)) if isinstance(exc, Exception) else None
+    try:  # SystemExit is a finding as in-process; a KeyboardInterrupt must not stop the parent: a stand-in
+        exc = pickle.loads(pickle.dumps(exc)) if isinstance(exc, (Exception, SystemExit)) else None
     except Exception:  # noqa: BLE001 - an exception type the parent cannot rebuild: its name and message
         exc = None
     return exc, type_name, message, where
+
+
+def _portable_warning(caught: warnings.WarningMessage) -> tuple:
+    """(message, category, filename, lineno) of a warning, its category UserWarning if it does not pickle."""
+    category = caught.category
+    try:
+        pickle.dumps(category)
+    except Exception:  # noqa: BLE001 - a category the parent cannot import
+        category = UserWarning
+    return str(caught.message), category, caught.filename, caught.lineno
 
 
 def _raised_again(exc, type_name, message, where) -> BaseException:
@@ -310,8 +329,9 @@ def _raised_again(exc, type_name, message, where) -> BaseException:
 
 def worker_main(inbox_fd: int, outbox_fd: int) -> None:
     """The worker process: ("load", sys.path, spec, options, memory_limit) -> ("ok", None); then
-    ("run", problem) -> ("done", (out, lse)) or ("raised", _portable(...)); it exits after a
-    MemoryError, whose process may be unfit to go on."""
+    ("run", problem) -> ("done", ((out, lse), warnings)) or ("raised", (_portable(...), warnings)),
+    `warnings` those the call issued (_portable_warning); it exits after a MemoryError, whose
+    process may be unfit to go on."""
     # Python's traceback goes to the log the parent reads on a crash, and before a hang is killed.
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1)
@@ -326,12 +346,15 @@ def worker_main(inbox_fd: int, outbox_fd: int) -> None:
             except Exception as exc:  # noqa: BLE001 - reported to the parent
                 return "raised", _portable(exc)
             return "ok", None
-        try:
-            return "done", state["backend"].run_here(request[1])
-        except MemoryError as exc:
-            return "out of memory", _portable(exc, state["limit"])
-        except BaseException as exc:  # noqa: BLE001 - SystemExit included: whatever the target raises
-            return "raised", _portable(exc)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # every one to the parent, whose filters decide
+            try:
+                kind, payload = "done", state["backend"].run_here(request[1])
+            except MemoryError as exc:
+                kind, payload = "out of memory", _portable(exc, state["limit"])
+            except BaseException as exc:  # noqa: BLE001 - SystemExit included: whatever the target raises
+                kind, payload = "raised", _portable(exc)
+        return kind, (payload, [_portable_warning(w) for w in caught])
 
     serve(inbox_fd, outbox_fd, handle, exit_after=("out of memory",))
 

@@ -10,7 +10,7 @@ import secrets
 import sys
 
 from fa_verify.cli.arguments import positive_int, writable_file, writable_folder
-from fa_verify.backends.user_callable import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
+from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
 
 _CAUSAL = {"yes": (True,), "no": (False,), "both": (False, True)}
