@@ -105,6 +105,8 @@ class CallableBackend(Backend):
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
             raise InvalidArgumentError(f"timeout={timeout!r} must be a positive, finite number of seconds")
         memory_limit = memory_limit_bytes(memory_limit)
+        #: Elements of NaN padding around each of q, k, v as passed (fa_verify.properties.padding sets it).
+        self.pad = 0
         self._worker = None
         if isolate:
             options = dict(name=self.name, layout=layout, array=array, causal_alignment=causal_alignment,
@@ -128,7 +130,7 @@ class CallableBackend(Backend):
         return reason
 
     def _run(self, problem):
-        return self._worker.run(problem) if self._worker is not None else self.run_here(problem)
+        return self._worker.run(problem, self.pad) if self._worker is not None else self.run_here(problem)
 
     def run_here(self, problem):
         """_run in this process (the worker calls it too)."""
@@ -142,6 +144,10 @@ class CallableBackend(Backend):
         if self.array == "torch":
             arrays = [to_torch(x) for x in arrays]
         q, k, v, *fill = arrays
+        if self.pad:  # nan_padding's run: the arguments inside NaN-filled buffers
+            from fa_verify.properties.padding import padded_array
+
+            q, k, v = (padded_array(x, self.pad)[0] for x in (q, k, v))
         result = self.fn(q, k, v, causal=problem.causal, scale=problem.scale_value, **dict(zip(self.fills, fill)))
         snapshot.check(self.name, *inputs)
         if buffers:  # the out= form: what the function wrote, whatever it returned
@@ -232,7 +238,7 @@ class CallableWorker:
         self.process = WorkerProcess(command, env=env, cwd=os.getcwd(), memory_limit=self.memory_limit,
                                      traceback_signal=signal.SIGUSR1)
 
-    def run(self, problem):
+    def run(self, problem, pad: int = 0):
         name = self.options["name"]
         with self.process.lock:
             try:
@@ -243,7 +249,7 @@ class CallableWorker:
                                                       self.process.startup_timeout)
                     if kind != "ok":
                         raise InvalidArgumentError(f"the worker process cannot load {self.spec}: {payload[2]}")
-                kind, payload = self.process.call(("run", problem), self.timeout)
+                kind, payload = self.process.call(("run", problem, pad), self.timeout)
             except WorkerTimedOut as late:
                 raise _located(KernelTimeoutError(
                     f"{name} did not return within {self.timeout:g} s (killed; the next example starts a fresh "
@@ -329,7 +335,7 @@ def _raised_again(exc, type_name, message, where) -> BaseException:
 
 def worker_main(inbox_fd: int, outbox_fd: int) -> None:
     """The worker process: ("load", sys.path, spec, options, memory_limit) -> ("ok", None); then
-    ("run", problem) -> ("done", ((out, lse), warnings)) or ("raised", (_portable(...), warnings)),
+    ("run", problem, pad) -> ("done", ((out, lse), warnings)) or ("raised", (_portable(...), warnings)),
     `warnings` those the call issued (_portable_warning); it exits after a MemoryError, whose
     process may be unfit to go on."""
     # Python's traceback goes to the log the parent reads on a crash, and before a hang is killed.
@@ -349,6 +355,7 @@ def worker_main(inbox_fd: int, outbox_fd: int) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # every one to the parent, whose filters decide
             try:
+                state["backend"].pad = request[2]
                 kind, payload = "done", state["backend"].run_here(request[1])
             except MemoryError as exc:
                 kind, payload = "out of memory", _portable(exc, state["limit"])

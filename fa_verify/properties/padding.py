@@ -77,11 +77,9 @@ def run_padded(backend, padded: PaddedInputs):
     hook = getattr(backend, "run_padded", None)
     if hook is not None:
         return hook(padded)
-    if isinstance(backend, CallableBackend):
-        pad = padded.offsets[0]
-        inner = backend.fn
+    if isinstance(backend, CallableBackend):  # it pads the arguments it passes, in its worker process too
         padding = copy.copy(backend)
-        padding.fn = lambda *arrays, **options: inner(*(padded_array(a, pad)[0] for a in arrays), **options)
+        padding.pad = padded.offsets[0]
         return padding.run(padded.problem)
     return backend.run(padded.problem)  # no hook: copies or indexes them (check_nan_padding skips it)
 
