@@ -21,6 +21,7 @@ from fa_verify.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
 )
+from fa_verify.limits import Limits
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import AttentionProblem
 
@@ -68,6 +69,8 @@ class Backend(ABC):
     notes: str = ""
     #: Conventions of a third-party backend that differ from fa_verify's (declared, not failures).
     conventions: tuple[Convention, ...] = ()
+    #: The problems it supports; strategies draw within them and `supports` enforces them.
+    limits: Limits = Limits()
 
     @abstractmethod
     def precision(self, dtype) -> PrecisionModel:
@@ -80,7 +83,7 @@ class Backend(ABC):
         """None if the backend can run `problem`, else the reason it cannot."""
         if problem.dtype not in self.dtypes:
             return f"{self.name} does not run dtype={problem.dtype} (it runs {', '.join(self.dtypes)})"
-        return None
+        return self.limits.check(problem)
 
     def run(self, problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray | None]:
         """out [B,H,Nq,D] in the precision model's output dtype, and LSE float32 [B,H,Nq] or None.

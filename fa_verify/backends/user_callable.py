@@ -52,6 +52,7 @@ from fa_verify.isolation import (
     format_size,
     parse_size,
 )
+from fa_verify.limits import Limits, parse_limits
 from fa_verify.precision import PrecisionModel
 from fa_verify.worker_loop import serve
 from fa_verify.problem import CAUSAL_ALIGNMENTS
@@ -70,12 +71,15 @@ class CallableBackend(Backend):
     `isolate=True` runs it in a worker process with `timeout` seconds and `memory_limit` per call
     (see the module's doc); the function must then be importable as MODULE:FUNC (`name` may
     give that reference), not a lambda, a local function or one defined in __main__.
+    `limits` (a `Limits`, or a dict of limit options for `parse_limits`) declares the problems
+    it supports: only those are drawn.
     """
 
     def __init__(self, fn, name: str | None = None, layout: str = "bhsd", array: str = "numpy",
                  causal_alignment: str = "bottom-right", dtypes=None,
                  precision: str | PrecisionModel | None = None, isolate: bool = False,
-                 timeout: float = DEFAULT_TIMEOUT, memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT):
+                 timeout: float = DEFAULT_TIMEOUT, memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT,
+                 limits: Limits | dict | None = None):
         if not callable(fn):
             raise InvalidArgumentError(f"fn={fn!r} is not callable")
         for arg, value, allowed in (("layout", layout, LAYOUTS), ("array", array, ARRAYS),
@@ -90,6 +94,8 @@ class CallableBackend(Backend):
         else:
             raise InvalidArgumentError(
                 f"precision={precision!r} must be a preset or spec string, a PrecisionModel or None")
+        self.limits = limits if isinstance(limits, Limits) else parse_limits(limits or {}, prefix="")
+        dtypes = self.limits.dtypes if dtypes is None else dtypes
         self.dtypes = tuple(dtype_name(d) for d in (DTYPE_NAMES if dtypes is None else dtypes))
         if not self.dtypes or not set(self.dtypes) <= set(DTYPE_NAMES):
             raise InvalidArgumentError(f"dtypes={dtypes!r} must be a non-empty subset of {DTYPE_NAMES}")

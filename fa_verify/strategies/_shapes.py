@@ -18,6 +18,11 @@ they are equal) lies above typical_seq — a tile edge (65, 127, 128, 129, 255, 
 anything, or the most the budget allows — so that kernels' second and third query and key
 tiles (of 64 or 128) are reached at a small cost per property. A long shape also keeps
 B*H*Nq*Nk <= max_seq**2, as judging an example costs per score.
+
+Declared limits (`fa_verify.limits`) are drawn within, not filtered: sequence lengths on a grid
+(a multiple of `seq_multiple`, from `seq_min`) are drawn as grid units with the same choices as
+plain lengths, `equal_seq` draws Nq = Nk, `head_layouts` restricts MHA / GQA / MQA, and the work
+budget keeps room for the smallest allowed length and head layout.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from fa_verify.errors import InvalidArgumentError
-from fa_verify.strategies._validation import check_bool, check_int
+from fa_verify.strategies._validation import check_bool, check_int, check_names
 
 #: Default bound on B*H*Nq*Nk*D: small enough for an mpmath oracle and a slow backend.
 DEFAULT_MAX_WORK = 200_000
@@ -118,6 +123,23 @@ def favoured_seq_lengths(cap: int) -> tuple:
 
 _TILE_EDGES = tuple(sorted({n for t in TILE_SIZES for n in (t - 1, t, t + 1)}))
 
+
+@dataclass(frozen=True)
+class _SeqGrid:
+    """The allowed sequence lengths lowest, lowest + multiple, ...: drawn as units u >= 1 (unit 1
+    is the lowest length), so the plain grid (1, 1) draws exactly as lengths."""
+
+    multiple: int = 1
+    #: the smallest allowed length, a multiple of `multiple`
+    lowest: int = 1
+
+    def units(self, cap: int) -> int:
+        """How many allowed lengths are <= cap."""
+        return cap // self.multiple - self.lowest // self.multiple + 1
+
+    def length(self, unit: int) -> int:
+        return self.lowest + self.multiple * (unit - 1)
+
 # How the draws below stay shrinkable: every cap depends on dimensions drawn earlier. A strategy
 # whose *structure* follows the cap (sampled_from a list that shrinks to one element, one_of
 # losing a branch) changes how many choices are read, so shrinking an earlier dimension would
@@ -167,46 +189,58 @@ def _long_seq_len(draw, cap: int, typical: int) -> int:
     return cap
 
 
-def _seq_lengths(draw, cap: int, max_seq: int, typical: int | None = None) -> tuple:
-    """(nq, nk) with nq*nk <= cap: equal, or one drawn first and the other within what is left.
-    With `typical`, the first (both when equal) lies above it where the cap allows."""
-    how = draw(st.sampled_from(("equal", "q_first", "k_first")))
+def _seq_lengths(draw, cap: int, max_seq: int, typical: int | None = None, grid: _SeqGrid = _SeqGrid(),
+                 equal: bool = False) -> tuple:
+    """(nq, nk) on `grid` with nq*nk <= cap: equal, or one drawn first and the other within what
+    is left. With `typical`, the first (both when equal) lies above it where the cap allows."""
+    def one(cap_len, long):
+        units = grid.units(cap_len)
+        return grid.length(_long_seq_len(draw, units, grid.units(typical)) if long else _seq_len(draw, units))
+
+    how = "equal" if equal else draw(st.sampled_from(("equal", "q_first", "k_first")))
     if how == "equal":
-        cap = min(max_seq, math.isqrt(cap))
-        n = _seq_len(draw, cap) if typical is None else _long_seq_len(draw, cap, typical)
+        n = one(min(max_seq, math.isqrt(cap)), typical is not None)
         return n, n
-    cap_first = min(max_seq, cap)
-    first = _seq_len(draw, cap_first) if typical is None else _long_seq_len(draw, cap_first, typical)
-    second = _seq_len(draw, min(max_seq, cap // first))
+    first = one(min(max_seq, cap // grid.lowest), typical is not None)
+    second = one(min(max_seq, cap // first), False)
     return (first, second) if how == "q_first" else (second, first)
 
 
-def _heads(draw, cap: int, gqa: bool) -> tuple:
-    """(heads, kv_heads) with heads <= cap: MHA, and with gqa also MQA (Hkv=1) and GQA
+def _heads(draw, cap: int, layouts: tuple) -> tuple:
+    """(heads, kv_heads) with heads <= cap, of one of `layouts`: MHA, MQA (Hkv=1) and GQA
     (1 < Hkv < H); a kind that does not fit under cap falls back to the next simpler one."""
-    kind = draw(st.sampled_from(("mha", "mqa", "gqa"))) if gqa else "mha"
+    kind = draw(st.sampled_from(layouts)) if len(layouts) > 1 else layouts[0]
     if kind == "gqa":
         kv_choice, group_choice = draw(st.integers(0, cap)), draw(st.integers(0, cap))
         if cap >= 4:
             kv = 2 + kv_choice % (cap // 2 - 1)
             return kv * (2 + group_choice % (cap // kv - 1)), kv
-        kind = "mqa"
+        kind = "mqa" if "mqa" in layouts or "mha" not in layouts else "mha"
     h = draw(st.integers(1, cap))
     if kind == "mqa" and cap >= 2:
         return max(h, 2), 1
     return h, h
 
 
-@st.composite
-def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, max_work, typical_seq):
-    got = {}
-    min_d = head_dims[0] if head_dims is not None else 1
+def _min_heads(layouts: tuple) -> int:
+    """The fewest query heads of the simplest allowed layout."""
+    return 1 if "mha" in layouts else 2 if "mqa" in layouts else 4
 
-    def left() -> int:
-        """The cap for the next dimension: the work left, keeping room for the smallest D; for a
-        long shape also B*H*Nq*Nk <= max_seq**2 (the cost of judging grows with the scores)."""
-        reserve = 1 if "d" in got else min_d
-        cap = max_work // (math.prod(got.values()) * reserve)
+
+@st.composite
+def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, layouts, max_work, typical_seq,
+            grid, equal_seq):
+    got = {}
+    # What the groups not yet drawn need at least, so that each draw leaves room for them.
+    reserve = {"d": head_dims[0] if head_dims is not None else 1, "nq": grid.lowest, "nk": grid.lowest,
+               "h": _min_heads(layouts)}
+
+    def left(*drawing) -> int:
+        """The cap for the next dimension(s): the work left, keeping room for the smallest D, lengths
+        and heads still to draw; for a long shape also B*H*Nq*Nk <= max_seq**2 (the cost of
+        judging grows with the scores)."""
+        room = math.prod(v for key, v in reserve.items() if key not in got and key not in drawing)
+        cap = max_work // (math.prod(got.values()) * room)
         if long:
             cap = min(cap, max_seq ** 2 // math.prod(v for key, v in got.items() if key != "d"))
         return cap
@@ -219,20 +253,23 @@ def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, m
         order = ("seq",) + tuple(g for g in order if g != "seq")
     for group in order:
         if group == "head_dim":
-            cap = min(max_head_dim, max_work // math.prod(got.values()))
+            cap = min(max_head_dim, max_work // (math.prod(got.values()) * math.prod(
+                v for key, v in reserve.items() if key not in got and key != "d")))
             got["d"] = _head_dim(draw, cap, head_dims)
         elif group == "seq" and long:
-            got["nq"], got["nk"] = _seq_lengths(draw, left(), max_seq, typical_seq)
+            got["nq"], got["nk"] = _seq_lengths(draw, left("nq", "nk"), max_seq, typical_seq, grid, equal_seq)
         elif group == "seq":
-            got["nq"], got["nk"] = _seq_lengths(draw, left(), typical_seq)
+            got["nq"], got["nk"] = _seq_lengths(draw, left("nq", "nk"), max(typical_seq, grid.lowest), None,
+                                                grid, equal_seq)
         else:
-            got["h"], kv_heads = _heads(draw, min(max_heads, left()), gqa)
+            got["h"], kv_heads = _heads(draw, min(max_heads, left("h")), layouts)
     batch = draw(st.integers(1, min(max_batch, left())))
     return Shape(batch, got["h"], kv_heads, got["nq"], got["nk"], got["d"])
 
 
 def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_dim: int = 128,
-           head_dims=None, gqa: bool = True, max_work: int = DEFAULT_MAX_WORK, typical_seq=None):
+           head_dims=None, gqa: bool = True, max_work: int = DEFAULT_MAX_WORK, typical_seq=None,
+           seq_multiple: int = 1, seq_min: int = 1, equal_seq: bool = False, head_layouts=None):
     """Strategy for `Shape` with every bound respected by construction.
 
     max_batch, max_heads, max_seq, max_head_dim: upper bounds of B, H (query heads), Nq and Nk,
@@ -246,6 +283,9 @@ def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_d
     max_work: bound on B*H*Nq*Nk*D, the size of one attention product. The default (2e5) keeps
         an mpmath oracle and slow backends at around a second per example; raise it together
         with max_seq for longer sequences.
+    seq_multiple, seq_min: Nq and Nk are multiples of seq_multiple and >= seq_min.
+    equal_seq: Nq == Nk always.
+    head_layouts: the layouts drawn, a subset of ("mha", "mqa", "gqa") (None: by `gqa`).
     """
     max_batch = check_int("max_batch", max_batch)
     max_heads = check_int("max_heads", max_heads)
@@ -272,4 +312,16 @@ def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_d
                 f"head_dims={head_dims!r} holds {too_big!r} > max_head_dim={max_head_dim!r} "
                 f"or max_work={max_work!r}; raise max_head_dim (and max_work) or drop them"
             )
-    return _shapes(max_batch, max_heads, max_seq, max_head_dim, head_dims, gqa, max_work, typical_seq)
+    layouts = (("mha", "mqa", "gqa") if gqa else ("mha",)) if head_layouts is None else tuple(
+        h for h in ("mha", "mqa", "gqa") if h in check_names("head_layouts", head_layouts, ("mha", "mqa", "gqa"),
+                                                               "head layout"))
+    multiple = check_int("seq_multiple", seq_multiple)
+    grid = _SeqGrid(multiple, multiple * -(-check_int("seq_min", seq_min) // multiple))
+    least = grid.lowest ** 2 * _min_heads(layouts) * (head_dims[0] if head_dims is not None else 1)
+    if grid.lowest > max_seq or least > max_work or _min_heads(layouts) > max_heads:
+        raise InvalidArgumentError(
+            f"seq_multiple={seq_multiple!r}, seq_min={seq_min!r} and head_layouts={layouts!r} leave no shape "
+            f"with Nq, Nk <= max_seq={max_seq!r}, H <= max_heads={max_heads!r} and B*H*Nq*Nk*D <= "
+            f"max_work={max_work!r}; raise max_seq or max_work")
+    return _shapes(max_batch, max_heads, max_seq, max_head_dim, head_dims, layouts, max_work, typical_seq,
+                   grid, check_bool("equal_seq", equal_seq))

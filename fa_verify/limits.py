@@ -1,0 +1,234 @@
+"""Declared limits: the problems a target supports, in one place.
+
+Real kernels support a few head dims, sequence lengths that are a multiple of their tile,
+Nq = Nk only, MHA only, one dtype, causal only. `Limits` says so once; the CLI (`fa_verify check
+--head-dims 64,128 --seq-multiple 64 ...`), the pytest plugin (`--fa-head-dims ...`), a TOML file
+(`--limits FILE`) and the Python API (`CallableBackend(fn, limits=Limits(...))`) all build it
+with `parse_limits`, so the options are spelled the same everywhere. The strategies draw within
+the limits, fixed edge cases are moved to the nearest allowed shape (`adapt`), and
+`Backend.supports` keeps `check` as the final gate.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, replace
+
+from fa_verify.dtypes import DTYPE_NAMES, dtype_name
+from fa_verify.errors import InvalidArgumentError
+
+#: Head layouts: Hkv == H, 1 < Hkv < H, Hkv == 1.
+HEAD_LAYOUTS = ("mha", "gqa", "mqa")
+#: --causal's values and the causal modes they allow.
+CAUSAL_CHOICES = {"yes": (True,), "no": (False,), "both": (False, True)}
+_YES_NO = {"yes": True, "no": False, "true": True, "false": False}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a target supports; the defaults allow everything fa_verify draws."""
+
+    #: dtype names, or None: every dtype
+    dtypes: tuple | None = None
+    #: the head dims supported, or None: any
+    head_dims: tuple | None = None
+    #: Nq and Nk are multiples of this
+    seq_multiple: int = 1
+    seq_min: int = 1
+    #: None: no upper bound (the search's --max-seq still applies)
+    seq_max: int | None = None
+    #: Nq == Nk only
+    equal_seq: bool = False
+    #: allowed head layouts, a subset of HEAD_LAYOUTS
+    heads: tuple = HEAD_LAYOUTS
+    #: allowed causal modes: (False,), (True,) or both
+    causal: tuple = (False, True)
+    #: whether the target returns an LSE; None: probed with one tiny run
+    lse: bool | None = None
+
+    @property
+    def seq_lo(self) -> int:
+        """The smallest allowed sequence length."""
+        return self.seq_multiple * math.ceil(self.seq_min / self.seq_multiple)
+
+    def seq_allowed(self, n: int) -> bool:
+        return n % self.seq_multiple == 0 and n >= self.seq_min and (self.seq_max is None or n <= self.seq_max)
+
+    def nearest_seq(self, n: int) -> int | None:
+        """The allowed sequence length nearest to n (the larger on a tie), or None if none is."""
+        m = self.seq_multiple
+        candidates = [c for c in (m * (n // m), m * -(-n // m), self.seq_lo) if self.seq_allowed(c)]
+        return min(candidates, key=lambda c: (abs(c - n), -c)) if candidates else None
+
+    def check(self, problem) -> str | None:
+        """None if `problem` is within the limits, else which limit it breaks and the option."""
+        layout = "mha" if problem.kv_heads == problem.heads else "mqa" if problem.kv_heads == 1 else "gqa"
+        breaks = [
+            (self.dtypes is not None and problem.dtype not in self.dtypes, f"dtype={problem.dtype}", "--dtype"),
+            (self.head_dims is not None and problem.head_dim not in self.head_dims, f"D={problem.head_dim}",
+             "--head-dims"),
+            (not self.seq_allowed(problem.nq), f"Nq={problem.nq}", "--seq-multiple/--seq-min/--seq-max"),
+            (not self.seq_allowed(problem.nk), f"Nk={problem.nk}", "--seq-multiple/--seq-min/--seq-max"),
+            (self.equal_seq and problem.nq != problem.nk, f"Nq={problem.nq} != Nk={problem.nk}", "--equal-seq"),
+            (layout not in self.heads, f"{layout.upper()} (H={problem.heads}, Hkv={problem.kv_heads})", "--heads"),
+            (problem.causal not in self.causal, "causal" if problem.causal else "non-causal", "--causal"),
+        ]
+        broken = [f"{what} (declared by {option})" for bad, what, option in breaks if bad]
+        return f"outside the declared limits ({self.describe()}): " + ", ".join(broken) if broken else None
+
+    def adapt(self, shape):
+        """`shape` moved to the nearest allowed one (Nq and Nk to the nearest allowed lengths, Nq to
+        Nk's under equal_seq, D to the nearest allowed head dim, Hkv to an allowed layout), or a
+        string saying why it cannot be."""
+        nk = self.nearest_seq(shape.nk)
+        nq = nk if self.equal_seq else self.nearest_seq(shape.nq)
+        if nq is None or nk is None:
+            return f"no sequence length is allowed ({self.describe()})"
+        d = shape.head_dim if self.head_dims is None else min(self.head_dims, key=lambda x: (abs(x - shape.head_dim), x))
+        heads, kv_heads = _layout(shape.heads, shape.kv_heads, self.heads)
+        return replace(shape, heads=heads, kv_heads=kv_heads, nq=nq, nk=nk, head_dim=d)
+
+    def smallest_shape(self, head_dim: int | None = None):
+        """The smallest shape within the limits (for probing a target)."""
+        from fa_verify.strategies import Shape
+
+        heads, kv_heads = _layout(1, 1, self.heads)
+        d = head_dim or (self.head_dims[0] if self.head_dims else 8)
+        return Shape(1, heads, kv_heads, self.seq_lo, self.seq_lo, d)
+
+    @property
+    def declared(self) -> bool:
+        return self != Limits()
+
+    def describe(self) -> str:
+        """The limits in words, e.g. 'fp16; D in {64, 128}; N a multiple of 64; Nq = Nk; MHA; causal only'."""
+        parts = []
+        if self.dtypes is not None:
+            parts.append(", ".join(self.dtypes))
+        if self.head_dims is not None:
+            parts.append("D in {" + ", ".join(map(str, self.head_dims)) + "}")
+        if self.seq_multiple > 1:
+            parts.append(f"N a multiple of {self.seq_multiple}")
+        if self.seq_min > 1 or self.seq_max is not None:
+            parts.append(f"{self.seq_min} <= N" + (f" <= {self.seq_max}" if self.seq_max is not None else ""))
+        if self.equal_seq:
+            parts.append("Nq = Nk")
+        if self.heads != HEAD_LAYOUTS:
+            parts.append(" or ".join(h.upper() for h in self.heads))
+        if self.causal != (False, True):
+            parts.append("causal only" if self.causal == (True,) else "non-causal only")
+        if self.lse is not None:
+            parts.append("returns an LSE" if self.lse else "no LSE")
+        return "; ".join(parts) or "none declared"
+
+    def as_dict(self) -> dict:
+        """The limits as JSON values, keyed by their option names (what parse_limits reads)."""
+        return {"dtype": list(self.dtypes) if self.dtypes else None,
+                "head-dims": list(self.head_dims) if self.head_dims else None,
+                "seq-multiple": self.seq_multiple, "seq-min": self.seq_min, "seq-max": self.seq_max,
+                "equal-seq": self.equal_seq, "heads": list(self.heads),
+                "causal": {v: k for k, v in CAUSAL_CHOICES.items()}[self.causal], "lse": self.lse}
+
+
+def _layout(heads: int, kv_heads: int, allowed: tuple) -> tuple:
+    """(H, Hkv) of an allowed layout, as close to the given one as is simple."""
+    layout = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
+    if layout in allowed:
+        return heads, kv_heads
+    if "mha" in allowed:
+        return heads, heads
+    if "mqa" in allowed:
+        return max(heads, 2), 1
+    return 4, 2
+
+
+def _positive(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError
+    n = int(value)
+    if n < 1:
+        raise ValueError
+    return n
+
+
+def _list(value) -> list:
+    items = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
+    items = [i.strip() if isinstance(i, str) else i for i in items]
+    if not items or "" in items:
+        raise ValueError
+    return items
+
+
+def _yes_no(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    return _YES_NO[str(value).lower()]
+
+
+def _dtypes(value) -> tuple:
+    names = tuple(dict.fromkeys(dtype_name(d) for d in _list(value)))
+    if not set(names) <= set(DTYPE_NAMES):
+        raise ValueError
+    return names
+
+
+def _head_layouts(value) -> tuple:
+    layouts = {str(v).lower() for v in _list(value)}
+    if not layouts <= set(HEAD_LAYOUTS):
+        raise ValueError
+    return tuple(h for h in HEAD_LAYOUTS if h in layouts)
+
+
+#: Each limit option: (the Limits field, how to read one value, an example, what it declares).
+LIMIT_OPTIONS = {
+    "dtype": ("dtypes", _dtypes, "fp16,bf16", "dtypes the target runs"),
+    "head-dims": ("head_dims", lambda v: tuple(sorted({_positive(x) for x in _list(v)})), "64,128",
+                  "head dims D the target supports (comma-separated)"),
+    "seq-multiple": ("seq_multiple", _positive, "64", "Nq and Nk must be multiples of this (the kernel's tile)"),
+    "seq-min": ("seq_min", _positive, "16", "smallest Nq and Nk supported"),
+    "seq-max": ("seq_max", _positive, "4096", "largest Nq and Nk supported"),
+    "equal-seq": ("equal_seq", _yes_no, "yes", "Nq = Nk only (yes/no)"),
+    "heads": ("heads", _head_layouts, "mha,gqa", "head layouts supported: mha, gqa, mqa (comma-separated)"),
+    "causal": ("causal", lambda v: CAUSAL_CHOICES[str(v).lower()], "yes", "causal only (yes), non-causal only "
+               "(no) or both"),
+    "lse": ("lse", _yes_no, "no", "whether the target returns an LSE (default: probed)"),
+}
+
+
+def parse_limits(values: dict, prefix: str = "--", base: Limits | None = None) -> Limits:
+    """Limits from option values (strings as typed, or TOML values), keyed by LIMIT_OPTIONS names
+    (underscores allowed); None values are ignored. `prefix` names the options in errors
+    ('--', '--fa-', or '' for keyword arguments and TOML keys). Raises InvalidArgumentError."""
+    fields = {}
+    for key, value in values.items():
+        option = str(key).replace("_", "-")
+        if option not in LIMIT_OPTIONS:
+            raise InvalidArgumentError(
+                f"{prefix}{option} is not a limit; limits: {', '.join(prefix + o for o in LIMIT_OPTIONS)}")
+        if value is None:
+            continue
+        field, read, example, _ = LIMIT_OPTIONS[option]
+        try:
+            fields[field] = read(value)
+        except (ValueError, KeyError, TypeError, InvalidArgumentError):
+            raise InvalidArgumentError(
+                f"{prefix}{option}={value!r} is not valid: {LIMIT_OPTIONS[option][3]}; e.g. "
+                f"{prefix}{option}{' ' if prefix else '='}{example}") from None
+    limits = replace(base or Limits(), **fields)
+    if limits.seq_max is not None and limits.seq_lo > limits.seq_max:
+        raise InvalidArgumentError(
+            f"{prefix}seq-min={limits.seq_min}, {prefix}seq-multiple={limits.seq_multiple} and "
+            f"{prefix}seq-max={limits.seq_max} allow no sequence length; raise {prefix}seq-max")
+    return limits
+
+
+def read_limits_file(path) -> dict:
+    """The limit values of a TOML file (keys as the options, e.g. head-dims = [64, 128])."""
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as exc:
+        raise InvalidArgumentError(f"--limits {path}: cannot read it ({exc.strerror}); give a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgumentError(f"--limits {path}: not valid TOML ({exc}); e.g. head-dims = [64, 128]") from None
