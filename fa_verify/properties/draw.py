@@ -2,7 +2,9 @@
 
 A target's dtypes, head dims and causal alignments are probed once through `supports` (and one
 tiny run says whether it returns an LSE); the strategy then draws only such problems, so that
-a kernel with a few instantiated head dims is not drowned in rejected examples.
+a kernel with a few instantiated head dims is not drowned in rejected examples. A target's
+declared `Limits` shape the probe's problems, the strategy (drawn within them) and the edge
+cases (moved to the nearest allowed shape).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from hypothesis import strategies as st
 
 from fa_verify import strategies as fst
 from fa_verify.backends import Backend
-from fa_verify.errors import BackendOutputError, FaVerifyError, KernelRunError
+from fa_verify.errors import BackendOutputError, FaVerifyError, InvalidArgumentError, KernelRunError
+from fa_verify.limits import Limits
 from fa_verify.problem import CAUSAL_ALIGNMENTS, AttentionProblem
 from fa_verify.properties.registry import Property
 from fa_verify.properties.selection import Selection
@@ -45,26 +48,48 @@ class Capabilities:
     head_dims: tuple | None
     alignments: tuple
     returns_lse: bool
+    limits: Limits = Limits()
 
 
 _CAPABILITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _tiny(dtype, d=8, nq=2, nk=2, **kwargs) -> AttentionProblem:
-    return fst.make_problem("normal", (1, 1, 1, nq, nk, d), dtype, 0, **kwargs)
+def _tiny(limits: Limits, dtype, d=None, longer_keys=False, causal=None, **kwargs) -> AttentionProblem:
+    """The smallest problem within `limits` (one more tile of keys with longer_keys); causal
+    unless limits allow non-causal ones, or as given."""
+    shape = limits.smallest_shape(d)
+    if longer_keys:
+        shape = fst.Shape(1, shape.heads, shape.kv_heads, shape.nq, shape.nk + max(limits.seq_multiple, 1),
+                          shape.head_dim)
+    causal = False not in limits.causal if causal is None else causal
+    return fst.make_problem("normal", shape, dtype, 0, causal=causal, **kwargs)
+
+
+def _runs(backend: Backend, problem) -> bool:
+    """Whether `supports` accepts `problem`; a `supports` that raises does not."""
+    try:
+        return backend.supports(problem) is None
+    except Exception:  # noqa: BLE001 - the probe never raises: a broken supports() supports nothing
+        return False
 
 
 def capabilities(backend: Backend) -> Capabilities:
     """Probe (once per backend object) the dtypes, head dims and alignments it supports."""
     if backend in _CAPABILITIES:
         return _CAPABILITIES[backend]
-    dtype = backend.dtypes[0]
-    dims = tuple(d for d in _PROBED_HEAD_DIMS if backend.supports(_tiny(dtype, d, 1, 1)) is None)
-    d = dims[0] if dims else 8
+    dtype, limits = backend.dtypes[0], backend.limits
+    dims = tuple(d for d in limits.head_dims or _PROBED_HEAD_DIMS if _runs(backend, _tiny(limits, dtype, d)))
+    d = dims[0] if dims else None
+    # Alignments differ only when Nq != Nk: where the limits allow no such problem, any will do.
+    longer = not limits.equal_seq and limits.seq_allowed(limits.seq_lo + limits.seq_multiple)
     alignments = tuple(a for a in CAUSAL_ALIGNMENTS
-                       if backend.supports(_tiny(dtype, d, 2, 3, causal=True, causal_alignment=a)) is None)
+                       if _runs(backend, _tiny(limits, dtype, d, longer, causal=True, causal_alignment=a)))
+    probe = _tiny(limits, dtype, d)
     try:
-        returns_lse = backend.run(_tiny(dtype, d))[1] is not None
+        if limits.lse is not None or not _runs(backend, probe):
+            returns_lse = limits.lse is not False  # declared, or nothing to probe with: the examples tell
+        else:
+            returns_lse = backend.run(probe)[1] is not None
     except (BackendOutputError, KernelRunError):
         returns_lse = True  # a broken target: the examples will show how
     except FaVerifyError:
@@ -73,38 +98,70 @@ def capabilities(backend: Backend) -> Capabilities:
         returns_lse = True
     caps = Capabilities(name=backend.name, dtypes=tuple(backend.dtypes),
                         head_dims=None if len(dims) == len(_PROBED_HEAD_DIMS) else dims,
-                        alignments=alignments, returns_lse=returns_lse)
+                        alignments=alignments, returns_lse=returns_lse, limits=limits)
     _CAPABILITIES[backend] = caps
     return caps
 
 
-def _causal_modes(prop: Property, selection: Selection) -> tuple:
+def _causal_modes(prop: Property, selection: Selection, limits: Limits = Limits()) -> tuple:
     wanted = {"any": (False, True), "causal": (True,), "non-causal": (False,)}[prop.masking]
-    return tuple(c for c in selection.causal if c in wanted)
+    return tuple(c for c in selection.causal if c in wanted and c in limits.causal)
 
 
-def edge_problems(prop: Property, backend: Backend, selection: Selection) -> list[AttentionProblem]:
-    """The edge cases for the selected dtypes and causal modes that the target runs."""
+def edge_problems(prop: Property, backend: Backend, selection: Selection) -> tuple[list[AttentionProblem], tuple]:
+    """The edge cases for the selected dtypes and causal modes that the target runs, each moved to
+    the nearest shape within the target's declared limits; and notes on what was moved or dropped."""
     if not prop.edge_cases:
-        return []
-    causal = _causal_modes(prop, selection)
+        return [], ()
+    limits = backend.limits
+    causal = _causal_modes(prop, selection, limits)
     modes = ([(False, "bottom-right")] * (False in causal)
              + [(True, a) for a in CAUSAL_ALIGNMENTS] * (True in causal))
+    cases, notes = {}, []
+    for shape, dist in EDGE_CASES:
+        adapted = limits.adapt(fst.Shape(*shape))
+        if isinstance(adapted, str):
+            notes.append(f"edge case {fst.Shape(*shape)} dropped: {adapted}")
+        else:
+            cases.setdefault((adapted, dist), None)
+    if limits.declared:
+        notes.append(f"{len(EDGE_CASES)} edge cases moved to {len(cases)} shapes within the declared limits")
     problems = [fst.make_problem(dist, shape, dtype, seed=0, causal=c, causal_alignment=a)
-                for shape, dist in EDGE_CASES for dtype in selection.dtypes for c, a in modes]
-    return [p for p in problems if backend.supports(p) is None]
+                for shape, dist in cases for dtype in selection.dtypes for c, a in modes]
+    return [p for p in problems if _runs(backend, p)], tuple(notes)
 
 
-def _large_shapes(head_dims):
+def _shape_limits(limits: Limits) -> dict:
+    """fst.shapes' keyword arguments for drawing within `limits`."""
+    return dict(seq_multiple=limits.seq_multiple, seq_min=limits.seq_min, equal_seq=limits.equal_seq,
+                head_layouts=limits.heads)
+
+
+def _large_shapes(head_dims, limits: Limits):
+    """Shapes with enough rows and elements for a statistic (within the limits where declared)."""
     dims = [d for d in (head_dims or (16, 32, 64)) if 16 <= d <= 64] or [min(head_dims)]
+    if limits.declared:
+        return fst.shapes(max_batch=2, max_heads=4, max_seq=max(96, limits.seq_lo), max_head_dim=max(dims),
+                          head_dims=dims, max_work=_max_work(limits, 2 * 4 * 96 * 96 * max(dims), dims),
+                          **_shape_limits(limits))
     return st.builds(fst.Shape, batch=st.integers(1, 2), heads=st.just(4), kv_heads=st.sampled_from([1, 2, 4]),
                      nq=st.integers(32, 96), nk=st.integers(8, 96), head_dim=st.sampled_from(dims))
+
+
+#: The work budget is raised to this many times the smallest shape within the limits, so that a
+#: kernel with large tiles still gets more than its smallest shape.
+_WORK_ROOM = 8
+
+
+def _max_work(limits: Limits, max_work: int, head_dims) -> int:
+    least = limits.seq_lo ** 2 * (1 if "mha" in limits.heads else 2 if "mqa" in limits.heads else 4)
+    return max(max_work, _WORK_ROOM * least * min(head_dims or (1,)))
 
 
 def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
     """Problems for `prop` that the target runs, or a reason string when there are none."""
     dtypes = [d for d in selection.dtypes if d in caps.dtypes]
-    causal = _causal_modes(prop, selection)
+    causal = _causal_modes(prop, selection, caps.limits)
     alignments = caps.alignments if True in causal else ()
     if not dtypes:
         return f"none of the selected dtypes {list(selection.dtypes)} is run by {caps.name}"
@@ -114,12 +171,19 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
         return f"needs bottom-right causal problems, which {caps.name} does not run"
     if not causal or (causal == (True,) and not alignments):
         return f"needs {prop.masking} problems, which the selection (--causal) or the target excludes"
-    if prop.large:
-        shapes = _large_shapes(caps.head_dims)
-    else:
-        shapes = fst.shapes(max_seq=selection.max_seq, max_work=selection.max_work,
-                            typical_seq=selection.typical_seq,
-                            **({} if caps.head_dims is None
-                               else dict(max_head_dim=max(caps.head_dims), head_dims=caps.head_dims)))
+    if prop.unequal_seq and caps.limits.equal_seq:
+        return f"{prop.unequal_seq}, but {caps.name} declares Nq = Nk (--equal-seq)"
+    limits = caps.limits
+    max_seq = min(selection.max_seq, limits.seq_max or selection.max_seq)
+    try:
+        if prop.large:
+            shapes = _large_shapes(caps.head_dims, limits)
+        else:
+            shapes = fst.shapes(max_seq=max_seq, max_work=_max_work(limits, selection.max_work, caps.head_dims),
+                                typical_seq=selection.typical_seq, **_shape_limits(limits),
+                                **({} if caps.head_dims is None
+                                   else dict(max_head_dim=max(caps.head_dims), head_dims=caps.head_dims)))
+    except InvalidArgumentError as exc:
+        return f"the declared limits ({limits.describe()}) leave no shape to draw within --max-seq {max_seq}: {exc}"
     return fst.problems(shapes=shapes, dtypes=fst.dtypes(dtypes),
                         causal=fst.causal_modes(non_causal=False in causal, alignments=alignments))

@@ -19,7 +19,14 @@ def check_fully_masked_rows(backend, problem, *, seed: int = 0) -> PropertyResul
     backend = as_backend(backend)
     if problem.nq < 2:
         return not_applicable("fully_masked_rows", problem, "Nq=1: no row can be fully masked")
-    nk = int(np.random.default_rng(seed).integers(1, min(problem.nq, problem.nk + 1)))
+    # Fewer keys than queries, as many as the declared limits allow (a multiple of the sequence
+    # multiple, at least the shortest allowed length; any count when nothing is declared).
+    limits = backend.limits
+    counts = np.arange(limits.seq_lo, min(problem.nq - 1, problem.nk) + 1, limits.seq_multiple)
+    if not len(counts):
+        return not_applicable("fully_masked_rows", problem, f"Nq={problem.nq}: no key count below it is within "
+                                                            f"the declared limits ({limits.describe()})")
+    nk = int(counts[np.random.default_rng(seed).integers(len(counts))])
     derived = problem.replace(k=np.ascontiguousarray(problem.k[:, :, :nk]),
                               v=np.ascontiguousarray(problem.v[:, :, :nk]),
                               causal=True, causal_alignment="bottom-right")

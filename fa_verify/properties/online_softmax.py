@@ -106,10 +106,16 @@ def check_merge_law(backend, problem, *, seed: int = 0) -> PropertyResult:
     backend = as_backend(backend)
     if problem.nk < 2:
         return not_applicable(NAME, problem, "Nk=1: a single key cannot be split")
+    # Cut where the declared limits allow: at multiples of the sequence multiple, chunks no shorter
+    # than the shortest allowed length (both 1 when nothing is declared).
+    step, limits = backend.limits.seq_multiple, backend.limits
+    places = np.arange(limits.seq_lo, problem.nk - limits.seq_lo + 1, step)
+    if not len(places):
+        return not_applicable(NAME, problem, f"Nk={problem.nk} cannot be split into key chunks within the "
+                                             f"declared limits ({limits.describe()})")
     rng = np.random.default_rng(seed)
-    n_chunks = int(rng.integers(2, min(4, problem.nk) + 1))
-    cuts = [0, *sorted(int(c) for c in rng.choice(np.arange(1, problem.nk), n_chunks - 1, replace=False)),
-            problem.nk]
+    n_chunks = int(rng.integers(2, min(4, len(places) + 1) + 1))
+    cuts = [0, *sorted(int(c) for c in rng.choice(places, n_chunks - 1, replace=False)), problem.nk]
     chunks = [chunk_pieces(problem, a, b) for a, b in zip(cuts, cuts[1:])]
     subproblems = [[piece.problem(problem) for piece in pieces] for pieces in chunks]
     reason = unsupported(backend, *(p for ps in subproblems for p in ps))

@@ -34,6 +34,8 @@ class Property:
     large: bool = False
     #: also run the fixed edge cases (fa_verify.properties.search.EDGE_CASES) first
     edge_cases: bool = False
+    #: why the check derives problems with Nq != Nk from any problem ("" if it does not)
+    unequal_seq: str = ""
 
     @property
     def seeded(self) -> bool:
@@ -51,7 +53,8 @@ class Property:
 PROPERTIES = (
     Property("oracle_agreement", agreement.check_oracle_agreement, edge_cases=True),
     Property("lse_agreement", agreement.check_lse_agreement, needs_lse=True, edge_cases=True),
-    Property("merge_law", online_softmax.check_merge_law, needs_lse=True),
+    Property("merge_law", online_softmax.check_merge_law, needs_lse=True,
+             unequal_seq="needs key chunks shorter than the queries"),
     Property("convex_hull", convexity.check_convex_hull),
     Property("constant_v", convexity.check_constant_v),
     Property("v_affinity", convexity.check_v_affinity),
@@ -60,7 +63,8 @@ PROPERTIES = (
     Property("score_shift", metamorphic.check_score_shift),
     Property("batch_head_independence", independence.check_batch_head_independence),
     Property("masked_key_independence", independence.check_masked_key_independence, masking="causal"),
-    Property("fully_masked_rows", masking.check_fully_masked_rows, masking="causal", needs_bottom_right=True),
+    Property("fully_masked_rows", masking.check_fully_masked_rows, masking="causal", needs_bottom_right=True,
+             unequal_seq="needs fewer keys than queries (rows that see no key)"),
     Property("nan_padding", padding.check_nan_padding),
     Property("determinism", independence.check_determinism),
     Property("unbiased_rounding", rounding.check_unbiased_rounding, large=True),

@@ -252,7 +252,9 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
     if selection.seed is not None:
         search = hypothesis_seed(selection.seed)(search)
     try:
-        for problem in edge_problems(prop, backend, selection):
+        edges, edge_notes = edge_problems(prop, backend, selection)
+        notes.update(edge_notes)
+        for problem in edges:
             judge(problem)
         search()
     except _Abort:
