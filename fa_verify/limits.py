@@ -101,6 +101,9 @@ class Limits:
     def declared(self) -> bool:
         return self != Limits()
 
+    def describe_causal(self) -> str:
+        return {(True,): "causal only", (False,): "non-causal only"}.get(self.causal, "causal and non-causal")
+
     def describe(self) -> str:
         """The limits in words, e.g. 'fp16; D in {64, 128}; N a multiple of 64; Nq = Nk; MHA; causal only'."""
         parts = []
@@ -117,7 +120,7 @@ class Limits:
         if self.heads != HEAD_LAYOUTS:
             parts.append(" or ".join(h.upper() for h in self.heads))
         if self.causal != (False, True):
-            parts.append("causal only" if self.causal == (True,) else "non-causal only")
+            parts.append(self.describe_causal())
         if self.lse is not None:
             parts.append("returns an LSE" if self.lse else "no LSE")
         return "; ".join(parts) or "none declared"
@@ -229,6 +232,31 @@ def read_limits_file(path) -> dict:
         with open(path, "rb") as file:
             return tomllib.load(file)
     except OSError as exc:
-        raise InvalidArgumentError(f"--limits {path}: cannot read it ({exc.strerror}); give a TOML file") from None
+        raise InvalidArgumentError(f"cannot read it ({exc.strerror}); give a TOML file") from None
     except tomllib.TOMLDecodeError as exc:
-        raise InvalidArgumentError(f"--limits {path}: not valid TOML ({exc}); e.g. head-dims = [64, 128]") from None
+        raise InvalidArgumentError(f"not valid TOML ({exc}); e.g. head-dims = [64, 128]") from None
+
+
+def limit_arguments(skip=()) -> dict:
+    """argparse / pytest addoption keyword arguments of each limit option (and `limits`, the
+    TOML file), by option name; the values stay strings for `parse_limits`."""
+    arguments = {option: dict(default=None, help=f"declared limit: {what} (e.g. {example})")
+                 for option, (_, _, example, what) in LIMIT_OPTIONS.items() if option not in skip}
+    if "equal-seq" in arguments:  # a bare --equal-seq says yes
+        arguments["equal-seq"].update(nargs="?", const="yes")
+    arguments["limits"] = dict(default=None, metavar="FILE",
+                               help="declared limits from a TOML file, keys as these options "
+                                    "(head-dims = [64, 128], seq-multiple = 64, equal-seq = true, ...); "
+                                    "options given on the command line win")
+    return arguments
+
+
+def limits_from_options(values: dict, limits_file=None, prefix: str = "--") -> Limits:
+    """Limits from a TOML file (if given) overridden by the option values given (None: not given)."""
+    base = Limits()
+    if limits_file is not None:
+        try:
+            base = parse_limits(read_limits_file(limits_file), prefix="")
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{prefix}limits {limits_file}: {exc}") from None
+    return parse_limits(values, prefix, base)

@@ -11,9 +11,11 @@ import sys
 
 from fa_verify.cli.arguments import positive_int, writable_file, writable_folder
 from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
+from fa_verify.limits import CAUSAL_CHOICES, limit_arguments, limits_from_options
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
 
-_CAUSAL = {"yes": (True,), "no": (False,), "both": (False, True)}
+#: Limit options that are also `check`'s selection options (--dtype, --causal), for any target.
+SELECTION_LIMITS = ("dtype", "causal")
 #: The value of --seed (--fa-seed) that draws a new seed per run.
 RANDOM_SEED = "random"
 SEED_HELP = ("Hypothesis seed: an integer, or 'random' to draw one per run (printed first and recorded, so "
@@ -83,7 +85,7 @@ def add_parser(sub) -> None:
                           "backend, or MODULE:FUNC with fn(q, k, v, *, causal, scale) -> out | (out, lse)")
     cmd.add_argument("--dtype", action="append", choices=("fp16", "bf16", "fp32"),
                      help="dtype to check (repeatable; default: every dtype the target runs)")
-    cmd.add_argument("--causal", choices=tuple(_CAUSAL), default="both",
+    cmd.add_argument("--causal", choices=tuple(CAUSAL_CHOICES), default=None,
                      help="causal problems, non-causal ones, or both (default)")
     cmd.add_argument("--property", action="append", dest="properties", metavar="NAME",
                      help="run only this property (repeatable; default: all)")
@@ -112,6 +114,8 @@ def add_parser(sub) -> None:
                                help="causal alignment the callable implements (default bottom-right; "
                                     "torch SDPA's is_causal is top-left)")
     add_isolation_options(callable_opts.add_argument)
+    for name, kwargs in limit_arguments(skip=SELECTION_LIMITS).items():
+        callable_opts.add_argument(f"--{name}", **kwargs)
     callable_opts.add_argument("--precision", default=None,
                                help="precision model: a preset (flash, fp32-accumulate, "
                                     "same-precision) or 'score=fp32,p=bf16,pv=fp32,out=bf16'; "
@@ -126,13 +130,15 @@ def _targets(args):
     if ":" in args.target:
         sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
         fn = load_callable(args.target)
-        return [CallableBackend(fn, name=args.target, **_callable_options(args))]
-    given = [f"--{'no-isolate' if name == 'isolate' else name.replace('_', '-')}" for name in CALLABLE_DEFAULTS
-             if getattr(args, name) is not None]
+        return [CallableBackend(fn, name=args.target, limits=_limits(args), **_callable_options(args))]
+    given = [f"--{'no-isolate' if name == 'isolate' else name.replace('_', '-')}"
+             for name in (*CALLABLE_DEFAULTS, *limit_arguments(skip=SELECTION_LIMITS))
+             if getattr(args, name.replace("-", "_")) is not None]
     if given:
         raise InvalidArgumentError(
             f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to MODULE:FUNC targets only; "
-            f"{args.target!r} names built-in backends, whose layout, arrays, precision and isolation are their own "
+            f"{args.target!r} names built-in backends, whose layout, arrays, precision, isolation and limits are "
+            "their own "
             f"(see 'fa_verify backends'): drop {' and '.join(given)}, or check your function as MODULE:FUNC")
     if args.target == "all":
         return [b for b in builtin_backends() if b.availability().available]
@@ -148,6 +154,13 @@ def _targets(args):
 ISOLATION_DEFAULTS = {"isolate": True, "timeout": DEFAULT_TIMEOUT, "memory_limit": DEFAULT_MEMORY_LIMIT}
 CALLABLE_DEFAULTS = {"layout": "bhsd", "array": "numpy", "causal_alignment": "bottom-right", "precision": None,
                      **ISOLATION_DEFAULTS}
+
+
+def _limits(args):
+    """The callable's declared limits: --limits FILE, then the limit options given (--dtype and
+    --causal included)."""
+    values = {name: getattr(args, name.replace("-", "_")) for name in limit_arguments() if name != "limits"}
+    return limits_from_options(values, args.limits)
 
 
 def _callable_options(args) -> dict:
@@ -178,24 +191,27 @@ def _run(args) -> int:
     if drawn:  # first, so that even a run that dies later can be replayed
         print(f"seed {seed} (--seed random; replay with --seed {seed})", flush=True,
               file=sys.stderr if args.json else sys.stdout)
-    outcomes, skipped = [], []
+    outcomes, documents, skipped = [], [], []
     for backend in _targets(args):
         dtypes = tuple(d for d in (args.dtype or backend.dtypes) if d in backend.dtypes)
         if not dtypes:
             skipped.append(f"{backend.name} runs {', '.join(backend.dtypes)}, not --dtype {', '.join(args.dtype)}")
             continue
         selection = Selection.from_profile(args.profile or DEFAULT_PROFILE, dtypes=dtypes,
-                                           causal=_CAUSAL[args.causal], max_examples=args.max_examples,
+                                           causal=CAUSAL_CHOICES[args.causal or "both"],
+                                           max_examples=args.max_examples,
                                            max_seq=args.max_seq, seed=seed)
         record = results_recorder(args.results, backend, "check", seed=seed) if args.results else None
         print(f"checking {backend.name} ({', '.join(dtypes)}) ...", file=sys.stderr, flush=True)
         if not args.json:
             print(backend.name)
+            print(f"  limits: {backend.limits.describe()}")
         # With --json, stdout holds only the document: progress goes to stderr as it comes.
         progress = functools.partial(_print_property, file=sys.stderr if args.json else sys.stdout)
         outcome = check_backend(backend, selection, properties=args.properties, on_result=record,
                                 progress=progress, repro_dir=args.repro_dir or default_folder())
         outcomes.append(outcome)
+        documents.append({**outcome.as_dict(), "limits": backend.limits.as_dict()})
         if not args.json:
             counts = outcome.counts()
             print(f"{_verdict(outcome)} {backend.name}: {counts['passed']} passed, "
@@ -207,7 +223,7 @@ def _run(args) -> int:
         print(f"skipped {reason}", file=sys.stderr)
     if args.json:
         document = {"passed": error is None and all(o.passed for o in outcomes), "seed": seed,
-                    "seed_drawn": drawn, "targets": [o.as_dict() for o in outcomes]}
+                    "seed_drawn": drawn, "targets": documents}
         if error is not None:
             document["error"] = error
         print(json.dumps(document, indent=2))

@@ -103,9 +103,10 @@ def capabilities(backend: Backend) -> Capabilities:
     return caps
 
 
-def _causal_modes(prop: Property, selection: Selection, limits: Limits = Limits()) -> tuple:
+def _causal_modes(prop: Property, *allowed: tuple) -> tuple:
+    """The causal modes `prop` is meaningful on that each of `allowed` (selection, limits) allows."""
     wanted = {"any": (False, True), "causal": (True,), "non-causal": (False,)}[prop.masking]
-    return tuple(c for c in selection.causal if c in wanted and c in limits.causal)
+    return tuple(c for c in (False, True) if c in wanted and all(c in modes for modes in allowed))
 
 
 def edge_problems(prop: Property, backend: Backend, selection: Selection) -> tuple[list[AttentionProblem], tuple]:
@@ -114,7 +115,7 @@ def edge_problems(prop: Property, backend: Backend, selection: Selection) -> tup
     if not prop.edge_cases:
         return [], ()
     limits = backend.limits
-    causal = _causal_modes(prop, selection, limits)
+    causal = _causal_modes(prop, selection.causal, limits.causal)
     modes = ([(False, "bottom-right")] * (False in causal)
              + [(True, a) for a in CAUSAL_ALIGNMENTS] * (True in causal))
     cases, notes = {}, []
@@ -161,7 +162,7 @@ def _max_work(limits: Limits, max_work: int, head_dims) -> int:
 def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
     """Problems for `prop` that the target runs, or a reason string when there are none."""
     dtypes = [d for d in selection.dtypes if d in caps.dtypes]
-    causal = _causal_modes(prop, selection, caps.limits)
+    causal = _causal_modes(prop, selection.causal, caps.limits.causal)
     alignments = caps.alignments if True in causal else ()
     if not dtypes:
         return f"none of the selected dtypes {list(selection.dtypes)} is run by {caps.name}"
@@ -169,6 +170,8 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
         return f"{caps.name} returns no LSE"
     if prop.needs_bottom_right and "bottom-right" not in caps.alignments:
         return f"needs bottom-right causal problems, which {caps.name} does not run"
+    if not _causal_modes(prop, caps.limits.causal):
+        return f"needs {prop.masking} problems, but {caps.name} declares {caps.limits.describe_causal()} (--causal)"
     if not causal or (causal == (True,) and not alignments):
         return f"needs {prop.masking} problems, which the selection (--causal) or the target excludes"
     if prop.unequal_seq and caps.limits.equal_seq:
