@@ -13,6 +13,9 @@ Options:
   --fa-no-isolate     run MODULE:FUNC backends in the test process (default: in a worker
                       process, where a crash, a hang or a runaway allocation fails the example)
   --fa-timeout S, --fa-memory-limit SIZE   limits per call of an isolated MODULE:FUNC
+  --fa-dtype, --fa-head-dims, --fa-seq-multiple, --fa-seq-min, --fa-seq-max, --fa-equal-seq,
+  --fa-heads, --fa-causal, --fa-lse, --fa-limits FILE
+                      the declared limits of MODULE:FUNC backends, as `fa_verify check`'s options
 Fixtures:
   fa_backend   parametrises a test over the selected backends
   fa_search    fa_search(target, property) searches one property on a target (a Backend or a
@@ -33,6 +36,7 @@ _SEED_DRAWN = pytest.StashKey[bool]()
 
 def pytest_addoption(parser):
     from fa_verify.cli.check_cmd import SEED_HELP, SHARED_OPTIONS, add_isolation_options, parse_seed
+    from fa_verify.limits import limit_arguments
 
     group = parser.getgroup("fa_verify", "fa_verify: attention kernel properties")
     group.addoption("--fa-backend", action="append", default=None, metavar="NAME",
@@ -43,6 +47,8 @@ def pytest_addoption(parser):
     group.addoption("--fa-seed", type=parse_seed, default=None, metavar="N|random",
                     help=SEED_HELP.replace("--seed", "--fa-seed") + " (default: the profile's)")
     add_isolation_options(group.addoption, prefix="fa-")
+    for name, kwargs in limit_arguments().items():
+        group.addoption(f"--fa-{name}", **kwargs)
 
 
 def pytest_configure(config):
@@ -84,8 +90,18 @@ def _backends(config) -> list:
     if _BACKENDS not in config.stash:
         from fa_verify.backends import CallableBackend, builtin_backends, get_backend, load_callable
         from fa_verify.errors import FaVerifyError
+        from fa_verify.limits import limit_arguments, limits_from_options
 
         names = config.getoption("fa_backend")
+        declared = {name: config.getoption(f"fa_{name.replace('-', '_')}") for name in limit_arguments()}
+        try:
+            limits = limits_from_options({n: v for n, v in declared.items() if n != "limits"}, declared["limits"],
+                                         "--fa-")
+        except FaVerifyError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        if any(v is not None for v in declared.values()) and not any(":" in n for n in names or ()):
+            raise pytest.UsageError("--fa-dtype, --fa-head-dims, ... --fa-limits declare the limits of MODULE:FUNC "
+                                    "backends only; name one with --fa-backend MODULE:FUNC")
         try:
             if names is None:
                 backends = [b for b in builtin_backends() if b.availability().available]
@@ -95,8 +111,8 @@ def _backends(config) -> list:
                 given = {name: config.getoption(f"fa_{name}") for name in ISOLATION_DEFAULTS}
                 isolation = {name: default if given[name] is None else given[name]
                              for name, default in ISOLATION_DEFAULTS.items()}
-                backends = [CallableBackend(load_callable(n), name=n, **isolation) if ":" in n else get_backend(n)
-                            for n in names]
+                backends = [CallableBackend(load_callable(n), name=n, limits=limits, **isolation) if ":" in n
+                            else get_backend(n) for n in names]
         except FaVerifyError as exc:
             raise pytest.UsageError(f"--fa-backend: {exc}") from None
         for backend in backends:
