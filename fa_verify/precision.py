@@ -43,6 +43,12 @@ class PrecisionModel:
         return cls(input=dtype)
 
     @classmethod
+    def input_scores(cls, dtype) -> "PrecisionModel":
+        """Scores and the softmax in the input dtype (q·k accumulated in it), P·V accumulated in
+        fp32: attention that rounds its scores to fp16/bf16."""
+        return cls(input=dtype, score_accumulation=dtype, p_rounding=dtype)
+
+    @classmethod
     def same_precision(cls, dtype) -> "PrecisionModel":
         """Every stage in the input dtype: naive attention computed in fp16/bf16/fp32 throughout."""
         return cls(input=dtype, score_accumulation=dtype, p_rounding=dtype, pv_accumulation=dtype)
@@ -51,7 +57,7 @@ class PrecisionModel:
     def parse(cls, text: str, dtype) -> "PrecisionModel":
         """From a CLI spelling: a preset name or 'score=fp32,p=bf16,pv=fp32,out=bf16'."""
         presets = {"flash": cls.flash, "fp32-accumulate": cls.fp32_accumulate,
-                   "same-precision": cls.same_precision}
+                   "input-scores": cls.input_scores, "same-precision": cls.same_precision}
         if text in presets:
             return presets[text](dtype)
         keys = {"score": "score_accumulation", "p": "p_rounding", "pv": "pv_accumulation", "out": "output"}

@@ -117,9 +117,10 @@ def add_parser(sub) -> None:
     for name, kwargs in limit_arguments(skip=SELECTION_LIMITS).items():
         callable_opts.add_argument(f"--{name}", **kwargs)
     callable_opts.add_argument("--precision", default=None,
-                               help="precision model: a preset (flash, fp32-accumulate, "
+                               help="precision model: a preset (flash, fp32-accumulate, input-scores, "
                                     "same-precision) or 'score=fp32,p=bf16,pv=fp32,out=bf16'; "
-                                    "default: flash, the most lenient legitimate model")
+                                    "default: flash (FlashAttention's: fp32 scores and accumulation, P in "
+                                    "the input dtype); a failure says which looser preset would pass")
     cmd.set_defaults(handler=_run)
 
 

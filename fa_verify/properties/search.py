@@ -28,6 +28,7 @@ from fa_verify.profiles import RELAXED_HEALTH_CHECKS
 from fa_verify.properties._result import FAILED, NOT_APPLICABLE, PASSED, PropertyFailure, PropertyResult
 from fa_verify.properties._subject import as_backend
 from fa_verify.properties.draw import capabilities, edge_problems, problem_strategy
+from fa_verify.properties.precision_hint import precision_hint
 from fa_verify.properties.registry import Property, get_property
 from fa_verify.properties.reproduce import NotReproducible, Target, write_reproducer
 from fa_verify.properties.selection import Selection
@@ -267,6 +268,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         problem, seed, result = last
         if isinstance(exc, Flaky):
             result = replace(result, detail=NOT_REPEATED + result.detail)
+        hint = precision_hint(backend, prop, problem, seed, result)
+        result = replace(result, detail=f"{result.detail}\n{hint}") if hint else result
         outcome.status, outcome.failure, outcome.problem = FAILED, result, problem
         outcome.seed = seed if prop.seeded else None
         if repro_dir is not None:
