@@ -40,8 +40,8 @@ def my_attention(q, k, v, *, causal, scale):
     return out.astype(q.dtype), lse.astype(np.float32)
 
 
-# "flash": judged as an FA2-style kernel (fp32 accumulation, P rounded to the input dtype) —
-# the most lenient legitimate model; say precision="fp32-accumulate" to be judged tighter.
+# "flash": judged as an FA2-style kernel (fp32 scores and accumulation, P rounded to the input
+# dtype); "fp32-accumulate" is tighter, "input-scores" and "same-precision" looser.
 KERNEL = CallableBackend(my_attention, name="my_attention", precision="flash")
 
 

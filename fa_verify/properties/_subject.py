@@ -10,7 +10,7 @@ from fa_verify.precision import PrecisionModel
 
 class RunFunctionBackend(Backend):
     """`run(problem) -> out | (out, lse)` as a backend judged under `precision`
-    (a preset or spec; default "flash", the most lenient legitimate model)."""
+    (a preset or spec; default "flash", FlashAttention's model)."""
 
     def __init__(self, run, name: str | None = None, precision: str = "flash", dtypes=DTYPE_NAMES):
         if not callable(run):
