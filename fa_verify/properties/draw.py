@@ -150,8 +150,8 @@ def _large_shapes(head_dims, limits: Limits):
 
 
 #: The work budget is raised to this many times the smallest shape within the limits, so that a
-#: kernel with large tiles still gets more than its smallest shape.
-_WORK_ROOM = 8
+#: kernel with large tiles still reaches lengths of 4 x its smallest one (its fourth tile).
+_WORK_ROOM = 16
 
 
 def _max_work(limits: Limits, max_work: int, head_dims) -> int:
