@@ -17,7 +17,7 @@ from fa_verify.backends import CallableBackend, get_backend
 from fa_verify.cli.main import main
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.limits import Limits, limits_from_options, parse_limits
-from fa_verify.properties import Selection, get_property, search_property
+from fa_verify.properties import PROPERTIES, Selection, get_property
 from fa_verify.properties.draw import capabilities, edge_problems, problem_strategy
 from fa_verify.properties.masking import check_fully_masked_rows
 from fa_verify.properties.online_softmax import check_merge_law
@@ -201,3 +201,25 @@ def test_the_pytest_plugin_takes_the_same_limits(pytester):
     result = pytester.runpytest_subprocess("--fa-backend", "user_kernels:limited_fp16_causal", *options, "-rs")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["*merge_law: not applicable (needs key chunks*declares Nq = Nk*"])
+
+
+@pytest.mark.parametrize("options", [
+    {"seq-min": "100", "seq-max": "200", "heads": "gqa"},
+    {"seq-multiple": "16", "seq-max": "48", "heads": "mqa,mha", "causal": "no", "dtype": "bf16"},
+    {"head-dims": "96", "seq-multiple": "128", "equal-seq": "yes", "lse": "no"},
+])
+def test_every_property_draws_within_the_limits(options):
+    limits = parse_limits(options)
+    caps = capabilities(CallableBackend(float64_then_round, limits=limits))
+    for prop in PROPERTIES:
+        strategy = problem_strategy(prop, caps, Selection())
+        if isinstance(strategy, str):
+            assert "declares" in strategy or "returns no LSE" in strategy, strategy
+            continue
+
+        @settings(max_examples=15, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(strategy)
+        def within(problem):
+            assert limits.check(problem) is None, (prop.name, problem.describe())
+
+        within()

@@ -142,7 +142,8 @@ def _large_shapes(head_dims, limits: Limits):
     """Shapes with enough rows and elements for a statistic (within the limits where declared)."""
     dims = [d for d in (head_dims or (16, 32, 64)) if 16 <= d <= 64] or [min(head_dims)]
     if limits.declared:
-        return fst.shapes(max_batch=2, max_heads=4, max_seq=max(96, limits.seq_lo), max_head_dim=max(dims),
+        max_seq = min(max(96, limits.seq_lo), limits.seq_max or limits.seq_lo + 96)
+        return fst.shapes(max_batch=2, max_heads=4, max_seq=max_seq, max_head_dim=max(dims),
                           head_dims=dims, max_work=_max_work(limits, 2 * 4 * 96 * 96 * max(dims), dims),
                           **_shape_limits(limits))
     return st.builds(fst.Shape, batch=st.integers(1, 2), heads=st.just(4), kv_heads=st.sampled_from([1, 2, 4]),
@@ -168,10 +169,10 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
         return f"none of the selected dtypes {list(selection.dtypes)} is run by {caps.name}"
     if prop.needs_lse and not caps.returns_lse:
         return f"{caps.name} returns no LSE"
-    if prop.needs_bottom_right and "bottom-right" not in caps.alignments:
-        return f"needs bottom-right causal problems, which {caps.name} does not run"
     if not _causal_modes(prop, caps.limits.causal):
         return f"needs {prop.masking} problems, but {caps.name} declares {caps.limits.describe_causal()} (--causal)"
+    if prop.needs_bottom_right and "bottom-right" not in caps.alignments:
+        return f"needs bottom-right causal problems, which {caps.name} does not run"
     if not causal or (causal == (True,) and not alignments):
         return f"needs {prop.masking} problems, which the selection (--causal) or the target excludes"
     if prop.unequal_seq and caps.limits.equal_seq:

@@ -195,7 +195,7 @@ def _seq_lengths(draw, cap: int, max_seq: int, typical: int | None = None, grid:
     is left. With `typical`, the first (both when equal) lies above it where the cap allows."""
     def one(cap_len, long):
         units = grid.units(cap_len)
-        return grid.length(_long_seq_len(draw, units, grid.units(typical)) if long else _seq_len(draw, units))
+        return grid.length(_long_seq_len(draw, units, max(0, grid.units(typical))) if long else _seq_len(draw, units))
 
     how = "equal" if equal else draw(st.sampled_from(("equal", "q_first", "k_first")))
     if how == "equal":
@@ -239,10 +239,11 @@ def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, layout
         """The cap for the next dimension(s): the work left, keeping room for the smallest D, lengths
         and heads still to draw; for a long shape also B*H*Nq*Nk <= max_seq**2 (the cost of
         judging grows with the scores)."""
-        room = math.prod(v for key, v in reserve.items() if key not in got and key not in drawing)
-        cap = max_work // (math.prod(got.values()) * room)
+        pending = [key for key in reserve if key not in got and key not in drawing]
+        cap = max_work // (math.prod(got.values()) * math.prod(reserve[key] for key in pending))
         if long:
-            cap = min(cap, max_seq ** 2 // math.prod(v for key, v in got.items() if key != "d"))
+            scores = math.prod(v for key, v in got.items() if key != "d")
+            cap = min(cap, max_seq ** 2 // (scores * math.prod(reserve[key] for key in pending if key != "d")))
         return cap
 
     # Choice 0 (short) is the one shrinking goes to; the last of 1/LONG_SHARE choices is long.
