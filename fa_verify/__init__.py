@@ -16,6 +16,7 @@ from fa_verify.errors import (
     InvalidArgumentError,
     InvalidProblemError,
 )
+from fa_verify.limits import Limits
 from fa_verify.metrics import ErrorStats, ErrorSummary, measure
 from fa_verify.oracle import Reference, reference
 from fa_verify.precision import PrecisionModel
@@ -35,6 +36,7 @@ __all__ = [
     "FaVerifyError",
     "InvalidArgumentError",
     "InvalidProblemError",
+    "Limits",
     "PrecisionModel",
     "Reference",
     "Verdict",

@@ -202,7 +202,7 @@ LIMIT_OPTIONS = {
 def parse_limits(values: dict, prefix: str = "--", base: Limits | None = None) -> Limits:
     """Limits from option values (strings as typed, or TOML values), keyed by LIMIT_OPTIONS names
     (underscores allowed); None values are ignored. `prefix` names the options in errors
-    ('--', '--fa-', or '' for keyword arguments and TOML keys). Raises InvalidArgumentError."""
+    ('--', '--fa-', 'limits.' for the API, '' for TOML keys). Raises InvalidArgumentError."""
     fields = {}
     for key, value in values.items():
         option = str(key).replace("_", "-")
@@ -217,7 +217,7 @@ def parse_limits(values: dict, prefix: str = "--", base: Limits | None = None) -
         except (ValueError, KeyError, TypeError, InvalidArgumentError):
             raise InvalidArgumentError(
                 f"{prefix}{option}={value!r} is not valid: {LIMIT_OPTIONS[option][3]}; e.g. "
-                f"{prefix}{option}{' ' if prefix else '='}{example}") from None
+                f"{prefix}{option}{' ' if prefix.startswith('-') else '='}{example}") from None
     limits = replace(base or Limits(), **fields)
     if limits.seq_max is not None and limits.seq_lo > limits.seq_max:
         raise InvalidArgumentError(

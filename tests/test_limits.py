@@ -87,6 +87,15 @@ def test_bad_limits_are_usage_errors_in_the_cli(capsys, tmp_path):
     assert "cannot read it" in usage_error("check", target, "--limits", tmp_path / "missing.toml")
 
 
+def test_the_api_takes_limits_or_a_dict_of_the_same_keys():
+    backend = CallableBackend(limited_fp16_causal, limits={"dtype": "fp16", "head_dims": [64, 128],
+                                                           "seq_multiple": 64, "equal_seq": True, "heads": "mha",
+                                                           "causal": "yes"})
+    assert backend.limits == KERNEL_LIMITS and backend.dtypes == ("fp16",)
+    with pytest.raises(InvalidArgumentError, match=r"limits.head-dims='x' is not valid.*limits.head-dims=64,128"):
+        CallableBackend(limited_fp16_causal, limits={"head_dims": "x"})
+
+
 def test_check_and_adapt():
     problem = fst.make_problem("normal", (1, 2, 1, 64, 128, 64), "fp16", 0, causal=True)
     reason = KERNEL_LIMITS.check(problem)

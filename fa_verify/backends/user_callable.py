@@ -94,7 +94,7 @@ class CallableBackend(Backend):
         else:
             raise InvalidArgumentError(
                 f"precision={precision!r} must be a preset or spec string, a PrecisionModel or None")
-        self.limits = limits if isinstance(limits, Limits) else parse_limits(limits or {}, prefix="")
+        self.limits = limits if isinstance(limits, Limits) else parse_limits(limits or {}, prefix="limits.")
         dtypes = self.limits.dtypes if dtypes is None else dtypes
         self.dtypes = tuple(dtype_name(d) for d in (DTYPE_NAMES if dtypes is None else dtypes))
         if not self.dtypes or not set(self.dtypes) <= set(DTYPE_NAMES):
