@@ -232,3 +232,11 @@ def test_every_property_draws_within_the_limits(options):
             assert limits.check(problem) is None, (prop.name, problem.describe())
 
         within()
+
+
+def test_a_reproducer_rebuilds_the_declared_limits():
+    from fa_verify.properties.reproduce import callable_options
+
+    backend = CallableBackend(limited_fp16_causal, limits=KERNEL_LIMITS)
+    options = callable_options(backend, "fp16")
+    assert CallableBackend(limited_fp16_causal, limits=options["limits"]).limits == KERNEL_LIMITS

@@ -110,7 +110,9 @@ def callable_options(backend, dtype: str) -> dict:
     judged, for problems of `dtype`. A new option of CallableBackend belongs here too (a test
     compares this with the constructor's parameters)."""
     return {"layout": backend.layout, "array": backend.array, "causal_alignment": backend.causal_alignment,
-            "precision": precision_spec(backend.precision(dtype))}
+            "precision": precision_spec(backend.precision(dtype)),
+            # merge_law's and fully_masked_rows' derived problems follow the declared limits
+            "limits": backend.limits.as_dict()}
 
 
 @dataclass(frozen=True)
