@@ -227,11 +227,16 @@ def test_build_command_for_the_cpu_runner(capsys):
 @needs_cpu_runner
 @pytest.mark.parametrize("family_name", list(FAMILIES))
 def test_check_command_on_each_cpu_kernel_backend(family_name, capsys):
-    """`fa_verify check <kernel>-cpu`: the fixed edge cases plus a few Hypothesis problems pass."""
+    """`fa_verify check <kernel>-cpu`: the fixed edge cases plus a few Hypothesis problems pass.
+
+    naive16 gets the profile's 20 examples: its scores are summed in fp16/bf16, so in bf16 its
+    merge-law tolerance admits even a zero output on most examples (the null-model guard calls
+    them uninformative), and 5 examples may hold no informative one."""
     from fa_verify.cli.main import main
 
     name = f"{get_family(family_name).label}-cpu"
-    assert main(["check", name, "--max-examples", "5", "--json"]) == 0, capsys.readouterr().out
+    examples = [] if family_name == "naive16" else ["--max-examples", "5"]
+    assert main(["check", name, *examples, "--json"]) == 0, capsys.readouterr().out
     assert '"passed": true' in capsys.readouterr().out
 
 
