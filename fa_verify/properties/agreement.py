@@ -9,6 +9,7 @@ is uninformative.
 from __future__ import annotations
 
 from fa_verify.error_model import error_bound
+from fa_verify.honest_ensemble import ensemble_errors
 from fa_verify.null_model import guard, null_outputs
 from fa_verify.oracle import reference
 from fa_verify.properties._compare import exceeding
@@ -24,12 +25,14 @@ def check_oracle_agreement(backend, problem) -> PropertyResult:
     precision = backend.precision(problem.dtype)
     ref = reference(problem)
     bound = error_bound(problem, precision, ref)
-    verdict = check_attention(out, problem, precision=precision, reference=ref, bound=bound)
+    # One ensemble for the target's verdict and the trivial outputs' (it depends on the inputs only).
+    ensemble = ensemble_errors(problem, precision, ref, bound)
+    verdict = check_attention(out, problem, precision=precision, reference=ref, bound=bound, ensemble=ensemble)
     if not verdict.passed:
         return failed("oracle_agreement", problem, verdict.message(), verdict.bound_ratio, [verdict])
     null_guard = guard(null_outputs(problem, ref, precision.output),
                        lambda null: check_attention(null.out, problem, precision=precision, reference=ref,
-                                                    bound=bound).passed)
+                                                    bound=bound, ensemble=ensemble).passed)
     return passed("oracle_agreement", problem, worst_ratio=verdict.bound_ratio, verdicts=[verdict],
                   guard=null_guard)
 
