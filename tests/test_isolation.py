@@ -4,7 +4,6 @@ failing example that says what happened, the worker restarts and the run goes on
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
