@@ -266,7 +266,8 @@ def check_attention(out, problem: AttentionProblem, lse=None, precision=None, re
     """Judge `out` (and `lse`) of `problem` against the reference under a precision model.
 
     precision: a PrecisionModel, a preset/spec string for PrecisionModel.parse, or None for
-        PrecisionModel.flash(problem.dtype), the most lenient legitimate model.
+        PrecisionModel.flash(problem.dtype): FlashAttention's model (fp32 scores and accumulation,
+        P rounded to the input dtype).
     reference: a precomputed `fa_verify.oracle.reference(problem)` (computed when None).
     ensemble_factor: K of the ensemble rule; None skips the rule (and running the ensemble).
     ensemble: precomputed `honest_ensemble.ensemble_errors(problem, precision, reference, ...)`,

@@ -65,8 +65,8 @@ class CallableBackend(Backend):
     """Adapts `fn` to the backend protocol.
 
     `precision` is the model the function claims: a preset or spec for PrecisionModel.parse,
-    a PrecisionModel (for its input dtype only), or None for PrecisionModel.flash, the most
-    lenient model a legitimate kernel uses. `dtypes=None` means every dtype the precision
+    a PrecisionModel (for its input dtype only), or None for PrecisionModel.flash, FlashAttention's
+    model (fp32 scores and accumulation, P in the input dtype). `dtypes=None` means every dtype the precision
     allows. `causal_alignment` is the alignment the function implements for causal=True.
     `isolate=True` runs it in a worker process with `timeout` seconds and `memory_limit` per call
     (see the module's doc); the function must then be importable as MODULE:FUNC (`name` may
