@@ -59,6 +59,7 @@ def _backends(names):
 
 def _run(args) -> int:
     from fa_verify.errors import InvalidArgumentError
+    from fa_verify.report import published
     from fa_verify.report.run_info import RunInfo
     from fa_verify.report.runner import run_sweep
     from fa_verify.results import ResultsStore
@@ -77,7 +78,8 @@ def _run(args) -> int:
                 f"--from {str(source)!r}: no valid record found (the file is empty, or each line "
                 f"was skipped with a warning); give a results file written by 'fa_verify report', "
                 f"'fa_verify check --results' or pytest --fa-results")
-        return _render(records, out, RunInfo.load(source.parent), args.fail_on)
+        return _render(records, out, RunInfo.load(source.parent), args.fail_on,
+                       published.load(source.parent))
 
     backends = _backends(args.backend)
     store = ResultsStore(out / RESULTS)
@@ -91,15 +93,16 @@ def _run(args) -> int:
         info = run_sweep(sweep, backends, store, done=done, out_dir=out)
     except KeyboardInterrupt:
         # Everything recorded so far is in the store: render it, then stop as interrupted.
-        _render(store.read(), out, RunInfo.load(out), args.fail_on)
+        _render(store.read(), out, RunInfo.load(out), args.fail_on, None)
         raise
-    return _render(store.read(), out, info, args.fail_on)
+    reproduced = published.measure(sweep.published) if sweep.published else None
+    return _render(store.read(), out, info, args.fail_on, reproduced)
 
 
-def _render(records, out: Path, run, fail_on: str) -> int:
+def _render(records, out: Path, run, fail_on: str, reproduced) -> int:
     from fa_verify.report import write_report
 
-    data = write_report(records, out, run=run)
+    data = write_report(records, out, run=run, published=reproduced)
     print((out / "summary.md").read_text(encoding="utf-8"))  # the CI log's summary
     totals = data.totals
     print(f"wrote {out / 'index.html'}, summary.json, summary.md: {totals.records} runs, "
