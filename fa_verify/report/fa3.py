@@ -15,7 +15,7 @@ per dtype and seed at the FA3 shape with one head, each problem's figures cached
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from fa_verify.backends.cuda_kernels import CpuKernelBackend, cpu_runner_availability
 from fa_verify.backends.naive import naive_attention
@@ -24,7 +24,7 @@ from fa_verify.kernels.catalogue import FA2, NAIVE16
 from fa_verify.oracle import reference
 from fa_verify.precision import PrecisionModel
 from fa_verify.report.aggregate import pooled_rmse, ratio
-from fa_verify.report.measurements import code_fingerprint, deviation
+from fa_verify.report.measurements import code_fingerprint, deviation, measure_problems, seeds_text
 from fa_verify.results import EXACTLY_ROUNDED, NAIVE_SAME_PRECISION
 from fa_verify.strategies import make_problem
 from fa_verify.sweeps import FA3_DISTRIBUTION, FA3_PAPER_RMSE, FA3_SHAPE
@@ -123,21 +123,14 @@ class Table3Setup:
     def describe(self) -> str:
         return (f"B={self.batch} H={self.heads} N={self.seq_len} D={self.head_dim}, non-causal, "
                 f"inputs N(0,1) + N(0,100)·Bernoulli(0.001) (the {FA3_DISTRIBUTION} distribution), "
-                f"seed{'s' if len(self.seeds) > 1 else ''} {', '.join(map(str, self.seeds))}")
+                f"{seeds_text(self.seeds)}")
 
 
 def measure_table3(setup: Table3Setup, cache, progress=None) -> dict:
     """Every (dtype, seed) problem's deviations, through `cache`; plain JSON for published.json."""
-    code = code_fingerprint(*TABLE3_CODE)
-    problems = []
-    for dtype in setup.dtypes:
-        for seed in setup.seeds:
-            if progress:
-                progress(f"FlashAttention-3 Table 3, {dtype} seed {seed}")
-            spec = {"experiment": "fa3_table3", "setup": asdict(setup), "dtype": dtype, "seed": seed}
-            problems.append({"dtype": dtype, "seed": seed,
-                             **cache.get(spec, code, lambda: _measure_table3_problem(setup, dtype, seed))})
-    return {"setup": asdict(setup), "problems": problems}
+    return measure_problems(cache, "FlashAttention-3 Table 3", setup, code_fingerprint(*TABLE3_CODE),
+                            "dtype", setup.dtypes, setup.seeds,
+                            lambda dtype, seed: _measure_table3_problem(setup, dtype, seed), progress)
 
 
 def _measure_table3_problem(setup: Table3Setup, dtype: str, seed: int) -> dict:

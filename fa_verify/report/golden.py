@@ -26,7 +26,7 @@ absolute deviation; the plot and the growth figures divide by max |O_ref| to com
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from fa_verify.dtypes import round_to
 from fa_verify.kernels.catalogue import FA2, FA2_KEY_TILES, NAIVE16
 from fa_verify.oracle import reference
 from fa_verify.precision import PrecisionModel
-from fa_verify.report.measurements import code_fingerprint, deviation
+from fa_verify.report.measurements import code_fingerprint, deviation, measure_problems, seeds_text
 from fa_verify.report.plots import _styled, _svg
 from fa_verify.strategies import Shape, make_problem
 
@@ -79,21 +79,14 @@ class GoldenSetup:
     def describe(self) -> str:
         return (f"B=1 H={self.heads} D={self.head_dim}, Nq = Nk = N, non-causal, {self.dtype}, "
                 f"{self.distribution} inputs (q, k, v i.i.d. N(0, 1) rounded to {self.dtype}), "
-                f"seed{'s' if len(self.seeds) > 1 else ''} {', '.join(map(str, self.seeds))}")
+                f"{seeds_text(self.seeds)}")
 
 
 def measure(setup: GoldenSetup, cache, progress=None) -> dict:
     """Every (N, seed) problem's deviations, through `cache`; plain JSON for published.json."""
-    code = code_fingerprint(*CODE)
-    problems = []
-    for n in setup.seq_lengths:
-        for seed in setup.seeds:
-            if progress:
-                progress(f"Golden et al. N={n} seed {seed}")
-            spec = {"experiment": "golden2024", "setup": asdict(setup), "n": n, "seed": seed}
-            problems.append({"n": n, "seed": seed,
-                             **cache.get(spec, code, lambda: _measure_problem(setup, n, seed))})
-    return {"setup": asdict(setup), "problems": problems}
+    return measure_problems(cache, "Golden et al. 2024", setup, code_fingerprint(*CODE), "n",
+                            setup.seq_lengths, setup.seeds,
+                            lambda n, seed: _measure_problem(setup, n, seed), progress)
 
 
 def _measure_problem(setup: GoldenSetup, n: int, seed: int) -> dict:

@@ -16,6 +16,7 @@ import importlib
 import json
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -80,3 +81,22 @@ def deviation(out, ref_out) -> dict:
     """What a measurement keeps of one output: max and RMSE of |O - O_ref| over its elements."""
     error = np.abs(np.asarray(out, dtype=np.float64) - ref_out)
     return {"max": float(error.max()), "rmse": float(np.sqrt(np.mean(error ** 2)))}
+
+
+def measure_problems(cache: MeasurementCache, experiment: str, setup, code: str, axis: str, values,
+                     seeds, measure_one: Callable[[object, int], dict], progress=None) -> dict:
+    """An experiment's problems, one per (value of `axis`, seed), each through `cache`:
+    {"setup": asdict(setup), "problems": [{axis: value, "seed": seed, **figures}, ...]}."""
+    problems = []
+    for value in values:
+        for seed in seeds:
+            if progress:
+                progress(f"{experiment}, {axis} {value}, seed {seed}")
+            spec = {"experiment": experiment, "setup": asdict(setup), axis: value, "seed": seed}
+            problems.append({axis: value, "seed": seed,
+                             **cache.get(spec, code, lambda: measure_one(value, seed))})
+    return {"setup": asdict(setup), "problems": problems}
+
+
+def seeds_text(seeds) -> str:
+    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
