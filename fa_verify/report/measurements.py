@@ -32,15 +32,20 @@ def default_folder() -> Path:
     return default_cache_dir().parent / "measurements"
 
 
+#: Files of a package that its code consists of (the CUDA-on-CPU runner's shim headers and
+#: fiber runtime decide how a kernel's arithmetic runs, so they count).
+_SOURCE_SUFFIXES = (".py", ".h", ".cpp")
+
+
 def code_fingerprint(modules=(), kernel_files=()) -> str:
-    """A hash of the source text of `modules` (dotted names; a package counts all its .py
-    files) and of `kernel_files` (names in the kernels folder), with fa_verify's version."""
+    """A hash of the source text of `modules` (dotted names; a package counts every .py, .h and
+    .cpp file under it) and of `kernel_files` (names in the kernels folder), with fa_verify's version."""
     digest = hashlib.sha256(fa_verify.__version__.encode())
     paths = []
     for name in modules:
-        module = importlib.import_module(name)
-        path = Path(module.__file__)
-        paths += sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
+        path = Path(importlib.import_module(name).__file__)
+        paths += (sorted(p for p in path.parent.rglob("*") if p.suffix in _SOURCE_SUFFIXES)
+                  if path.name == "__init__.py" else [path])
     paths += [kernels_dir() / name for name in kernel_files]
     for path in paths:
         digest.update(path.name.encode())
