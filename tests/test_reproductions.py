@@ -237,3 +237,27 @@ def test_a_bf16_running_state_costs_accuracy():
     error = {name: np.abs(out.astype(np.float64) - exact).max()
              for name, out in (("fp32", fp32_state), ("bf16", bf16_state))}
     assert error["bf16"] > error["fp32"]
+
+
+@needs_cpu_runner
+def test_without_the_cpu_runner_the_page_says_why(monkeypatch, gold_records, tmp_path):
+    from fa_verify.backends.base import Availability
+
+    missing = Availability(False, "no C++ compiler (g++) on PATH")
+    monkeypatch.setattr(golden, "cpu_runner_availability", lambda: missing)
+    monkeypatch.setattr(fa3, "cpu_runner_availability", lambda: missing)
+    cache = MeasurementCache(tmp_path / "cache")
+    data = {"experiments": {"fa3": fa3.measure_table3(TINY_TABLE3, cache),
+                            "golden": golden.measure(TINY_GOLDEN, cache)},
+            "seconds": 0.1, "computed": cache.computed, "reused": cache.reused}
+    view = published.view(data)
+    assert view.golden.unavailable == missing.reason and golden.STANDARD not in view.golden.names
+    assert view.fa3.standard_over_fa2() is None
+    write_report(gold_records, tmp_path / "out", generated="2026-01-01T00:00:00+00:00", published=data)
+    section = (tmp_path / "out" / "index.html").read_text().split('<h2 id="published"')[1]
+    assert section.count("The kernels did not run: no C++ compiler (g++) on PATH") == 2
+    assert golden.bf16_state_name(16) in section  # the numpy model still ran
+    monkeypatch.undo()  # the runner is back: nothing measured without it is reused
+    again = MeasurementCache(tmp_path / "cache")
+    golden.measure(TINY_GOLDEN, again)
+    assert again.reused == 0 and again.computed == len(TINY_GOLDEN.seq_lengths) * len(TINY_GOLDEN.seeds)

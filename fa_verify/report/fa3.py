@@ -130,7 +130,8 @@ def measure_table3(setup: Table3Setup, cache, progress=None) -> dict:
     """Every (dtype, seed) problem's deviations, through `cache`; plain JSON for published.json."""
     return measure_problems(cache, "FlashAttention-3 Table 3", setup, code_fingerprint(*TABLE3_CODE),
                             "dtype", setup.dtypes, setup.seeds,
-                            lambda dtype, seed: _measure_table3_problem(setup, dtype, seed), progress)
+                            lambda dtype, seed: _measure_table3_problem(setup, dtype, seed), progress,
+                            {"cpu_runner": cpu_runner_availability().available})
 
 
 def _measure_table3_problem(setup: Table3Setup, dtype: str, seed: int) -> dict:

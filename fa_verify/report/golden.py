@@ -86,7 +86,8 @@ def measure(setup: GoldenSetup, cache, progress=None) -> dict:
     """Every (N, seed) problem's deviations, through `cache`; plain JSON for published.json."""
     return measure_problems(cache, "Golden et al. 2024", setup, code_fingerprint(*CODE), "n",
                             setup.seq_lengths, setup.seeds,
-                            lambda n, seed: _measure_problem(setup, n, seed), progress)
+                            lambda n, seed: _measure_problem(setup, n, seed), progress,
+                            {"cpu_runner": cpu_runner_availability().available})
 
 
 def _measure_problem(setup: GoldenSetup, n: int, seed: int) -> dict:

@@ -89,15 +89,18 @@ def deviation(out, ref_out) -> dict:
 
 
 def measure_problems(cache: MeasurementCache, experiment: str, setup, code: str, axis: str, values,
-                     seeds, measure_one: Callable[[object, int], dict], progress=None) -> dict:
+                     seeds, measure_one: Callable[[object, int], dict], progress=None,
+                     context: dict | None = None) -> dict:
     """An experiment's problems, one per (value of `axis`, seed), each through `cache`:
-    {"setup": asdict(setup), "problems": [{axis: value, "seed": seed, **figures}, ...]}."""
+    {"setup": asdict(setup), "problems": [{axis: value, "seed": seed, **figures}, ...]}.
+    `context`: more inputs of every problem's key (e.g. whether the kernels can run here)."""
     problems = []
     for value in values:
         for seed in seeds:
             if progress:
                 progress(f"{experiment}, {axis} {value}, seed {seed}")
-            spec = {"experiment": experiment, "setup": asdict(setup), axis: value, "seed": seed}
+            spec = {"experiment": experiment, "setup": asdict(setup), axis: value, "seed": seed,
+                    **(context or {})}
             problems.append({axis: value, "seed": seed,
                              **cache.get(spec, code, lambda: measure_one(value, seed))})
     return {"setup": asdict(setup), "problems": problems}
