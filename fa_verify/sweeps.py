@@ -45,6 +45,9 @@ class Sweep:
     points: tuple
     #: seconds each backend may spend on this sweep's runs (predicted before each run)
     budget_s: float
+    #: published results reproduced after the sweep (`fa_verify.report.published.EXPERIMENTS`;
+    #: fixed experiments, cached by their inputs, not per backend)
+    published: tuple = ()
 
     def ordered(self) -> list[SweepPoint]:
         """Cheapest first, so that a budget cut leaves the largest shapes out, never a column."""
@@ -78,7 +81,8 @@ SWEEPS = {
         "quick", "every dtype and causal mode at N = 64, 256, 1024 (D = 64, MHA), GQA at D = 128 "
         "and MQA with Nq > Nk (fully masked rows when causal); normal inputs, one seed",
         grid(_seq_curve((64, 256, 1024)) + [(1, 8, 2, 256, 256, 128), (1, 4, 1, 100, 64, 96)]),
-        budget_s=25.0),
+        budget_s=25.0,
+        published=("fa3", "golden")),
     "default": Sweep(
         "default", "N = 16 ... 2048 (D = 64, MHA), D = 128 with GQA and MQA, Nq != Nk both ways; "
         "normal and FA3-outlier inputs, two seeds",
@@ -86,7 +90,8 @@ SWEEPS = {
              + [(1, 8, 2, 512, 512, 128), (1, 8, 1, 256, 256, 128),
                 (1, 4, 1, 100, 64, 96), (2, 4, 2, 64, 300, 32)],
              distributions=("normal", "fa3_outliers"), seeds=(0, 1)),
-        budget_s=120.0),
+        budget_s=120.0,
+        published=("fa3", "golden")),
     "fa3": Sweep(
         "fa3", f"FlashAttention-3 Table 3: inputs N(0,1) + N(0,100)·Bernoulli(0.001), "
         f"B={FA3_SHAPE.batch} H={FA3_SHAPE.heads} N={FA3_SHAPE.nq} D={FA3_SHAPE.head_dim}, "
@@ -94,7 +99,8 @@ SWEEPS = {
         grid([(FA3_SHAPE.batch, FA3_SHAPE.heads, FA3_SHAPE.kv_heads, FA3_SHAPE.nq, FA3_SHAPE.nk,
                FA3_SHAPE.head_dim)], dtypes=("fp16", "bf16"), causal=(False,),
              distributions=(FA3_DISTRIBUTION,), seeds=(0, 1, 2, 3)),
-        budget_s=300.0),
+        budget_s=300.0,
+        published=("golden",)),
     "thorough": Sweep(
         "thorough", "N = 16 ... 4096 at D = 64 and 128, D = 32 ... 256, GQA and MQA, Nq != Nk; "
         "normal, FA3-outlier, large-logit and uniform inputs, three seeds",
@@ -103,7 +109,8 @@ SWEEPS = {
              + [(1, 8, 2, 512, 512, 128), (1, 8, 1, 1024, 1024, 128),
                 (1, 4, 1, 100, 64, 96), (2, 4, 2, 64, 300, 32), (1, 4, 4, 1, 257, 64)],
              distributions=("normal", "fa3_outliers", "large_logits", "uniform"), seeds=(0, 1, 2)),
-        budget_s=900.0),
+        budget_s=900.0,
+        published=("fa3", "golden")),
 }
 
 

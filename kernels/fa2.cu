@@ -125,10 +125,13 @@ __device__ void fa2_forward(FA_PARAMS(T)) {
         fa2_forward<T, D, BLOCK_M, BLOCK_N, THREADS>(FA_ARGS);                                \
     }
 
-// FA_CONFIG(D, BLOCK_M, BLOCK_N, THREADS)
+// FA_CONFIG(D, BLOCK_M, BLOCK_N, THREADS). fa2_key_tiles.cu includes this file for the template
+// alone (FA2_TEMPLATE_ONLY) and instantiates it at other key-tile sizes.
+#ifndef FA2_TEMPLATE_ONLY
 FA_FOR_EACH_DTYPE(FA2_ENTRY, 16, 64, 32, 128)
 FA_FOR_EACH_DTYPE(FA2_ENTRY, 32, 64, 32, 128)
 FA_FOR_EACH_DTYPE(FA2_ENTRY, 64, 64, 32, 128)
 FA_FOR_EACH_DTYPE(FA2_ENTRY, 96, 64, 32, 128)
 FA_FOR_EACH_DTYPE(FA2_ENTRY, 128, 64, 32, 128)
 FA_FOR_EACH_DTYPE(FA2_ENTRY, 256, 32, 16, 128)
+#endif

@@ -2,8 +2,10 @@
 
 Each query tile keeps a running row max m, row sum l and accumulator acc in float32; each key
 tile rescales them by exp(m_old - m_new). P is rounded to the precision model's p dtype (the
-input dtype for FA2) before P·V, while l sums the unrounded fp32 P, as FA2 does. Work is
-vectorised over batch, heads and the elements of a tile; only the tile loops are Python.
+input dtype for FA2) before P·V, while l sums the unrounded fp32 P, as FA2 does. With a 16-bit
+P·V accumulation dtype, l and acc are rounded to it after every key tile: a kernel that keeps
+its running state in that dtype (not FA2, whose state is fp32). Work is vectorised over batch,
+heads and the elements of a tile; only the tile loops are Python.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def tiled_attention(problem: AttentionProblem, precision: PrecisionModel,
     """(out in precision.output, lse float32) as an FA2 kernel with these tile sizes computes them."""
     f32 = np.float32
     p_dtype = numpy_dtype(precision.p_rounding)
+    state_dtype = numpy_dtype(precision.pv_accumulation)
     q, k, v = grouped(problem, np.dtype(f32))
     scale = f32(problem.scale_value)
     limit = problem.key_limit()
@@ -48,6 +51,8 @@ def tiled_attention(problem: AttentionProblem, precision: PrecisionModel,
             p = np.exp(s - shift[..., None])
             l = alpha * l + p.sum(axis=-1, dtype=f32)
             acc = alpha[..., None] * acc + p.astype(p_dtype).astype(f32) @ v[..., cols, :]
+            if state_dtype != f32:  # the running state is stored in a 16-bit dtype
+                l, acc = (x.astype(state_dtype).astype(f32) for x in (l, acc))
             m = m_new
         seen = l > 0
         out[..., rows, :] = acc / np.where(seen, l, f32(1))[..., None]

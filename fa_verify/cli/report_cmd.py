@@ -18,7 +18,11 @@ def add_parser(sub) -> None:
         description="Runs every selected backend over a sweep of shapes x dtype x causal, judges "
                     "each output against the certified reference, appends one record per run to "
                     "OUT/results.jsonl as it goes, and renders OUT/index.html (self-contained), "
-                    "OUT/summary.json and OUT/summary.md. An interrupted run keeps its records "
+                    "OUT/summary.json and OUT/summary.md. The quick, default and thorough "
+                    "sweeps then reproduce two published results on our own kernels "
+                    "(FlashAttention-3's Table 3, Golden et al. 2024), each problem cached by its "
+                    "inputs under ~/.cache/fa_verify/measurements, into OUT/published.json. "
+                    "An interrupted run keeps its records "
                     "(--resume continues it; --from renders them). "
                     "Exit 0: every run passed or deviated only by a convention its backend "
                     "declares (shown as a declared deviation); 1: a run failed (or, with "
@@ -59,6 +63,7 @@ def _backends(names):
 
 def _run(args) -> int:
     from fa_verify.errors import InvalidArgumentError
+    from fa_verify.report import published
     from fa_verify.report.run_info import RunInfo
     from fa_verify.report.runner import run_sweep
     from fa_verify.results import ResultsStore
@@ -77,7 +82,8 @@ def _run(args) -> int:
                 f"--from {str(source)!r}: no valid record found (the file is empty, or each line "
                 f"was skipped with a warning); give a results file written by 'fa_verify report', "
                 f"'fa_verify check --results' or pytest --fa-results")
-        return _render(records, out, RunInfo.load(source.parent), args.fail_on)
+        return _render(records, out, RunInfo.load(source.parent), args.fail_on,
+                       published.load(source.parent))
 
     backends = _backends(args.backend)
     store = ResultsStore(out / RESULTS)
@@ -89,17 +95,19 @@ def _run(args) -> int:
           f"-> {out}/", file=sys.stderr, flush=True)
     try:
         info = run_sweep(sweep, backends, store, done=done, out_dir=out)
+        # Problems measured before an interrupt stay in the measurement cache.
+        reproduced = published.measure(sweep.published) if sweep.published else None
     except KeyboardInterrupt:
         # Everything recorded so far is in the store: render it, then stop as interrupted.
-        _render(store.read(), out, RunInfo.load(out), args.fail_on)
+        _render(store.read(), out, RunInfo.load(out), args.fail_on, None)
         raise
-    return _render(store.read(), out, info, args.fail_on)
+    return _render(store.read(), out, info, args.fail_on, reproduced)
 
 
-def _render(records, out: Path, run, fail_on: str) -> int:
+def _render(records, out: Path, run, fail_on: str, reproduced) -> int:
     from fa_verify.report import write_report
 
-    data = write_report(records, out, run=run)
+    data = write_report(records, out, run=run, published=reproduced)
     print((out / "summary.md").read_text(encoding="utf-8"))  # the CI log's summary
     totals = data.totals
     print(f"wrote {out / 'index.html'}, summary.json, summary.md: {totals.records} runs, "

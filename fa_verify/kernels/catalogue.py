@@ -268,6 +268,23 @@ NAIVE16 = KernelFamily(
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (FA2, WMMA, NAIVE, NAIVE16)}
 
 
+def _fa2_key_tile(block_n: int) -> KernelFamily:
+    return KernelFamily(
+        name=f"fa2_k{block_n}", label=f"fa2-k{block_n}", source="fa2_key_tiles.cu",
+        description=f"fa2's kernel with key tiles of {block_n} keys (bf16, D = 64)",
+        dtypes=("bf16",), configs={64: TileConfig(64, block_n, 128)},
+        precision_model=PrecisionModel.flash, smem_regions=_fa2_smem,
+        notes="instantiated for the report's key-tile study (fa_verify.report.golden); not a "
+              "backend of the sweeps")
+
+
+#: fa2's kernel by key-tile size (BLOCK_N) at D = 64 in bf16: fa2 itself for 32 (its D = 64
+#: configuration), fa2_key_tiles.cu for the others. Not in FAMILIES: they are one kernel's
+#: variants for one study, not backends every sweep and test should run.
+FA2_KEY_TILES: dict[int, KernelFamily] = {
+    n: FA2 if n == FA2.config(64).block_n else _fa2_key_tile(n) for n in (16, 32, 64, 128)}
+
+
 def get_family(name: str) -> KernelFamily:
     if name not in FAMILIES:
         raise InvalidArgumentError(f"kernel={name!r} is unknown; kernel families: {', '.join(FAMILIES)}")

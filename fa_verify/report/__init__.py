@@ -23,13 +23,16 @@ OUTPUTS = ("index.html", "summary.json", "summary.md")
 
 
 def write_report(records, out_dir, *, run: RunInfo | None = None,
-                 generated: str | None = None) -> ReportData:
+                 generated: str | None = None, published: dict | None = None) -> ReportData:
     """Render `records` into out_dir/index.html, summary.json and summary.md, and the worst
     cases' reproducers into out_dir/repro/.
 
     run: the sweep's RunInfo (skips, environment); without it the environment is this machine's.
     generated: the timestamp shown (default: now, UTC).
+    published: the reproduced published results (`published.measure`'s JSON), also saved as
+    out_dir/published.json; None: the page says how to get them.
     """
+    from fa_verify.report import published as reproductions
     from fa_verify.report.environment import collect
     from fa_verify.report.render import render_html, render_markdown
     from fa_verify.report.summary import summary_json
@@ -39,7 +42,10 @@ def write_report(records, out_dir, *, run: RunInfo | None = None,
     out = Path(out_dir)
     data = build(records, run=run, environment=environment, generated=generated, repro_dir=out / "repro")
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("index.html", render_html(data)), ("summary.json", summary_json(data)),
+    if published:
+        reproductions.save(published, out)
+    html = render_html(data, reproductions.view(published))
+    for name, text in (("index.html", html), ("summary.json", summary_json(data)),
                        ("summary.md", render_markdown(data))):
         tmp = out / (name + ".tmp")
         tmp.write_text(text, encoding="utf-8")

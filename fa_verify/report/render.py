@@ -78,8 +78,10 @@ def figures(data) -> dict:
     return {"curves": curves, "histograms": histograms}
 
 
-def render_html(data) -> str:
-    return environment().get_template("index.html").render(data=data, figures=figures(data))
+def render_html(data, published=None) -> str:
+    """index.html of `data`; `published`: the reproduced published results (`published.view`)."""
+    return environment().get_template("index.html").render(data=data, figures=figures(data),
+                                                           published=published)
 
 
 def render_markdown(data) -> str:
