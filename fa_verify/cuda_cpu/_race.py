@@ -63,8 +63,8 @@ class Race:
         if self.first.block != self.second.block:
             return "different blocks: nothing orders them (only atomics on both sides may meet)"
         if self.same_warp:
-            return ("one warp, no __syncwarp between them: a data race since Volta (independent thread "
-                    "scheduling); warp-synchronous code needs __syncwarp")
+            return ("one warp, no __syncthreads or __syncwarp between them: since Volta the threads of a warp "
+                    "need not run in lockstep")
         return "one block, no __syncthreads between them"
 
     def describe(self) -> str:
