@@ -30,6 +30,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -40,14 +41,17 @@ namespace {
 
 enum Kind : std::uint8_t { kNone = 0, kRead = 1, kWrite = 2, kAtomic = 3 };
 
+// 16 bytes: the shadow is 48 bytes per byte of memory, and its cache misses are most of the cost.
 struct Access {
-    std::uintptr_t pc;     // the instruction after the call to the hook
-    std::uint32_t block;   // serial number of the block (unique in the process); 0: none
-    std::uint32_t gen;     // __syncthreads the block had passed
-    std::uint32_t wsync;   // __syncwarp the thread had taken part in
-    std::uint16_t tid;     // linear thread index in the block
-    std::uint8_t kind;
+    std::uint32_t pc;          // the instruction after the call to the hook, as an offset into the module
+    std::uint32_t block;       // serial number of the block (unique in the process); 0: none
+    std::uint32_t gen;         // __syncthreads the block had passed
+    std::uint32_t wsync : 20;  // __syncwarp the thread had taken part in since that __syncthreads
+    std::uint32_t tid : 10;    // linear thread index in the block
+    std::uint32_t kind : 2;
 };
+static_assert(sizeof(Access) == 16, "Access is packed into 16 bytes");
+constexpr std::uint32_t kMaxWsync = (1u << 20) - 1;
 
 struct Cell {
     Access write;
@@ -67,7 +71,7 @@ struct Race {
     Access first, second;
     int region;
     std::size_t offset;      // byte within the region
-    std::uintptr_t address;
+    std::uintptr_t address;  // as an offset into the module
     unsigned long count;
 };
 
@@ -79,7 +83,11 @@ std::uint32_t g_serial = 0;        // the running block's serial number
 std::uint32_t g_launch_first = 1;  // the first block serial of the running launch
 std::uint32_t g_gen = 0;
 unsigned int g_threads = 0;
-std::vector<std::uint32_t> g_wsync;  // per thread: __syncwarp taken part in
+std::uintptr_t g_base = 0;      // where the module is loaded: instructions are recorded relative to it
+// Per thread: __syncwarp taken part in since the block's last __syncthreads (accesses of earlier
+// barrier intervals are ordered anyway); at kMaxWsync, warp-level conflicts are no longer reported.
+std::vector<std::uint32_t> g_wsync;
+bool g_wsync_saturated = false;
 // Per warp, per pair of lanes (x, y): y's __syncwarp count after the last one x and y shared.
 std::vector<std::uint32_t> g_with;
 std::vector<Region> g_regions;         // dynamic shared, static shared, then the arguments
@@ -97,7 +105,7 @@ inline bool concurrent(const Access& a, unsigned int tid) {
     if (a.tid == tid || a.gen != g_gen) return false;
     const unsigned int warp = tid / 32;
     if (a.tid / 32 != warp) return true;
-    return g_with[(warp * 32 + tid % 32) * 32 + a.tid % 32] <= a.wsync;
+    return !g_wsync_saturated && g_with[(warp * 32 + tid % 32) * 32 + a.tid % 32] <= a.wsync;
 }
 
 void note(const Access& first, const Access& second, const Region& r, std::uintptr_t address) {
@@ -110,7 +118,7 @@ void note(const Access& first, const Access& second, const Region& r, std::uintp
         }
     }
     if (g_races.size() < kMaxRaces)
-        g_races.push_back(Race{first, second, r.id, address - r.lo, address, 1});
+        g_races.push_back(Race{first, second, r.id, address - r.lo, address - g_base, 1});
 }
 
 // Whether `a` (valid for this region) conflicts with the running thread's access of kind `kind`.
@@ -140,7 +148,7 @@ void check(std::uintptr_t address, std::size_t size, std::uint8_t kind, std::uin
     if (g_mode == kRaceAtomic) kind = kAtomic;
     const unsigned int tid = g_current->warp * 32 + g_current->lane;
     const bool shared = r->id < 0;
-    const Access now{pc, g_serial, g_gen, g_wsync[tid], static_cast<std::uint16_t>(tid), kind};
+    const Access now{static_cast<std::uint32_t>(pc - g_base), g_serial, g_gen, g_wsync[tid], tid, kind};
     const std::uintptr_t end = address + size < r->hi ? address + size : r->hi;
     for (std::uintptr_t a = address; a < end; ++a) {
         Cell& cell = r->shadow[a - r->lo];
@@ -187,17 +195,20 @@ void coordinates(std::uint64_t linear, const dim3& dims, unsigned int out[3]) {
     out[2] = static_cast<unsigned int>(linear / (static_cast<std::uint64_t>(dims.x) * dims.y));
 }
 
-int print_access(char* out, std::size_t size, const Access& a, std::uintptr_t base) {
+int print_access(char* out, std::size_t size, const Access& a) {
     unsigned int b[3], t[3];
     coordinates(a.block - g_launch_first, g_grid_dim, b);
     coordinates(a.tid, g_block_dim, t);
-    return std::snprintf(out, size, "\t%s\t%lx\t%u,%u,%u\t%u,%u,%u\t%u", kind_name(a.kind),
-                         static_cast<unsigned long>(a.pc - base), b[0], b[1], b[2], t[0], t[1], t[2], a.gen);
+    return std::snprintf(out, size, "\t%s\t%x\t%u,%u,%u\t%u,%u,%u\t%u", kind_name(a.kind), a.pc, b[0], b[1],
+                         b[2], t[0], t[1], t[2], a.gen);
 }
 
 }  // namespace
 
 void begin_launch(const LaunchConfig& cfg, unsigned char* dynamic_shared, char* static_lo, char* static_hi) {
+    Dl_info info{};
+    dladdr(reinterpret_cast<void*>(&begin_launch), &info);
+    g_base = reinterpret_cast<std::uintptr_t>(info.dli_fbase);
     g_launch_first = g_serial + 1;
     g_regions.clear();
     g_races.clear();
@@ -225,14 +236,23 @@ void begin_block() {
     g_mode = kRaceNormal;
     g_wsync.assign(g_threads, 0);
     g_with.assign(static_cast<std::size_t>((g_threads + 31) / 32) * 32 * 32, 0);
+    g_wsync_saturated = false;
 }
 
-void barrier() { ++g_gen; }
+void barrier() {
+    ++g_gen;
+    std::fill(g_wsync.begin(), g_wsync.end(), 0);
+    std::fill(g_with.begin(), g_with.end(), 0);
+    g_wsync_saturated = false;
+}
 
 void syncwarp(unsigned int warp, unsigned int lanes) {
     std::uint32_t* count = &g_wsync[warp * 32];
-    for (unsigned int l = 0; l < 32; ++l)
-        if ((lanes >> l) & 1u) ++count[l];
+    for (unsigned int l = 0; l < 32; ++l) {
+        if (!((lanes >> l) & 1u)) continue;
+        if (count[l] == kMaxWsync) g_wsync_saturated = true;
+        else ++count[l];
+    }
     std::uint32_t* with = &g_with[static_cast<std::size_t>(warp) * 32 * 32];
     for (unsigned int x = 0; x < 32; ++x)
         if ((lanes >> x) & 1u)
@@ -270,17 +290,14 @@ FA_CPU_EXPORT void fa_cpu_race_buffers(const std::uint64_t* address, const std::
 // Returns the number of races (all, not only those listed).
 FA_CPU_EXPORT long fa_cpu_race_report(char* out, int size) {
     using namespace fa_cpu::race;
-    Dl_info info{};
-    dladdr(reinterpret_cast<void*>(&fa_cpu_race_report), &info);
-    const auto base = reinterpret_cast<std::uintptr_t>(info.dli_fbase);
     std::size_t used = 0;
     if (size > 0) out[0] = '\0';
     for (const Race& r : g_races) {
         char line[512];
         int n = std::snprintf(line, sizeof line, "%d\t%zu\t%lx", r.region, r.offset,
-                              static_cast<unsigned long>(r.address - base));
-        n += print_access(line + n, sizeof line - n, r.first, base);
-        n += print_access(line + n, sizeof line - n, r.second, base);
+                              static_cast<unsigned long>(r.address));
+        n += print_access(line + n, sizeof line - n, r.first);
+        n += print_access(line + n, sizeof line - n, r.second);
         n += std::snprintf(line + n, sizeof line - n, "\t%d\t%lu\n", r.first.tid / 32 == r.second.tid / 32 &&
                            r.first.block == r.second.block, r.count);
         if (used + n + 1 > static_cast<std::size_t>(size)) break;
