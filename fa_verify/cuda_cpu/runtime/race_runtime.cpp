@@ -19,7 +19,8 @@
 // Warp shuffles and votes are not memory barriers (the CUDA programming guide gives that
 // guarantee only to __syncwarp). Atomics (the shim's atomicAdd, ...) never conflict with each
 // other. Fences and atomics used as flags between blocks are not modelled: such a kernel gets a
-// report. A shadow cell keeps only a few accesses, so a race may be missed, never invented.
+// report. A shadow cell keeps only a few accesses, so a race may be missed; what is reported is
+// a real pair of accesses that none of the above orders.
 //
 // Reports are deduplicated by the pair of instructions and handed to the caller as text by
 // fa_cpu_race_report; the parent symbolises the addresses (fa_verify/cuda_cpu/_race.py).
@@ -28,9 +29,9 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -234,8 +235,9 @@ void begin_block() {
     ++g_serial;
     g_gen = 0;
     g_mode = kRaceNormal;
-    g_wsync.assign(g_threads, 0);
-    g_with.assign(static_cast<std::size_t>((g_threads + 31) / 32) * 32 * 32, 0);
+    const std::size_t warps = (g_threads + 31) / 32;
+    g_wsync.assign(warps * 32, 0);
+    g_with.assign(warps * 32 * 32, 0);
     g_wsync_saturated = false;
 }
 
