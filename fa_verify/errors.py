@@ -70,3 +70,12 @@ class KernelSanitizerError(KernelRunError):
 
 class KernelDeadlockError(KernelRunError):
     """The CPU runner found threads that can never leave their barriers."""
+
+
+class KernelRaceError(KernelRunError):
+    """The race detector (a racecheck build of the CUDA-on-CPU runner) saw conflicting accesses
+    that nothing orders; `races` lists them (fa_verify.cuda_cpu.Race), the message says where."""
+
+    def __init__(self, message: str, *, races: tuple = (), detail: str = ""):
+        super().__init__(message, detail=detail)
+        self.races = tuple(races)

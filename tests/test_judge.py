@@ -57,7 +57,7 @@ def test_mutants_cover_the_bug_classes_and_apply_once(tmp_path):
     assert {"fa2", "wmma"} <= {m.family for m in MUTANTS}
     for m in MUTANTS:
         assert m.family in FAMILIES and m.description and m.bug_class
-        assert m.caught_by in ("oracle", "sanitizer", "property")
+        assert m.caught_by in ("oracle", "sanitizer", "property", "race")
         original = m.kernel_family.source_path.read_text()
         assert original.count(m.find) == 1, m.name  # one textual edit of the current source
         assert m.materialise(tmp_path / m.name).read_text() != original

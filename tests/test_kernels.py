@@ -22,8 +22,8 @@ from fa_verify.backends.cuda_kernels import (
     cpu_runner_availability,
     run_on_cpu,
 )
-from fa_verify.errors import (AttentionMismatch, BackendOutputError, InvalidArgumentError, KernelRunError,
-                              KernelSanitizerError)
+from fa_verify.errors import (AttentionMismatch, BackendOutputError, InvalidArgumentError, KernelRaceError,
+                              KernelRunError, KernelSanitizerError)
 from fa_verify.kernels import FAMILIES, KERNELS_DIR_ENV, get_family, kernels_dir
 from fa_verify.kernels.mutants import load_mutants
 from fa_verify.kernels.pycuda_runner import PYCUDA_MISSING, device_properties, pycuda_availability
@@ -246,7 +246,7 @@ MUTANTS = load_mutants()
 
 
 def test_mutants_apply_to_the_current_sources(tmp_path):
-    assert {m.caught_by for m in MUTANTS} == {"oracle", "sanitizer", "property"}
+    assert {m.caught_by for m in MUTANTS} == {"oracle", "sanitizer", "property", "race"}
     for mutant in MUTANTS:
         path = mutant.materialise(tmp_path / mutant.name)
         assert path.read_text() != mutant.kernel_family.source_path.read_text()
@@ -282,14 +282,16 @@ def test_mutant_is_caught(mutant, tmp_path):
 
     family = mutant.kernel_family
     source = mutant.materialise(tmp_path)
-    sanitize = mutant.caught_by == "sanitizer"
-    module = CpuKernelModule(source, entries=family.signatures(), include_dirs=[str(tmp_path)], sanitize=sanitize)
-    if not sanitize:
+    sanitize, racecheck = mutant.caught_by == "sanitizer", mutant.caught_by == "race"
+    module = CpuKernelModule(source, entries=family.signatures(), include_dirs=[str(tmp_path)], sanitize=sanitize,
+                             racecheck=racecheck)
+    if not (sanitize or racecheck):
         failures = oracle_failures(family, module)
         assert failures, f"mutant {mutant.name} ({mutant.description}) passed every oracle check"
         return
-    problem = make_problem(SHAPES[0], family.dtypes[0], seed=5)
-    with pytest.raises(KernelSanitizerError, match="AddressSanitizer|out of bounds|overflow"):
+    problem = make_problem(SHAPES[0 if sanitize else 1], family.dtypes[0], seed=5)  # 2 blocks, or 5 key tiles
+    with pytest.raises(KernelSanitizerError if sanitize else KernelRaceError,
+                       match="AddressSanitizer|out of bounds|overflow" if sanitize else "data race"):
         run_on_cpu(family, problem, module=module)
 
 

@@ -95,15 +95,17 @@ def cpu_runner_availability() -> Availability:
     return AVAILABLE
 
 
-def cpu_module(family: KernelFamily, sanitize: bool = False):
-    """The family's CpuKernelModule (built once per process and sanitizer mode; the runner caches builds)."""
+def cpu_module(family: KernelFamily, sanitize: bool = False, racecheck: bool = False):
+    """The family's CpuKernelModule (built once per process and mode: plain, AddressSanitizer or
+    race detector; the runner caches builds)."""
     from fa_verify.cuda_cpu import CpuKernelModule
 
-    key = (family.name, str(family.source_path), sanitize)
+    key = (family.name, str(family.source_path), sanitize, racecheck)
     with _CPU_LOCK:
         if key not in _CPU_MODULES:
             _CPU_MODULES[key] = CpuKernelModule(family.source_path, entries=family.signatures(),
-                                                include_dirs=(str(kernels_dir()),), sanitize=sanitize)
+                                                include_dirs=(str(kernels_dir()),), sanitize=sanitize,
+                                                racecheck=racecheck)
         return _CPU_MODULES[key]
 
 
@@ -146,9 +148,18 @@ class CpuKernelBackend(KernelBackend):
     def availability(self) -> Availability:
         return cpu_runner_availability()
 
+    def module(self, racecheck: bool = False):
+        """The kernel module this backend launches, or its race detector build."""
+        return cpu_module(self.family, sanitize=self.sanitize and not racecheck, racecheck=racecheck)
+
     def build(self):
         """Build (or fetch) the kernel module this backend launches."""
-        return cpu_module(self.family, sanitize=self.sanitize)
+        return self.module()
+
+    def run_racecheck(self, problem: AttentionProblem) -> None:
+        """`races`' hook: run `problem` on the race detector's build of the kernel; raises
+        KernelRaceError for conflicting accesses that nothing orders."""
+        run_on_cpu(self.family, problem, module=self.module(racecheck=True))
 
     def _run(self, problem: AttentionProblem):
         o, lse = run_on_cpu(self.family, problem, module=self.build())

@@ -43,6 +43,8 @@ def add_parser(sub) -> None:
     runner.add_argument("--head-dim", type=positive_int, default=64, help="head dimension (default 64)")
     runner.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
     runner.add_argument("--repeats", type=positive_int, default=2, help="best of this many runs (default 2)")
+    runner.add_argument("--racecheck", action="store_true",
+                        help="also time each kernel's race detector build (the 'races' property's run)")
     runner.add_argument("--json", action="store_true", help="print JSON instead of a table")
     runner.set_defaults(handler=_run_runner)
 
@@ -62,6 +64,6 @@ def _run_runner(args) -> int:
 
     result = runner.run(families=args.kernel or ("fa2", "wmma"), sizes=args.sizes,
                         head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats,
-                        progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                        racecheck=args.racecheck, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(json.dumps(result, indent=2) if args.json else runner.format_text(result))
     return 0

@@ -9,9 +9,14 @@ reports become exceptions::
     mod = CpuKernelModule("kernels/fa2.cu", {"fa2_fp16_d64": ["ptr"] * 5 + ["int"] * 5 + ["float", "int", "int"]})
     mod.launch("fa2_fp16_d64", grid=(nq_tiles, H, B), block=128, shared_bytes=smem, args=[q, k, v, o, lse, ...])
 
+``racecheck=True`` builds the race detector's version (runtime/race_runtime.cpp): a launch raises
+KernelRaceError, with both accesses' file:line, for conflicting accesses to shared or global memory
+that no __syncthreads, __syncwarp or atomics order.
+
 Modules: _build (compile + cache), _rewrite (__shared__ and unsupported constructs),
 _trampolines (typed launchers), _diagnostics (build-error hints), _module (CpuKernelModule),
-_process (the worker's parent side), _worker / _exec (the worker's side).
+_process (the worker's parent side), _worker / _exec (the worker's side), _race (the race
+detector's reports).
 """
 
 from fa_verify.cuda_cpu._build import SHIM_DIR, BuildResult, build, default_cache_dir

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fa_verify.cuda_cpu import _diagnostics, _rewrite, _trampolines
-from fa_verify.errors import BackendUnavailableError, KernelBuildError
+from fa_verify.errors import BackendUnavailableError, InvalidArgumentError, KernelBuildError
 
 SHIM_DIR = Path(__file__).resolve().parent / "include"
 RUNTIME_SOURCE = Path(__file__).resolve().parent / "runtime" / "fiber_runtime.cpp"
+RACE_RUNTIME_SOURCE = RUNTIME_SOURCE.parent / "race_runtime.cpp"
 SHIM_HEADER = SHIM_DIR / "fa_cuda_cpu.h"
 _BUILDER_VERSION = "1"
 
@@ -48,6 +49,10 @@ if platform.machine() in ("x86_64", "AMD64"):
     _COMMON_FLAGS += ("-fcf-protection=none",)
 _OPTIMIZE_FLAGS = ("-O2",)
 _SANITIZE_FLAGS = ("-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer")
+# The race detector's build: -g for the file:line of each access; the kernel's unit alone is
+# instrumented (every load and store calls runtime/race_runtime.cpp), and linked without libtsan.
+_RACECHECK_FLAGS = ("-O2", "-g", "-DFA_CPU_RACECHECK=1")
+_RACECHECK_INSTRUMENT = ("-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0")
 
 
 @dataclass(frozen=True)
@@ -94,8 +99,8 @@ def _sha256(data: bytes | str) -> str:
 def _shim_digest() -> str:
     # Everything that shapes the compiled unit: shim headers, runtime, this builder, the rewrite.
     here = Path(__file__).parent
-    files = sorted(SHIM_DIR.iterdir()) + [RUNTIME_SOURCE, Path(__file__), here / "_rewrite.py",
-                                          here / "_trampolines.py"]
+    files = sorted(SHIM_DIR.iterdir()) + sorted(RUNTIME_SOURCE.parent.iterdir()) + [
+        Path(__file__), here / "_rewrite.py", here / "_trampolines.py"]
     return _sha256("".join(f.name + _sha256(f.read_bytes()) for f in files if f.is_file()))
 
 
@@ -106,22 +111,26 @@ def build(
     include_dirs: Sequence[str | os.PathLike] = (),
     defines: Sequence[str] = (),
     sanitize: bool = False,
+    racecheck: bool = False,
     arch: int = 80,
     cache_dir: str | os.PathLike | None = None,
 ) -> BuildResult:
     """Build (or fetch from the cache) the library for `source` with launchers for `entries`.
 
     `entries` maps each ``extern "C" __global__`` name to its signature ('ptr' | 'int' | 'float'
-    per parameter); `defines` are ``NAME`` or ``NAME=VALUE`` strings. Raises KernelBuildError
+    per parameter); `defines` are ``NAME`` or ``NAME=VALUE`` strings; `sanitize` builds with
+    AddressSanitizer, `racecheck` with the race detector (not both). Raises KernelBuildError
     with the compiler's full output, KernelUnsupportedError for what the runner cannot emulate.
     """
+    if sanitize and racecheck:
+        raise InvalidArgumentError("sanitize=True and racecheck=True cannot be combined: build one of each")
     start = time.perf_counter()
     source = Path(source).resolve()
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     cxx = compiler()
     identity = compiler_identity(cxx)
-    flags = _COMMON_FLAGS + (_SANITIZE_FLAGS if sanitize else _OPTIMIZE_FLAGS)
+    flags = _COMMON_FLAGS + (_SANITIZE_FLAGS if sanitize else _RACECHECK_FLAGS if racecheck else _OPTIMIZE_FLAGS)
     macro_flags = (
         "-D__CUDACC__",
         f"-D__CUDA_ARCH__={int(arch) * 10}",
@@ -150,16 +159,25 @@ def build(
         _rewrite.check_supported(preprocessed, SHIM_DIR)
         unit = _rewrite.rewrite_shared(preprocessed, sanitize=sanitize)
         unit += _trampolines.generate(entries, str(source))
-        runtime = _runtime_object(cxx, identity, flags, cache)
-        unit_key = _sha256(json.dumps([_BUILDER_VERSION, identity, flags, _sha256(unit), runtime.name]))
+        runtime = _runtime_objects(cxx, identity, flags, cache, racecheck)
+        unit_key = _sha256(json.dumps([_BUILDER_VERSION, identity, flags, _sha256(unit), [r.name for r in runtime]]))
         target = cache / unit_key[:32]
         library = target / "module.so"
         log = ""
         cache_hit = library.exists()
         if not cache_hit:
             (work / "kernel.ii").write_text(unit)
-            command = (cxx, *flags, "-shared", str(work / "kernel.ii"), str(runtime), "-o", str(work / "module.so"))
-            log = _run(command, source, "compile", entries)
+            runtime = tuple(str(r) for r in runtime)
+            if racecheck:  # compiled instrumented, linked without ThreadSanitizer's runtime
+                command = (cxx, *flags, *_RACECHECK_INSTRUMENT, "-c", str(work / "kernel.ii"), "-o", str(work / "kernel.o"))
+                log = _run(command, source, "compile", entries)
+                command = (cxx, *flags, "-shared", "-Wl,-z,defs", str(work / "kernel.o"), *runtime, "-o",
+                           str(work / "module.so"))
+                log += _run(command, source, "link", entries)
+                (work / "kernel.o").unlink()
+            else:
+                command = (cxx, *flags, "-shared", str(work / "kernel.ii"), *runtime, "-o", str(work / "module.so"))
+                log = _run(command, source, "compile", entries)
             (work / "build.log").write_text(log)
             (work / "kernel.ii").unlink()
             _publish(work, target)
@@ -190,16 +208,20 @@ def _run(command: tuple[str, ...], source: Path, stage: str, entries) -> str:
     return output
 
 
-def _runtime_object(cxx: str, identity: str, flags: tuple[str, ...], cache: Path) -> Path:
-    key = _sha256(json.dumps([_BUILDER_VERSION, identity, flags, _shim_digest()]))
-    target = cache / f"runtime-{key[:32]}.o"
-    if not target.exists():
-        with tempfile.TemporaryDirectory(prefix="runtime-", dir=cache) as work:
-            obj = Path(work) / "runtime.o"
-            command = (cxx, *flags, "-I", str(SHIM_DIR), "-c", str(RUNTIME_SOURCE), "-o", str(obj))
-            _run(command, RUNTIME_SOURCE, "compile the fiber runtime", ())
-            os.replace(obj, target)
-    return target
+def _runtime_objects(cxx: str, identity: str, flags: tuple[str, ...], cache: Path, racecheck: bool) -> list[Path]:
+    """The fiber runtime (and the race detector's, for a race build), compiled once per flag set."""
+    objects = []
+    for source in (RUNTIME_SOURCE, RACE_RUNTIME_SOURCE) if racecheck else (RUNTIME_SOURCE,):
+        key = _sha256(json.dumps([_BUILDER_VERSION, identity, flags, _shim_digest(), source.name]))
+        target = cache / f"{source.stem}-{key[:32]}.o"
+        if not target.exists():
+            with tempfile.TemporaryDirectory(prefix="runtime-", dir=cache) as work:
+                obj = Path(work) / "runtime.o"
+                command = (cxx, *flags, "-I", str(SHIM_DIR), "-c", str(source), "-o", str(obj))
+                _run(command, source, f"compile {source.name}", ())
+                os.replace(obj, target)
+        objects.append(target)
+    return objects
 
 
 def _publish(work: Path, target: Path) -> None:

@@ -23,6 +23,7 @@ STATUS_TRAP = 4
 STATUS_BAD_ARGUMENT = 5
 
 _MESSAGE_SIZE = 4096
+_RACE_REPORT_SIZE = 16384
 _ALIGNMENT = 256
 
 
@@ -42,11 +43,15 @@ class LaunchConfig(ctypes.Structure):
 _libraries: dict[str, ctypes.CDLL] = {}
 
 
-def entry(library: str, name: str):
+def _library(library: str) -> ctypes.CDLL:
     lib = _libraries.get(library)
     if lib is None:
         lib = _libraries[library] = ctypes.CDLL(library)
-    fn = getattr(lib, "fa_cpu_launch_" + name)
+    return lib
+
+
+def entry(library: str, name: str):
+    fn = getattr(_library(library), "fa_cpu_launch_" + name)
     fn.restype = ctypes.c_int
     fn.argtypes = [
         ctypes.POINTER(ctypes.c_uint64),
@@ -80,6 +85,27 @@ def launch(library: str, name: str, config: dict, slots: list[int], itemsizes: l
     return status, message.value.decode(errors="replace")
 
 
+def register_buffers(library: str, buffers: list[tuple[int, int]]) -> None:
+    """Tell a race build the launch's global memory: (address, size) of each argument buffer."""
+    lib = _library(library)
+    if hasattr(lib, "fa_cpu_race_buffers"):
+        n = len(buffers)
+        lib.fa_cpu_race_buffers((ctypes.c_uint64 * max(n, 1))(*(a for a, _ in buffers)),
+                                (ctypes.c_uint64 * max(n, 1))(*(s for _, s in buffers)), n)
+
+
+def race_report(library: str) -> dict | None:
+    """A race build's findings in the last launch: {"total": races seen, "report": one line per
+    distinct pair of instructions} (parsed by _race); None for other builds."""
+    lib = _library(library)
+    if not hasattr(lib, "fa_cpu_race_report"):
+        return None
+    lib.fa_cpu_race_report.restype = ctypes.c_long
+    text = ctypes.create_string_buffer(_RACE_REPORT_SIZE)
+    total = lib.fa_cpu_race_report(text, _RACE_REPORT_SIZE)
+    return {"total": int(total), "report": text.value.decode(errors="replace")}
+
+
 _libc = ctypes.CDLL(None)  # under LD_PRELOAD=libasan, malloc and friends resolve to the sanitizer's
 _libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
 _libc.posix_memalign.restype = ctypes.c_int
@@ -92,7 +118,8 @@ def launch_with_copies(request: dict, announce=None) -> dict:
     """Copy each array into an exact-size allocation, launch, and return the arrays it changed.
 
     request: library, name, config, slots (a pointer's byte offset where one goes), pointers (slot -> buffer
-    index or None for a null pointer), buffers (bytes), itemsizes. `announce` receives the
+    index or None for a null pointer), buffers (bytes), itemsizes. A race build is told the
+    allocations (its global memory) and its report is returned under "races". `announce` receives the
     allocations before the launch, so that a crash report can name the argument it concerns.
     """
     buffers: list[bytes] = request["buffers"]
@@ -108,14 +135,16 @@ def launch_with_copies(request: dict, announce=None) -> dict:
         slots = list(request["slots"])
         for slot, index in request["pointers"].items():  # a pointer slot holds its byte offset
             slots[slot] = 0 if index is None else addresses[index] + slots[slot]
+        table = [(a, len(b)) for a, b in zip(addresses, buffers)]
         if announce is not None:
-            announce([(a, len(b)) for a, b in zip(addresses, buffers)])
+            announce(table)
+        register_buffers(request["library"], table)
         status, message = launch(request["library"], request["name"], request["config"], slots, request["itemsizes"])
         changed = {}
         for index, (address, data) in enumerate(zip(addresses, buffers)):
             if data and _libc.memcmp(address, data, len(data)) != 0:
                 changed[index] = ctypes.string_at(address, len(data))
-        return {"status": status, "message": message, "changed": changed}
+        return {"status": status, "message": message, "changed": changed, "races": race_report(request["library"])}
     finally:
         for address in addresses:
             _libc.free(address)

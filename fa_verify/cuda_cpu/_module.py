@@ -18,12 +18,13 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from fa_verify.cuda_cpu import _build, _exec, _process
+from fa_verify.cuda_cpu import _build, _exec, _process, _race
 from fa_verify.cuda_cpu._trampolines import KINDS
 from fa_verify.errors import (
     InvalidArgumentError,
     KernelCrashError,
     KernelDeadlockError,
+    KernelRaceError,
     KernelRunError,
 )
 
@@ -38,7 +39,9 @@ class CpuKernelModule:
     entries: {name: signature}, a signature listing 'ptr' | 'int' | 'float' per parameter (the
     build checks it against the kernel's parameter types). defines: ``"NAME"``/``"NAME=VALUE"``
     strings or a {name: value} mapping. sanitize: build with AddressSanitizer and report
-    out-of-bounds accesses to arrays and shared memory. timeout: seconds a launch may take.
+    out-of-bounds accesses to arrays and shared memory. racecheck: build with the race detector
+    and raise KernelRaceError for conflicting accesses to shared or global memory that no barrier
+    orders (not with sanitize). timeout: seconds a launch may take.
     isolated=False runs in this process (faster, but a crash kills it; not with sanitize).
     arch sets __CUDA_ARCH__ (80 -> 800); stack_kib is each emulated thread's stack.
     """
@@ -51,6 +54,7 @@ class CpuKernelModule:
         defines: Sequence[str] | Mapping[str, object] = (),
         sanitize: bool = False,
         *,
+        racecheck: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
         isolated: bool = True,
         arch: int = 80,
@@ -66,6 +70,7 @@ class CpuKernelModule:
         _check_positive("stack_kib", stack_kib)
         self.source_path = os.fspath(source_path)
         self.sanitize = bool(sanitize)
+        self.racecheck = bool(racecheck)
         self.isolated = bool(isolated)
         self.timeout = float(timeout)
         self.stack_bytes = int(stack_kib) * 1024
@@ -76,6 +81,7 @@ class CpuKernelModule:
             include_dirs=tuple(include_dirs),
             defines=_normalise_defines(defines),
             sanitize=self.sanitize,
+            racecheck=self.racecheck,
             arch=arch,
             cache_dir=cache_dir,
         )
@@ -104,7 +110,7 @@ class CpuKernelModule:
         in place. order: "forward" | "reverse" | "shuffle" (with seed) is the order in which the
         threads of a block run between synchronisation points; a race that one order hides,
         another shows. Raises KernelCrashError, KernelTimeoutError, KernelSanitizerError,
-        KernelDeadlockError, InvalidArgumentError.
+        KernelDeadlockError, KernelRaceError (a racecheck build), InvalidArgumentError.
         """
         if name not in self.entries:
             raise InvalidArgumentError(f"name={name!r} is not an entry of this module; entries: {sorted(self.entries)}")
@@ -127,17 +133,23 @@ class CpuKernelModule:
         }
         slots, itemsizes, arrays, pointers = _flatten(name, signature, args)
         what = f"{name} in {os.path.basename(self.source_path)}, grid {config['grid']}, block {config['block']}"
+        names = [f"argument {positions[0]} ({a.dtype}{list(a.shape)}, {a.nbytes} bytes)" for a, positions in arrays]
         if self.isolated:
             result, self.last_output = self._run_in_worker(
-                name, config, slots, itemsizes, arrays, pointers, timeout, what
+                name, config, slots, itemsizes, arrays, pointers, timeout, what, names
             )
         else:
             result, self.last_output = self._run_here(name, config, slots, itemsizes, arrays, pointers), ""
         if self.last_output:
             sys.stdout.write(self.last_output)
         _raise_for_status(result["status"], result["message"], name, args)
+        races = result.get("races")
+        if races and races["total"]:
+            found = _race.parse(races["report"], self.library_path,
+                                [(n, a.dtype.itemsize) for n, (a, _) in zip(names, arrays)])
+            raise KernelRaceError(_race.describe(found, races["total"], what), races=found, detail=races["report"])
 
-    def _run_in_worker(self, name, config, slots, itemsizes, arrays, pointers, timeout, what):
+    def _run_in_worker(self, name, config, slots, itemsizes, arrays, pointers, timeout, what, names):
         buffers = [np.ascontiguousarray(a).tobytes() for a, _ in arrays]
         request = {
             "library": self.library_path,
@@ -148,7 +160,6 @@ class CpuKernelModule:
             "buffers": buffers,
             "itemsizes": itemsizes,
         }
-        names = [f"argument {positions[0]} ({a.dtype}{list(a.shape)}, {a.nbytes} bytes)" for a, positions in arrays]
         worker = _process.worker(self.sanitize)
         result, output = worker.run(request, timeout, what, names)
         for index, data in result["changed"].items():
@@ -163,11 +174,12 @@ class CpuKernelModule:
         slots = list(slots)
         for slot, index in pointers.items():  # a pointer slot holds its byte offset into the array
             slots[slot] = 0 if index is None else contiguous[index].ctypes.data + slots[slot]
+        _exec.register_buffers(self.library_path, [(b.ctypes.data, b.nbytes) for b in contiguous])
         status, message = _exec.launch(self.library_path, name, config, slots, itemsizes)
         for (array, _), buffer in zip(arrays, contiguous):
             if buffer is not array and array.flags.writeable:
                 np.copyto(array, buffer)
-        return {"status": status, "message": message}
+        return {"status": status, "message": message, "races": _exec.race_report(self.library_path)}
 
 
 @dataclass(frozen=True, eq=False)

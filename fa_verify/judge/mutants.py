@@ -31,18 +31,18 @@ def _root() -> Path:
     return Path(_ROOT[0].name)
 
 
-def mutant_module(mutant: Mutant, sanitize: bool = False):
+def mutant_module(mutant: Mutant, sanitize: bool = False, racecheck: bool = False):
     """The CpuKernelModule of the mutated source (built once per process and mode; the runner's
     content-addressed cache makes later processes' builds instant)."""
     from fa_verify.cuda_cpu import CpuKernelModule
 
-    key = (mutant.name, mutant.find, mutant.replace, sanitize)
+    key = (mutant.name, mutant.find, mutant.replace, sanitize, racecheck)
     if key not in _MODULES:
         folder = _mutant_folder(mutant, _root())
         source = mutant.materialise(folder)
         family = mutant.kernel_family
         _MODULES[key] = CpuKernelModule(source, entries=family.signatures(), include_dirs=(str(folder),),
-                                        sanitize=sanitize)
+                                        sanitize=sanitize, racecheck=racecheck)
     return _MODULES[key]
 
 
@@ -58,6 +58,6 @@ class MutantBackend(CpuKernelBackend):
         self.mutant = mutant
         self.name = f"{mutant.name}-cpu" + ("-asan" if sanitize else "")
 
-    def build(self):
-        """Build (or fetch) the module now, so that build time is not counted as search time."""
-        return mutant_module(self.mutant, sanitize=self.sanitize)
+    def module(self, racecheck: bool = False):
+        """The mutated kernel's module, or its race detector build."""
+        return mutant_module(self.mutant, sanitize=self.sanitize and not racecheck, racecheck=racecheck)

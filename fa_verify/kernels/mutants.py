@@ -19,7 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.kernels.catalogue import FAMILIES, KernelFamily, kernels_dir
 
-CAUGHT_BY = ("oracle", "sanitizer", "property")
+CAUGHT_BY = ("oracle", "sanitizer", "property", "race")
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,8 @@ class Mutant:
     find: str
     replace: str
     #: what catches it in tests/test_kernels.py: "oracle" (the oracle comparison over the fixed
-    #: grid fails), "sanitizer" (AddressSanitizer reports it) or "property" (only the property
-    #: suite's search finds it: tests/test_judge.py)
+    #: grid fails), "sanitizer" (AddressSanitizer reports it), "property" (only the property
+    #: suite's search finds it: tests/test_judge.py) or "race" (the race detector reports it)
     caught_by: str
 
     @property

@@ -36,6 +36,7 @@ from fa_verify.properties.metamorphic import (
 )
 from fa_verify.properties.online_softmax import check_merge_law
 from fa_verify.properties.padding import PaddedInputs, check_nan_padding, pad_inputs, run_padded
+from fa_verify.properties.races import check_races
 from fa_verify.properties.registry import PROPERTIES, PROPERTY_NAMES, Property, get_property
 from fa_verify.properties.rounding import check_unbiased_rounding
 from fa_verify.properties.draw import EDGE_CASES
@@ -69,6 +70,7 @@ __all__ = [
     "check_nan_padding",
     "check_oracle_agreement",
     "check_query_permutation",
+    "check_races",
     "check_score_shift",
     "check_unbiased_rounding",
     "check_v_affinity",

@@ -15,6 +15,7 @@ from fa_verify.properties import (
     metamorphic,
     online_softmax,
     padding,
+    races,
     rounding,
 )
 
@@ -36,6 +37,11 @@ class Property:
     edge_cases: bool = False
     #: why the check derives problems with Nq != Nk from any problem ("" if it does not)
     unequal_seq: str = ""
+    #: target -> why the property cannot judge it at all (None: it can), asked before any draw
+    target_reason: Callable | None = None
+    #: a slow check's cap on the examples of a search, and why (both said in the output)
+    max_examples: int | None = None
+    max_examples_reason: str = ""
 
     @property
     def seeded(self) -> bool:
@@ -68,6 +74,8 @@ PROPERTIES = (
     Property("nan_padding", padding.check_nan_padding),
     Property("determinism", independence.check_determinism),
     Property("unbiased_rounding", rounding.check_unbiased_rounding, large=True),
+    Property("races", races.check_races, target_reason=races.not_checkable, max_examples=races.RACE_EXAMPLES,
+             max_examples_reason="the race detector checks every memory access of the kernel"),
 )
 
 PROPERTY_NAMES = tuple(p.name for p in PROPERTIES)

@@ -194,11 +194,16 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
     backend, prop = as_backend(backend), get_property(prop)
     outcome = PropertyOutcome(property=prop.name, backend=backend.name)
     start = time.perf_counter()
-    strategy = problem_strategy(prop, capabilities(backend), selection)
+    strategy = (prop.target_reason and prop.target_reason(backend)) or problem_strategy(
+        prop, capabilities(backend), selection)
     if isinstance(strategy, str):
         outcome.status, outcome.reason = NOT_APPLICABLE, strategy
         return outcome
     reasons, notes, ratios, last, setup_error = collections.Counter(), set(), [], [], []
+    max_examples = selection.max_examples
+    if prop.max_examples is not None and prop.max_examples < max_examples:
+        max_examples = prop.max_examples
+        notes.add(f"at most {max_examples} examples ({prop.max_examples_reason})")
     uninformative = []  # the first uninformative result, for the message when none was informative
 
     def judge(problem, seed=0) -> bool:
@@ -247,7 +252,7 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
     database = (None if selection.database is None
                 else _Namespaced(selection.database, f"{prop.name}:{backend.name}"))
     search = given(drawn=strategy.map(_Drawn), seed=fst.seeds() if prop.seeded else st.just(0))(example)
-    search = settings(max_examples=selection.max_examples, deadline=None, database=database, phases=phases,
+    search = settings(max_examples=max_examples, deadline=None, database=database, phases=phases,
                       suppress_health_check=RELAXED_HEALTH_CHECKS, report_multiple_bugs=False,
                       print_blob=False, verbosity=Verbosity.quiet)(search)
     if selection.seed is not None:

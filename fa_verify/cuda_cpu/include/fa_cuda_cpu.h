@@ -275,8 +275,10 @@ namespace fa_cpu {
 template <class T> struct unsupported_atomic : std::false_type {};
 template <class T, class F>
 inline T atomic_update(T* address, F f) {
+    race_mode(kRaceAtomic);
     T old = *address;
     *address = f(old);
+    race_mode(kRaceNormal);
     return old;
 }
 }  // namespace fa_cpu

@@ -49,6 +49,17 @@ FA_CPU_HIDDEN unsigned int live_lanes();
 FA_CPU_HIDDEN void yield_now();
 [[noreturn]] FA_CPU_HIDDEN void trap(const char* what);
 
+// What the race detector (race builds, FA_CPU_RACECHECK) makes of the accesses that follow: as
+// they are, as atomics (the shim's atomicAdd, ...), or not at all (a warp-collective operation that
+// every emulated lane performs whole, such as wmma::store_matrix_sync, attributes each element
+// to one lane). No-op in other builds.
+enum RaceMode : int { kRaceNormal = 0, kRaceAtomic = 1, kRaceIgnore = 2 };
+#if FA_CPU_RACECHECK
+FA_CPU_HIDDEN void race_mode(int mode);
+#else
+inline void race_mode(int) {}
+#endif
+
 // How a launch is laid out; mirrors LaunchConfig in fa_verify/cuda_cpu/_exec.py.
 struct LaunchConfig {
     std::int64_t grid[3];

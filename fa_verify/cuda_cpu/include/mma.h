@@ -114,12 +114,17 @@ inline void store_matrix_sync(T* p, const fragment<accumulator, M, N, K, T>& f, 
     detail::check_pointer(p, ldm,
                           "wmma::store_matrix_sync: the pointer must be 256-bit aligned and ldm a multiple of 16 bytes");
     using Frag = fragment<accumulator, M, N, K, T>;
+    const int lane = static_cast<int>(::fa_cpu::g_current->lane);
     for (int r = 0; r < Frag::num_rows; ++r)
         for (int c = 0; c < Frag::num_cols; ++c) {
             const std::size_t at = layout == mem_row_major ? static_cast<std::size_t>(r) * ldm + c
                                                            : r + static_cast<std::size_t>(c) * ldm;
+            // Every lane stores the whole tile; on the GPU each element is one lane's: the race
+            // detector sees element i stored by lane i % 32 only.
+            ::fa_cpu::race_mode((r * Frag::num_cols + c) % 32 == lane ? ::fa_cpu::kRaceNormal : ::fa_cpu::kRaceIgnore);
             p[at] = f.x[r * Frag::num_cols + c];
         }
+    ::fa_cpu::race_mode(::fa_cpu::kRaceNormal);
 }
 
 namespace detail {

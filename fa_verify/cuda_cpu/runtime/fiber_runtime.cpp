@@ -21,6 +21,13 @@
 #include <mutex>
 #include <vector>
 
+#if FA_CPU_RACECHECK
+#include "race_runtime.h"
+#define FA_CPU_RACE(call) ::fa_cpu::race::call
+#else
+#define FA_CPU_RACE(call) ((void)0)
+#endif
+
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
@@ -239,6 +246,7 @@ void release_block_barrier() {
     b.count[parity ^ 1u] = 0;
     b.arrived = 0;
     ++b.generation;
+    FA_CPU_RACE(barrier());
 }
 
 // ---- warp operations ----------------------------------------------------------------------------
@@ -274,6 +282,10 @@ bool try_complete(Warp& w, unsigned int mask) {
     unsigned int ballot = 0;
     for (unsigned int l = 0; l < 32; ++l)
         if (((participants >> l) & 1u) && w.lanes[l]->w_bits != 0) ballot |= 1u << l;
+#if FA_CPU_RACECHECK
+    const Fiber* first = w.lanes[__builtin_ctz(participants)];
+    if (first->w_op == kSyncWarp) race::syncwarp(first->warp, participants);
+#endif
     for (unsigned int l = 0; l < 32; ++l) {
         if (!((participants >> l) & 1u)) continue;
         Fiber* t = w.lanes[l];
@@ -400,6 +412,8 @@ void run_block(const LaunchConfig& cfg, std::uint64_t block_linear) {
     std::memset(fa_cpu_dynamic_smem, 0xFF, static_cast<std::size_t>(cfg.shared_bytes));
     if (__start_fa_cpu_shared && __stop_fa_cpu_shared > __start_fa_cpu_shared)
         std::memset(__start_fa_cpu_shared, 0xFF, static_cast<std::size_t>(__stop_fa_cpu_shared - __start_fa_cpu_shared));
+
+    FA_CPU_RACE(begin_block());
 
     g_fibers.resize(n);
     for (unsigned int i = 0; i < n; ++i) {
@@ -548,6 +562,7 @@ extern "C" int fa_cpu_run_grid(KernelBody body, const std::uint64_t* slots, cons
                                   kMaxDynamicShared - static_cast<std::size_t>(cfg->shared_bytes));
         g_learn_main_stack = true;
 #endif
+        FA_CPU_RACE(begin_launch(*cfg, fa_cpu_dynamic_smem, __start_fa_cpu_shared, __stop_fa_cpu_shared));
         std::uint64_t linear = 0;
         for (std::int64_t z = 0; z < gr[2] && g_status == kOk; ++z)
             for (std::int64_t y = 0; y < gr[1] && g_status == kOk; ++y)
@@ -556,6 +571,7 @@ extern "C" int fa_cpu_run_grid(KernelBody body, const std::uint64_t* slots, cons
                     run_block(*cfg, linear);
                 }
         g_current = nullptr;
+        FA_CPU_RACE(end_launch());
     }
     std::fflush(stdout);  // device printf
     if (message && message_size > 0) std::snprintf(message, static_cast<std::size_t>(message_size), "%s", g_message);
