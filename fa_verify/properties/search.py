@@ -32,6 +32,7 @@ from fa_verify.properties.precision_hint import precision_hint
 from fa_verify.properties.registry import Property, get_property
 from fa_verify.properties.reproduce import NotReproducible, Target, write_reproducer
 from fa_verify.properties.selection import Selection
+from fa_verify.properties.shape_budget import budget_note
 
 
 @dataclass
@@ -260,6 +261,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
     try:
         edges, edge_notes = edge_problems(prop, backend, selection)
         notes.update(edge_notes)
+        if selection.shapes is not None:
+            notes.add(budget_note(prop, selection.shapes))
         for problem in edges:
             judge(problem)
         search()
