@@ -1,15 +1,16 @@
 """A shape budget for compiled targets: every property draws from at most N problem signatures.
 
 A JIT-compiled target (a `jax.jit` function, `torch.compile`d flex_attention) compiles once per
-new signature: B, H, Hkv, Nq, Nk, D, the dtype, causal and its alignment, and the scale (a Python
-float is a compile-time constant to both). With `--shapes N` each property first draws N
-signatures from its own problem strategy (so within the declared limits, with the strategy's
-favoured edge values), in one short Hypothesis run seeded by the search's seed; the search then
-picks one of them per example with `st.sampled_from` and draws fresh values (distribution,
-score profile, seed) for it. Properties whose strategies agree draw the same signatures, so a
-target's compile cache serves them all. The fixed edge cases and the problems some properties
-derive (merge_law's key chunks, fully_masked_rows' shorter keys) keep their own shapes:
-`budget_note` says so in those properties' results.
+new signature: B, H, Hkv, Nq, Nk, D, the dtype, causal and its alignment, and the scale where it
+is a compile-time constant (a static argument of `jax.jit`). With `--shapes N` each property
+first draws N signatures from its own problem strategy (so within the declared limits, with the
+strategy's favoured edge values), in one short Hypothesis run seeded by the search's seed; the
+search then picks one of them per example with `st.sampled_from` and draws fresh values
+(distribution, score profile, seed) for it. Properties whose strategies agree draw the same
+signatures, so a target's compile cache serves them all. The fixed edge cases keep their
+shapes. The problems some properties derive (merge_law's key chunks, fully_masked_rows' shorter
+keys) are chosen by the property's seed: under a budget it is fixed, so that each budgeted shape
+derives the same ones. `budget_note` says what the budget meant in each property's result.
 """
 
 from __future__ import annotations
@@ -73,16 +74,26 @@ def budgeted_problems(shapes, dtypes, modes, budget: int, seed: int | None):
     return st.sampled_from(draw_signatures(shapes, dtypes, modes, budget, seed)).flatmap(Signature.problems)
 
 
-#: Properties that also run problems they derive, of other shapes than the drawn one.
+#: Properties that also run problems they derive from the drawn one, of other shapes, chosen
+#: by the property's seed.
 DERIVED_SHAPES = {
     "merge_law": "its key chunks",
     "fully_masked_rows": "its shorter key sets",
 }
 
 
+def property_seeds(prop, budget: int | None):
+    """The strategy of `prop`'s own seed: any, but under a budget one seed (0) for the properties
+    that derive other shapes with it, so that each budgeted shape derives the same ones."""
+    if not prop.seeded:
+        return st.just(0)
+    return st.just(0) if budget is not None and prop.name in DERIVED_SHAPES else fst.seeds()
+
+
 def budget_note(prop, budget: int) -> str:
     """What --shapes N means for this property's (a Property's) results."""
-    extra = [f"{what} add shapes" for name, what in DERIVED_SHAPES.items() if name == prop.name]
+    extra = [f"{what}: one choice per shape (property seed 0)" for name, what in DERIVED_SHAPES.items()
+             if name == prop.name]
     if prop.edge_cases:
         extra.insert(0, "the fixed edge cases keep theirs")
     return f"--shapes {budget}: drawn from {budget} shapes" + "".join(f"; {e}" for e in extra)
