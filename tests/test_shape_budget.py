@@ -16,6 +16,8 @@ from fa_verify.strategies import Shape
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from user_kernels import float64_then_round  # noqa: E402
 
+pytest_plugins = ["pytester"]
+
 
 def _drawn(backend, prop, selection):
     """(the signatures, the value seeds) of the problems the search of `prop` judged."""
@@ -71,3 +73,20 @@ def test_a_bad_budget_on_the_command_line_exits_2(capsys, value, message):
         main(["check", "naive-fp32", "--shapes", value])
     assert exc.value.code == 2
     assert f"argument --shapes: {message}" in capsys.readouterr().err
+
+
+def test_the_pytest_plugin_takes_the_budget_as_fa_shapes(pytester):
+    pytester.makepyfile(test_kernel="""
+        from fa_verify.backends import get_backend
+
+        def test_budget(fa_search):
+            outcome = fa_search(get_backend("naive-fp32"), "convex_hull")
+            assert "--shapes 2: drawn from 2 shapes" in outcome.message()
+    """)
+    pytester.runpytest_subprocess("--fa-shapes", "2").assert_outcomes(passed=1)
+
+
+def test_a_bad_fa_shapes_is_a_usage_error(pytester):
+    result = pytester.runpytest_inprocess("--fa-shapes", "0")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*argument --fa-shapes: 0 must be a whole number >= 1*"])
