@@ -8,6 +8,8 @@ Options:
   --fa-results FILE   append every oracle comparison's metrics to FILE, for `fa_verify report`
   --fa-seed N|random  the Hypothesis seed of fa_search (default: the profile's); random draws
                       one per session, printed in the header and recorded with --fa-results
+  --fa-shapes N       shape budget: each property draws from at most N shapes (for JIT-compiled
+                      targets, which then compile about N times per property)
   --fa-repro-dir DIR  where fa_search writes a failing example's reproducer (a script and its
                       inputs; default: $FA_VERIFY_REPRO_DIR, else ROOTDIR/.fa_verify/repro)
   --fa-no-isolate     run MODULE:FUNC backends in the test process (default: in a worker
@@ -157,7 +159,8 @@ def fa_search(request, fa_profile):
     repro_dir = None if known else (request.config.getoption("fa_repro_dir")
                                     or default_folder(request.config.rootpath))
     selection = Selection.from_profile(fa_profile.name, database=settings().database, shrink=not known,
-                                       seed=request.config.getoption("fa_seed"))
+                                       seed=request.config.getoption("fa_seed"),
+                                       shapes=request.config.getoption("fa_shapes"))
 
     def search(target, prop):
         backend = as_backend(target)

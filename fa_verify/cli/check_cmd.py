@@ -45,6 +45,11 @@ SHARED_OPTIONS = {
     "results": dict(default=None, metavar="FILE", type=writable_file,
                     help="append every oracle comparison's metrics to FILE (JSON lines), for "
                          "'fa_verify report'"),
+    "shapes": dict(default=None, metavar="N", type=positive_int,
+                   help="shape budget for JIT-compiled targets: each property draws its problems from at most N "
+                        "shapes (B, H, Hkv, Nq, Nk, D, dtype, causal mode, scale; values still vary), so the "
+                        "target compiles about N times per property instead of once per example "
+                        "(default: no budget)"),
     "repro-dir": dict(default=None, metavar="DIR", type=writable_folder,
                       help="write each failing example's reproducer (a script and its inputs, .npz) "
                            "into DIR (default: $FA_VERIFY_REPRO_DIR, else .fa_verify/repro in the current "
@@ -202,7 +207,7 @@ def _run(args) -> int:
         selection = Selection.from_profile(args.profile or DEFAULT_PROFILE, dtypes=dtypes,
                                            causal=CAUSAL_CHOICES[args.causal or "both"],
                                            max_examples=args.max_examples,
-                                           max_seq=args.max_seq, seed=seed)
+                                           max_seq=args.max_seq, seed=seed, shapes=args.shapes)
         record = results_recorder(args.results, backend, "check", seed=seed) if args.results else None
         print(f"checking {backend.name} ({', '.join(dtypes)}) ...", file=sys.stderr, flush=True)
         if not args.json:

@@ -21,6 +21,7 @@ from fa_verify.limits import Limits
 from fa_verify.problem import CAUSAL_ALIGNMENTS, AttentionProblem
 from fa_verify.properties.registry import Property
 from fa_verify.properties.selection import Selection
+from fa_verify.properties.shape_budget import budgeted_problems
 
 #: Edge cases run before the random search by the properties that ask for them, so that the
 #: classes of bug they expose are always looked for: (B, H, Hkv, Nq, Nk, D) and a distribution.
@@ -189,5 +190,8 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
                                    else dict(max_head_dim=max(caps.head_dims), head_dims=caps.head_dims)))
     except InvalidArgumentError as exc:
         return f"the declared limits ({limits.describe()}) leave no shape to draw within --max-seq {max_seq}: {exc}"
+    if selection.shapes is not None:
+        modes = [(False, "bottom-right")] * (False in causal) + [(True, a) for a in alignments]
+        return budgeted_problems(shapes, fst.dtypes(dtypes), modes, selection.shapes, selection.seed)
     return fst.problems(shapes=shapes, dtypes=fst.dtypes(dtypes),
                         causal=fst.causal_modes(non_causal=False in causal, alignments=alignments))

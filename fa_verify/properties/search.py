@@ -16,11 +16,9 @@ from dataclasses import dataclass, field, replace
 
 from hypothesis import Phase, Verbosity, given, reject, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis import strategies as st
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky, Unsatisfiable
 
-from fa_verify import strategies as fst
 from fa_verify.errors import BackendOutputError, FaVerifyError, KernelRunError
 from fa_verify.isolation import RAISED_AT
 from fa_verify.problem import AttentionProblem
@@ -32,6 +30,7 @@ from fa_verify.properties.precision_hint import precision_hint
 from fa_verify.properties.registry import Property, get_property
 from fa_verify.properties.reproduce import NotReproducible, Target, write_reproducer
 from fa_verify.properties.selection import Selection
+from fa_verify.properties.shape_budget import budget_note, property_seeds
 
 
 @dataclass
@@ -251,7 +250,7 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
     phases = tuple(p for p in Phase if p is not Phase.explain and (selection.shrink or p is not Phase.shrink))
     database = (None if selection.database is None
                 else _Namespaced(selection.database, f"{prop.name}:{backend.name}"))
-    search = given(drawn=strategy.map(_Drawn), seed=fst.seeds() if prop.seeded else st.just(0))(example)
+    search = given(drawn=strategy.map(_Drawn), seed=property_seeds(prop, selection.shapes))(example)
     search = settings(max_examples=max_examples, deadline=None, database=database, phases=phases,
                       suppress_health_check=RELAXED_HEALTH_CHECKS, report_multiple_bugs=False,
                       print_blob=False, verbosity=Verbosity.quiet)(search)
@@ -260,6 +259,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
     try:
         edges, edge_notes = edge_problems(prop, backend, selection)
         notes.update(edge_notes)
+        if selection.shapes is not None:
+            notes.add(budget_note(prop, selection.shapes))
         for problem in edges:
             judge(problem)
         search()

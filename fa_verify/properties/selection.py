@@ -8,6 +8,7 @@ from hypothesis.database import ExampleDatabase
 
 from fa_verify.dtypes import DTYPE_NAMES
 from fa_verify.profiles import DEFAULT_PROFILE, get_profile
+from fa_verify.strategies._validation import check_int
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,13 @@ class Selection:
     shrink: bool = True
     #: Hypothesis example database (None: none); namespaced per property and target
     database: ExampleDatabase | None = None
+    #: shape budget: each property draws from at most this many problem signatures (shape,
+    #: dtype, causal mode, scale), so a JIT-compiled target compiles that often (None: no budget)
+    shapes: int | None = None
+
+    def __post_init__(self):
+        if self.shapes is not None:
+            check_int("Selection.shapes", self.shapes)
 
     @classmethod
     def from_profile(cls, name: str, **overrides) -> "Selection":
