@@ -201,15 +201,17 @@ class AttentionProblem:
         """Whether any key is masked for any row (causal or a window)."""
         return self.window != NO_WINDOW
 
-    def alibi_bias(self, b: int, heads=slice(None), rows=slice(None)) -> np.ndarray | None:
-        """The ALiBi term -slope |i + o - j| of batch entry b, float64 [h, rows, Nk] (None
-        without ALiBi); every entry is one rounded product of a float32 slope and an integer."""
+    def alibi_bias(self, b, h, i) -> np.ndarray | None:
+        """The ALiBi term -slope[b, h] |i + o - j| for every key j, float64 [..., Nk] over the
+        index arrays (or ints) b, h, i broadcast together; None without ALiBi. Each entry is
+        one rounded product of a float32 slope and an integer distance."""
         if self.alibi_slopes is None:
             return None
-        slopes = self.alibi_slopes if self.alibi_slopes.ndim == 1 else self.alibi_slopes[b]
-        i = np.arange(self.nq)[rows]
-        distance = np.abs(i[:, None] + self.diagonal_offset - np.arange(self.nk)[None, :]).astype(np.float64)
-        return -slopes[heads].astype(np.float64)[:, None, None] * distance
+        slopes = self.alibi_slopes if self.alibi_slopes.ndim == 2 else self.alibi_slopes[None]
+        b = np.asarray(b) if slopes.shape[0] > 1 else np.zeros_like(np.asarray(b))
+        slope = slopes[b, np.asarray(h)].astype(np.float64)
+        distance = np.abs(np.asarray(i)[..., None] + self.diagonal_offset - np.arange(self.nk))
+        return -slope[..., None] * distance.astype(np.float64)
 
     def capped(self, scores: np.ndarray) -> np.ndarray:
         """softcap tanh(scores / softcap) in float64 when the problem has a softcap, else scores."""

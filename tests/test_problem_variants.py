@@ -66,11 +66,11 @@ def test_left_zero_sees_only_the_diagonal_and_a_window_can_leave_rows_empty():
 
 def test_alibi_bias_is_minus_slope_times_distance_to_the_diagonal():
     p = _problem(alibi_slopes=[0.5, 0.25])
-    bias = p.alibi_bias(0)
+    bias = p.alibi_bias(0, np.arange(2)[:, None], np.arange(4))
     assert bias.shape == (2, 4, 6)
     assert bias[1, 0, 0] == -0.25 * 2 and bias[0, 3, 5] == 0 and bias[0, 0, 5] == -0.5 * 3
     per_batch = _problem(b=2, alibi_slopes=[[1, 2], [3, 4]])
-    assert per_batch.alibi_bias(1, heads=slice(1, 2))[0, 0, 0] == -4 * 2
+    assert per_batch.alibi_bias(1, 1, 0)[0] == -4 * 2 and per_batch.alibi_bias(0, 1, 0)[0] == -2 * 2
 
 
 def test_variants_are_named_in_features_and_describe():

@@ -167,3 +167,13 @@ def grouped(problem: AttentionProblem, work: np.dtype):
     B, H, Nq, D = problem.q.shape
     q = problem.q.astype(work).reshape(B, problem.kv_heads, problem.group_size, Nq, D)
     return q, problem.k.astype(work)[:, :, None], problem.v.astype(work)[:, :, None]
+
+
+def grouped_variants(problem: AttentionProblem, work: np.dtype):
+    """The ALiBi bias as [B, Hkv, G, Nq, Nk] and the sinks as [1, Hkv, G, 1] in `work` (each None
+    when the problem has none), shaped like `grouped`'s arrays."""
+    B, H, Nq, _ = problem.out_shape
+    shape = (problem.kv_heads, problem.group_size)
+    bias = problem.alibi_bias(np.arange(B)[:, None, None], np.arange(H)[None, :, None], np.arange(Nq))
+    return (None if bias is None else bias.astype(work).reshape(B, *shape, Nq, problem.nk),
+            None if problem.sinks is None else problem.sinks.astype(work).reshape(1, *shape, 1))

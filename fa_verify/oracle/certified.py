@@ -96,7 +96,7 @@ class _Variants:
 
     def __init__(self, problem: AttentionProblem, b: int, heads: slice):
         self.softcap = problem.softcap
-        self.bias = problem.alibi_bias(b, heads)
+        self.bias = problem.alibi_bias(b, np.arange(problem.heads)[heads][:, None], np.arange(problem.nq))
         self.sinks = None if problem.sinks is None else problem.sinks[heads].astype(np.float64)
 
     def apply(self, scores, mask):
@@ -175,8 +175,8 @@ def mp_row_bounds(problem, rows, digits):
         a = np.abs(q[b, h, i]) @ np.abs(keys).T if n else np.zeros(1)
         logits = np.abs(scale * (q[b, h, i] @ keys.T)) if n else np.zeros(1)
         if problem.features:  # scores, capped scores, biases and the sink, twice (see mp_bound)
-            bias = problem.alibi_bias(b, slice(h, h + 1), slice(i, i + 1))
-            bias = np.zeros(1) if bias is None or not n else np.abs(bias[0, 0, starts[i]:limits[i]])
+            bias = problem.alibi_bias(b, h, i)
+            bias = np.zeros(1) if bias is None or not n else np.abs(bias[starts[i]:limits[i]])
             sink = 0.0 if problem.sinks is None else abs(float(problem.sinks[h]))
             logits = 2 * (logits.max(initial=0.0) * 2 + bias.max(initial=0.0) + sink) + np.zeros(1)
             n += problem.sinks is not None

@@ -93,9 +93,9 @@ def mp_rows(problem: AttentionProblem, rows, digits: int = DEFAULT_DIGITS):
                 cache[key] = (_as_mp(problem.k[b, h // g]), _as_mp(problem.v[b, h // g]))
             keys, values = cache[key]
             q_row = _as_mp(problem.q[b, h, i])[0]
-            bias = problem.alibi_bias(b, slice(h, h + 1), slice(i, i + 1))
+            bias = problem.alibi_bias(b, h, i)
             out, lse, row_scale = _row(q_row, keys[lo:hi], values[lo:hi], scale, problem.softcap,
-                                       None if bias is None else bias[0, 0, lo:hi], sink)
+                                       None if bias is None else bias[lo:hi], sink)
             yield (b, h, i, np.array([float(x) for x in out]), float(lse),
                    np.array([float(x) for x in row_scale]))
 
