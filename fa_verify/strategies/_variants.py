@@ -55,9 +55,10 @@ def _check_features(features) -> tuple:
 
 
 @st.composite
-def _switched_on(draw, problem_st, features, tile):
+def _switched_on(draw, problem_st, features, always, tile):
     problem = draw(problem_st)
-    chosen = draw(st.lists(st.sampled_from(features), min_size=1, max_size=len(features), unique=True))
+    chosen = draw(st.lists(st.sampled_from(features), min_size=0 if always else 1, max_size=len(features),
+                           unique=True)) + list(always)
     changes = {}
     if "window" in chosen:
         sides = window_sides(problem.nk, tile)
@@ -74,12 +75,13 @@ def _switched_on(draw, problem_st, features, tile):
     return problem.replace(**changes)
 
 
-def variant_problems(problems=None, features=tuple(FEATURES), tile: int = DEFAULT_TILE):
+def variant_problems(problems=None, features=tuple(FEATURES), always=(), tile: int = DEFAULT_TILE):
     """Strategy for problems with a non-empty subset of `features` (keys of
-    fa_verify.problem.FEATURES) switched on. `problems`: the strategy of the dense problems to
-    start from (default ``problems()``); `tile`: the key tile whose boundaries window edges
-    straddle."""
+    fa_verify.problem.FEATURES) switched on, `always` among them. `problems`: the strategy of
+    the dense problems to start from (default ``problems()``); `tile`: the key tile whose
+    boundaries window edges straddle."""
     features = _check_features(features)
+    always = _check_features(always) if always else ()
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise InvalidArgumentError(f"tile={tile!r} must be an integer >= 1")
-    return _switched_on(_problems() if problems is None else problems, features, tile)
+    return _switched_on(_problems() if problems is None else problems, features, always, tile)
