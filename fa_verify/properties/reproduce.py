@@ -112,7 +112,8 @@ def callable_options(backend, dtype: str) -> dict:
     return {"layout": backend.layout, "array": backend.array, "causal_alignment": backend.causal_alignment,
             "precision": precision_spec(backend.precision(dtype)),
             # merge_law's and fully_masked_rows' derived problems follow the declared limits
-            "limits": backend.limits.as_dict()}
+            "limits": backend.limits.as_dict(),
+            "features": list(backend.features)}
 
 
 @dataclass(frozen=True)
