@@ -264,7 +264,7 @@ def error_bound(problem: AttentionProblem, precision: PrecisionModel, reference:
         for h in range(H):
             for r0 in range(0, Nq, rows_per_chunk):
                 rows = slice(r0, r0 + rows_per_chunk)
-                _chunk(units, q[b, h, rows], k[b, h], abs_v[b, h], mask[rows],
+                _chunk(units, q[b, h, rows], k[b, h], abs_v[b, h], mask[rows], _RowVariants.of(problem, b, h, rows),
                        reference.lse[b, h, rows], abs_o[b, h, rows], reference.row_scale[b, h, rows],
                        {n: t[b, h, rows] for n, t in out_terms.items()},
                        {n: t[b, h, rows] for n, t in lse_terms.items()})
@@ -290,18 +290,59 @@ def error_bound(problem: AttentionProblem, precision: PrecisionModel, reference:
                  precision=precision, accumulation=accumulation)
 
 
-def _chunk(units: _Units, q, k, abs_v, allowed, lse, abs_o, row_scale, out_terms, lse_terms):
-    """Fill the terms of rows `q` [r, D] of one head (views into the result arrays)."""
+@dataclass(frozen=True)
+class _RowVariants:
+    """The variants of a block of rows of one head: softcap, ALiBi bias [r, Nk], sink logit."""
+
+    softcap: float = 0.0
+    bias: np.ndarray | None = None
+    sink: float | None = None
+
+    @classmethod
+    def of(cls, problem: AttentionProblem, b: int, h: int, rows: slice) -> "_RowVariants":
+        return cls(problem.softcap, problem.alibi_bias(b, h, np.arange(problem.nq)[rows]),
+                   None if problem.sinks is None else float(problem.sinks[h]))
+
+    def logits(self, t):
+        """(z = capped t + bias, the scores' error factor tanh'(t / c) <= 1, the logits' own
+        relative rounding in units of u_s and eps_tanh per p: see `_chunk`)."""
+        z, slope, own, tanh_part = t, 1.0, 0.0, 0.0
+        if self.softcap > 0:
+            arg = t / self.softcap
+            z = self.softcap * np.tanh(arg)
+            slope = 1.0 / np.cosh(np.minimum(np.abs(arg), 350.0)) ** 2
+            own = own + np.abs(t) + np.abs(z)  # the quotient (carried by tanh' <= 1) and the product
+            tanh_part = np.abs(z)  # relative error of tanh, times |z|
+        if self.bias is not None:
+            z = z + self.bias
+            own = own + 2 * np.abs(self.bias) + np.abs(z)  # the product, the addition
+        return z, slope, own, tanh_part
+
+
+def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs_o, row_scale,
+           out_terms, lse_terms):
+    """Fill the terms of rows `q` [r, D] of one head (views into the result arrays).
+
+    Variants: the scores t become logits z (softcap, ALiBi) before the softmax; the scores'
+    error reaches z times tanh'(t / c) <= 1, the logits' own roundings (u_s |t| for the
+    quotient, u_s |z| per product or sum, u_s |bias| for the ALiBi product, exp's
+    accuracy for tanh) join the softmax term. A sink is one more term of the row sum only:
+    its weight p_s = e^{sink - LSE} with relative error eps_s moves O by p_s eps_s |O| and
+    the LSE by p_s eps_s (softmax term), and adds one rounding to the sum."""
     U = units
     live = np.isfinite(lse)
     allowed = allowed & live[:, None]
-    t = U.scale * (q @ k.T)
-    a = U.scale * (np.abs(q) @ np.abs(k).T)
+    scores = U.scale * (q @ k.T)
+    t, score_factor, own, tanh_part = variants.logits(scores)
+    a = U.scale * (np.abs(q) @ np.abs(k).T) * score_factor
     L = np.where(live, lse, 0.0)[:, None]
     with np.errstate(under="ignore"):
         p = np.where(allowed, np.exp(np.minimum(t - L, 0.0)), 0.0)
     m = np.where(live, np.where(allowed, t, -np.inf).max(axis=-1), 0.0)[:, None]
     M = np.where(allowed, np.abs(t), 0.0).max(axis=-1, keepdims=True)
+    if variants.sink is not None:  # a kernel may start its running max at the sink
+        m = np.where(live[:, None], np.maximum(m, variants.sink), 0.0)
+        M = np.maximum(M, abs(variants.sink))
     x = np.where(allowed, t - m, 0.0)
     R = _rescale_counts(t, allowed)
 
@@ -309,7 +350,7 @@ def _chunk(units: _Units, q, k, abs_v, allowed, lse, abs_o, row_scale, out_terms
     with np.errstate(invalid="ignore"):  # 0 * inf where gamma_D has no finite value
         rel_scores = U.g_d * a + U.t_abs
         w_scores = p * rel_scores
-    rel_softmax = U.u_s * (np.abs(t) + 3 * np.abs(x) + M) + U.eps_exp_p
+    rel_softmax = U.u_s * (np.abs(t) + 3 * np.abs(x) + M + own) + U.eps_exp * tanh_part + U.eps_exp_p
     rel_rescale = R * (U.eps_exp + 4 * U.u_s * M)
     w_scores[np.isnan(w_scores)] = np.inf  # no bound is no bound, even for a masked entry
     # Below the smallest normal an exp result's error is absolute (tiny_s with flush to zero).
@@ -326,10 +367,19 @@ def _chunk(units: _Units, q, k, abs_v, allowed, lse, abs_o, row_scale, out_terms
             term = through_v[idx] + abs_o * sums[idx]
             out_terms[name][...] = np.where(np.isnan(term), np.inf, term)
             lse_terms[name][...] = sums[idx, :, 0]
+    eps_sink = 0.0
+    if variants.sink is not None:
+        with np.errstate(under="ignore"):
+            p_sink = np.where(live, np.exp(np.minimum(variants.sink - L[:, 0], 0.0)), 0.0)
+        # sink - m and its exp, rescaled like any key as the running max grows
+        eps_sink = (U.u_s * (abs(variants.sink) + 2 * np.abs(m[:, 0]) + M[:, 0]) + U.eps_exp
+                    + (R.max(axis=-1, initial=0) + 1) * (U.eps_exp + 4 * U.u_s * M[:, 0]))
+        out_terms["softmax"][...] += (p_sink * eps_sink)[:, None] * abs_o + U.tiny_s
+        lse_terms["softmax"][...] += p_sink * eps_sink + U.tiny_s
 
     # P.V and the row sum: n keys, the rescale multiplies, the division. Products p v below the
     # normal range carry an absolute error up to tiny_pv each (p <= 1 after the max shift).
-    n = allowed.sum(axis=-1) + R.max(axis=-1, initial=0) + 1
+    n = allowed.sum(axis=-1) + R.max(axis=-1, initial=0) + 1 + (variants.sink is not None)
     g_n = gamma(n, U.u_pv, U.accumulation, U.lam)[:, None]
     out_terms["accumulation"][...] = np.where(
         live[:, None], g_n * (row_scale + abs_o) + U.u_pv * abs_o + (n[:, None] + 1) * U.tiny_pv, 0.0)
@@ -344,7 +394,7 @@ def _chunk(units: _Units, q, k, abs_v, allowed, lse, abs_o, row_scale, out_terms
     # remainder is at most the first-order bound times 2 eps / (1 - 2 eps). (The absolute
     # underflow parts are additive, not relative: they do not enter eps.)
     rel = np.where(allowed, rel_scores + rel_softmax + rel_rescale, 0.0)
-    eps = rel.max(axis=-1, initial=0.0) + (U.u_p if U.p_rounds else 0.0) + g_n[:, 0]
+    eps = np.maximum(rel.max(axis=-1, initial=0.0), eps_sink) + (U.u_p if U.p_rounds else 0.0) + g_n[:, 0]
     with np.errstate(divide="ignore", invalid="ignore"):
         factor = np.where(eps < 0.25, 2 * eps / (1 - 2 * eps), np.inf)
     factor = np.where(live, factor, 0.0)

@@ -151,6 +151,19 @@ def exp2_64(y) -> np.ndarray:
     return np.where(np.isnan(y), np.nan, out)
 
 
+def tanh64(x) -> np.ndarray:
+    """tanh(x) in float64 to a few ulp, deterministic: e / (e + 2) with e = e^{2|x|} - 1 from
+    the same polynomial (directly for small arguments, where e^y - 1 would cancel)."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.minimum(2 * np.abs(x), 40.0)  # tanh(20) is 1 in float64
+    small = y <= _LN2 / 2
+    poly = np.full_like(y, _INV_FACTORIALS[-1])
+    for c in _INV_FACTORIALS[-2:0:-1]:  # (e^y - 1) / y = sum_n y^n / (n + 1)!
+        poly = poly * y + c
+    e = np.where(small, y * poly, exp64(y) - 1.0)
+    return np.copysign(e / (e + 2.0), x)
+
+
 # --- rounding and sums ---------------------------------------------------------------------------
 
 
@@ -209,12 +222,15 @@ def _dot(a: np.ndarray, b: np.ndarray, member: Member, rnd: _Stage, init=None) -
 @dataclass
 class _Rows:
     """A block of query rows, each with its own key/value head: q [R, D], k, v [R, Nk, D],
-    mask [R, Nk]."""
+    mask [R, Nk]; the variants: softcap, ALiBi bias [R, Nk] (float64, exact) and sinks [R]."""
 
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
     mask: np.ndarray
+    softcap: float = 0.0
+    bias: np.ndarray | None = None
+    sinks: np.ndarray | None = None
 
 
 def _member_out(member: Member, rows: _Rows, precision: PrecisionModel, scale: float,
@@ -232,13 +248,23 @@ def _member_out_unchecked(member: Member, rows: _Rows, precision: PrecisionModel
     pv = _Stage(precision.pv_accumulation, work)
     # S = q·kᵀ, summed over D: products laid out [R, D, Nk] so the sum runs along axis 1
     s = _dot(rows.q[:, :, None], np.swapaxes(rows.k, 1, 2), member, score)
-    if member.exp == "exp2":
-        c = score(np.asarray(scale * math.log2(math.e)))
-        t = score(s * c)  # FA2 folds scale and log2(e) into one rounded product
-        power = exp2_64
+    log2e = math.log2(math.e)
+    # exp2 members work in log2 units, as FA2 does: logits and sinks times log2(e)
+    unit = log2e if member.exp == "exp2" else 1.0
+    power = exp2_64 if member.exp == "exp2" else exp64
+    if rows.softcap > 0 and member.exp == "exp2":
+        # FA2: tanh(s * (scale / c)), then c * log2(e) folded into the exp2 argument
+        arg = score(s * score(np.asarray(scale / rows.softcap)))
+        t = score(score(tanh64(arg)) * score(np.asarray(rows.softcap * log2e)))
+    elif rows.softcap > 0:
+        t = score(s * score(np.asarray(scale)))
+        t = score(rows.softcap * score(tanh64(score(t / score(np.asarray(rows.softcap))))))
+    elif member.exp == "exp2":
+        t = score(s * score(np.asarray(scale * log2e)))  # FA2 folds scale and log2(e) into one product
     else:
         t = score(s * score(np.asarray(scale)))
-        power = exp64
+    if rows.bias is not None:
+        t = score(t + score(rows.bias * unit))
     t = np.where(rows.mask, t, -np.inf)
     nk, n_rows = t.shape[1], t.shape[0]
     tile = member.tile or nk
@@ -258,6 +284,12 @@ def _member_out_unchecked(member: Member, rows: _Rows, precision: PrecisionModel
         l = _sum(pv(p_rounded if member.sum_rounded_p else p), member.order, pv, pv(l * alpha))
         acc = _dot(p_rounded[:, :, None], rows.v[:, start:start + tile], member, pv, pv(acc * alpha[:, None]))
         m = m_new
+    if rows.sinks is not None:  # after the keys: one more rescale, the sink's term in the row sum only
+        sink = score(rows.sinks * unit)
+        m_new = np.maximum(m, sink)
+        alpha = score(power(score(m - m_new)))
+        l = pv(pv(l * alpha) + score(power(score(sink - m_new))))
+        acc = pv(acc * alpha[:, None])
     out = pv(acc / np.where(l > 0, l, 1)[:, None])
     return out.astype(numpy_dtype(precision.output)).astype(np.float64)
 
@@ -290,12 +322,15 @@ def ensemble_outputs(problem: AttentionProblem, precision: PrecisionModel, rows=
     b, h, i = np.unravel_index(rows, (B, H, Nq))
     kv = h // problem.group_size
     mask = problem.mask
+    bias = problem.alibi_bias(b, h, i)
     outs = {m.name: np.empty((len(rows), D)) for m in members}
     step = max(1, _BLOCK // max(1, problem.nk * D))
     for lo in range(0, len(rows), step):
         sl = slice(lo, lo + step)
         block = _Rows(q=problem.q[b[sl], h[sl], i[sl]].astype(work), k=problem.k[b[sl], kv[sl]].astype(work),
-                      v=problem.v[b[sl], kv[sl]].astype(work), mask=mask[i[sl]])
+                      v=problem.v[b[sl], kv[sl]].astype(work), mask=mask[i[sl]], softcap=problem.softcap,
+                      bias=None if bias is None else bias[sl],
+                      sinks=None if problem.sinks is None else problem.sinks[h[sl]].astype(work))
         for member in members:
             outs[member.name][sl] = _member_out(member, block, precision, problem.scale_value, work)
     return outs

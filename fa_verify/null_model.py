@@ -74,9 +74,10 @@ class NullGuard:
 def _attended_mean(problem: AttentionProblem) -> np.ndarray:
     """The mean of the V rows each query row attends, float64 [B,H,Nq,D] (0 where none)."""
     _, v = problem.kv64()
-    n = problem.key_limit()
-    sums = np.concatenate([np.zeros_like(v[:, :, :1]), np.cumsum(v, axis=2)], axis=2)[:, :, n]
-    return sums / np.maximum(n, 1)[:, None]
+    start, limit = problem.key_start(), problem.key_limit()
+    sums = np.concatenate([np.zeros_like(v[:, :, :1]), np.cumsum(v, axis=2)], axis=2)
+    n = np.maximum(limit - start, 0)
+    return (sums[:, :, np.maximum(limit, start)] - sums[:, :, start]) / np.maximum(n, 1)[:, None]
 
 
 def _other_q(problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray]:
@@ -100,7 +101,8 @@ def null_outputs(problem: AttentionProblem, ref: Reference, out_dtype) -> tuple[
     masked = problem.masked_rows[None, None, :]
     n = problem.key_limit()
     with np.errstate(divide="ignore"):
-        uniform_lse = np.broadcast_to(np.log(n.astype(np.float64)), ref.lse.shape)
+        attended = np.maximum(n - problem.key_start(), 0).astype(np.float64)
+        uniform_lse = np.broadcast_to(np.log(attended), ref.lse.shape)
     candidates = [("zeros", np.zeros(ref.out.shape), np.zeros(ref.lse.shape)),
                   ("uniform attention", _attended_mean(problem), uniform_lse)]
     if problem.nq > 1:
@@ -115,7 +117,7 @@ def null_outputs(problem: AttentionProblem, ref: Reference, out_dtype) -> tuple[
     nulls = []
     for name, out, lse in candidates:
         out = np.where(masked[..., None], 0.0, out)
-        lse = np.where(masked, -np.inf, lse)
+        lse = np.where(masked, ref.lse, lse)  # -inf, or the sink's logit
         # exact before rounding: the right answer rounded to the output dtype is a correct output
         exact_out = bool(np.all(np.abs(out - ref.out) <= ref.out_bound + slack * magnitude))
         with np.errstate(invalid="ignore"):

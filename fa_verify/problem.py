@@ -7,6 +7,18 @@ Input policy: q, k and v hold finite values of the problem dtype (fp16, bf16 or 
 NaN and Inf inputs are rejected, because attention over them has no reference answer; the
 NaN-padding property checks kernels' reads *outside* the inputs instead. Use
 `AttentionProblem.from_float` to round arbitrary float data to the dtype first.
+
+Variants (flash-attn 2's conventions; the defaults switch each off and leave a problem dense).
+With the diagonal offset o = Nk - Nq (bottom-right alignment; o = 0 for top-left):
+- scores s_ij = scale q_i.k_j; with softcap > 0, s_ij = softcap tanh(s_ij / softcap);
+- ALiBi then adds -slope[b, h] |i + o - j| (alibi_slopes [H], or [B, H] per batch entry);
+- window_size = (left, right): query i sees key j iff i + o - left <= j <= i + o + right, -1
+  meaning unbounded on that side; causal=True means right = 0 whatever right says (as
+  flash-attn 2 sets it), so causal is the window (-1, 0) and a causal window is (left, 0);
+- sinks [H]: one logit per head that joins the softmax denominator only:
+  O_i = sum_j e^{s_ij} v_j / (e^{sink_h} + sum_j e^{s_ij}), LSE_i = log(e^{sink_h} + sum_j e^{s_ij});
+- a row that sees no key has O = 0 and LSE = -inf (LSE = sink_h with a sink).
+Slopes and sinks are float32, as flash-attn takes them; the oracle uses those values exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +35,9 @@ from fa_verify.dtypes import DTYPE_NAMES, dtype_name, round_to
 from fa_verify.errors import InvalidArgumentError, InvalidArgumentTypeError, InvalidProblemError
 
 CAUSAL_ALIGNMENTS = ("bottom-right", "top-left")
+#: The variants a problem may use, by the callable protocol's keyword that passes each.
+FEATURES = {"window": "window_size", "softcap": "softcap", "alibi": "alibi_slopes", "sinks": "sinks"}
+NO_WINDOW = (-1, -1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,10 +53,20 @@ class AttentionProblem:
     scale: float | None = None
     #: Free-form labels (distribution, seed, ...) carried into records and reproducers.
     tags: tuple = ()
+    #: (left, right) keys around the diagonal; -1 = unbounded (see the module's doc).
+    window_size: tuple = NO_WINDOW
+    #: tanh soft cap of the scaled scores; 0 = off.
+    softcap: float = 0.0
+    #: ALiBi slopes, float32 [H] or [B, H]; None = off.
+    alibi_slopes: np.ndarray | None = None
+    #: attention-sink logits, float32 [H]; None = off.
+    sinks: np.ndarray | None = None
 
     def __post_init__(self):
         _check_options(self.causal, self.scale)
         object.__setattr__(self, "causal", bool(self.causal))  # a numpy bool becomes a bool
+        object.__setattr__(self, "window_size", _checked_window(self.window_size))
+        object.__setattr__(self, "softcap", _checked_softcap(self.softcap))
         q, k, v = self.q, self.k, self.v
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, np.ndarray):
@@ -90,6 +115,9 @@ class AttentionProblem:
                     f"{tensor_name} holds a non-finite value {x[where]!r} at index {where}; "
                     "fa_verify only checks finite inputs"
                 )
+        object.__setattr__(self, "alibi_slopes", _checked_vector(
+            "alibi_slopes", self.alibi_slopes, ((H,), (B, H)), "[H] or [B, H]"))
+        object.__setattr__(self, "sinks", _checked_vector("sinks", self.sinks, ((H,),), "[H]"))
 
     @classmethod
     def from_float(cls, q, k, v, dtype, **kwargs) -> "AttentionProblem":
@@ -149,24 +177,72 @@ class AttentionProblem:
         """Whether `scale_value` is the exact scale (a float64 that was given, or 1/sqrt(D) of a square D)."""
         return self.scale is not None or math.isqrt(self.head_dim) ** 2 == self.head_dim
 
+    # --- variants --------------------------------------------------------------------------
+    @property
+    def features(self) -> tuple:
+        """The variants this problem uses (keys of FEATURES), in FEATURES' order."""
+        used = {"window": self.window_size != NO_WINDOW, "softcap": self.softcap > 0,
+                "alibi": self.alibi_slopes is not None, "sinks": self.sinks is not None}
+        return tuple(name for name in FEATURES if used[name])
+
+    @property
+    def diagonal_offset(self) -> int:
+        """o: query i's diagonal is key i + o (Nk - Nq bottom-right, 0 top-left)."""
+        return self.nk - self.nq if self.causal_alignment == "bottom-right" else 0
+
+    @property
+    def window(self) -> tuple:
+        """The effective (left, right): right = 0 when causal, as flash-attn 2 sets it."""
+        left, right = self.window_size
+        return (left, 0) if self.causal else (left, right)
+
+    @property
+    def is_masked(self) -> bool:
+        """Whether any key is masked for any row (causal or a window)."""
+        return self.window != NO_WINDOW
+
+    def alibi_bias(self, b, h, i) -> np.ndarray | None:
+        """The ALiBi term -slope[b, h] |i + o - j| for every key j, float64 [..., Nk] over the
+        index arrays (or ints) b, h, i broadcast together; None without ALiBi. Each entry is
+        one rounded product of a float32 slope and an integer distance."""
+        if self.alibi_slopes is None:
+            return None
+        slopes = self.alibi_slopes if self.alibi_slopes.ndim == 2 else self.alibi_slopes[None]
+        b = np.asarray(b) if slopes.shape[0] > 1 else np.zeros_like(np.asarray(b))
+        slope = slopes[b, np.asarray(h)].astype(np.float64)
+        distance = np.abs(np.asarray(i)[..., None] + self.diagonal_offset - np.arange(self.nk))
+        return -slope[..., None] * distance.astype(np.float64)
+
+    def capped(self, scores: np.ndarray) -> np.ndarray:
+        """softcap tanh(scores / softcap) in float64 when the problem has a softcap, else scores."""
+        return self.softcap * np.tanh(scores / self.softcap) if self.softcap > 0 else scores
+
     # --- masking ---------------------------------------------------------------------------
+    def key_start(self) -> np.ndarray:
+        """For each query row i, the first key it may attend, int64 [Nq] (0 without a left edge)."""
+        left = self.window[0]
+        if left < 0:
+            return np.zeros(self.nq, dtype=np.int64)
+        return np.clip(np.arange(self.nq, dtype=np.int64) + self.diagonal_offset - left, 0, self.nk)
+
     def key_limit(self) -> np.ndarray:
-        """For each query row i, the number of keys it may attend (keys 0..limit-1), int64 [Nq]."""
-        i = np.arange(self.nq, dtype=np.int64)
-        if not self.causal:
+        """For each query row i, one past the last key it may attend, int64 [Nq]: row i attends
+        keys key_start()[i] .. key_limit()[i] - 1 (none if the limit is not above the start)."""
+        right = self.window[1]
+        if right < 0:
             return np.full(self.nq, self.nk, dtype=np.int64)
-        offset = self.nk - self.nq if self.causal_alignment == "bottom-right" else 0
-        return np.clip(i + offset + 1, 0, self.nk)
+        return np.clip(np.arange(self.nq, dtype=np.int64) + self.diagonal_offset + right + 1, 0, self.nk)
 
     @cached_property
     def mask(self) -> np.ndarray:
         """Boolean [Nq, Nk]: True where query i attends key j."""
-        return np.arange(self.nk)[None, :] < self.key_limit()[:, None]
+        j = np.arange(self.nk)[None, :]
+        return (j >= self.key_start()[:, None]) & (j < self.key_limit()[:, None])
 
     @property
     def masked_rows(self) -> np.ndarray:
-        """Boolean [Nq]: rows that attend no key (output 0, LSE -inf)."""
-        return self.key_limit() == 0
+        """Boolean [Nq]: rows that attend no key (output 0, LSE -inf, or the sink's logit)."""
+        return self.key_limit() <= self.key_start()
 
     # --- views in float64 (exact: every problem dtype embeds in float64) -----------------------
     def q64(self) -> np.ndarray:
@@ -182,8 +258,22 @@ class AttentionProblem:
         """A one-line description for messages: shapes, dtype, masking, scale."""
         causal = f"causal={self.causal_alignment}" if self.causal else "causal=no"
         scale = "1/sqrt(D)" if self.scale is None else repr(self.scale)
+        variants = {"window": f"window_size={self.window_size}", "softcap": f"softcap={self.softcap!r}",
+                    "alibi": f"alibi_slopes={list(np.shape(self.alibi_slopes))}",
+                    "sinks": f"sinks={list(np.shape(self.sinks))}"}
         return (f"B={self.batch} H={self.heads} Hkv={self.kv_heads} Nq={self.nq} Nk={self.nk} "
-                f"D={self.head_dim} dtype={self.dtype} {causal} scale={scale}")
+                f"D={self.head_dim} dtype={self.dtype} {causal} scale={scale}"
+                + "".join(" " + variants[name] for name in self.features))
+
+
+def unsupported_features(name: str, problem: AttentionProblem, features) -> str | None:
+    """Why a target implementing `features` cannot run `problem`, or None when it can."""
+    missing = [f for f in problem.features if f not in features]
+    if not missing:
+        return None
+    keywords = ", ".join(FEATURES[f] for f in missing)
+    return (f"{name} does not implement {', '.join(missing)} (a callable takes it through the keyword "
+            f"{keywords}); the problem uses it")
 
 
 def _check_options(causal, scale) -> None:
@@ -197,6 +287,50 @@ def _check_options(causal, scale) -> None:
         raise InvalidArgumentTypeError(
             f"scale={scale!r} must be None (1/sqrt(D)) or a finite positive number, got "
             f"{type(scale).__name__}; pass a float, e.g. scale=0.125, or leave it out for 1/sqrt(D)")
+
+
+def _checked_window(window) -> tuple:
+    """window_size as a tuple of two ints >= -1."""
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise InvalidArgumentTypeError(
+            f"window_size={window!r} must be a pair (left, right) of integers >= -1, e.g. (128, 0) "
+            "for a causal sliding window of 128 keys, or (-1, -1) for none") from None
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise InvalidArgumentTypeError(
+                f"window_size={window!r}: {side}={value!r} must be an integer (-1 = unbounded)")
+        if value < -1:
+            raise InvalidProblemError(
+                f"window_size={window!r}: {side}={value} is below -1; use -1 for no bound on that side "
+                "or a number of keys >= 0")
+    return int(left), int(right)
+
+
+def _checked_softcap(softcap) -> float:
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise InvalidArgumentTypeError(f"softcap={softcap!r} must be a number (0 = no softcap)")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise InvalidProblemError(f"softcap={softcap!r} must be a finite number >= 0; pass 0 for no softcap")
+    return float(softcap)
+
+
+def _checked_vector(name: str, x, shapes: tuple, spelled: str) -> np.ndarray | None:
+    """`x` (None, or float data of one of `shapes`) as a float32 array of finite values."""
+    if x is None:
+        return None
+    values = _as_float64(name, x)
+    if values.shape not in shapes:
+        expected = " or ".join(str(list(s)) for s in shapes)
+        raise InvalidProblemError(
+            f"{name}.shape={list(values.shape)} must be {spelled} = {expected} for this problem")
+    with np.errstate(over="ignore"):
+        values = values.astype(np.float32)
+    if not np.isfinite(values).all():
+        where = tuple(int(i) for i in np.argwhere(~np.isfinite(values))[0])
+        raise InvalidProblemError(f"{name} holds a value that is not a finite float32 at index {where}")
+    return values
 
 
 def _as_float64(name: str, x) -> np.ndarray:

@@ -15,7 +15,7 @@ import pytest
 
 from fa_verify import AttentionProblem, PrecisionModel
 from fa_verify.error_model import error_bound
-from fa_verify.honest_ensemble import FULL_WORK, MAX_ROWS, MEMBERS, ensemble_errors, ensemble_outputs, exp2_64, exp64
+from fa_verify.honest_ensemble import FULL_WORK, MAX_ROWS, MEMBERS, ensemble_errors, ensemble_outputs, exp2_64, exp64, tanh64
 from fa_verify.oracle import reference
 from fa_verify.strategies import make_problem
 from fa_verify.verdict import check_attention
@@ -44,6 +44,27 @@ def test_exp_is_accurate_and_handles_the_edges():
     assert exp2_64(-np.inf) == 0 and exp64(0.0) == 1 and exp2_64(3.0) == 8
 
 
+def test_tanh_is_accurate_and_odd():
+    x = np.concatenate([np.linspace(-25, 25, 2001), [0.0, 1e-300, -1e-20, 0.17, 0.1733, 0.1734, 0.35]])
+    with mpmath.workdps(40):
+        exact = np.array([float(mpmath.tanh(mpmath.mpf(float(v)))) for v in x])
+    nonzero = exact != 0
+    assert np.max(np.abs(tanh64(x)[nonzero] / exact[nonzero] - 1)) < 8e-16
+    assert tanh64(0.0) == 0 and tanh64(50.0) == 1 and tanh64(-50.0) == -1
+    np.testing.assert_array_equal(tanh64(-x), -tanh64(x))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_every_member_is_within_the_rigorous_bound_with_the_variants(dtype):
+    problem = make_problem("large_logits", (2, 2, 1, 13, 31, 32), dtype, 0, causal=True).replace(
+        window_size=(9, 0), softcap=4.0, alibi_slopes=[[0.5, 0.01], [2.0, 0.25]], sinks=[3.0, -3.0])
+    ref = reference(problem)
+    bound = error_bound(problem, PrecisionModel.flash(dtype), ref)
+    for name, out in ensemble_outputs(problem, PrecisionModel.flash(dtype)).items():
+        err = np.abs(out.reshape(problem.out_shape) - ref.out)
+        assert np.max(np.where(err == 0, 0, err / bound.out)) < 0.9, name
+
+
 _CONFIG_SCRIPT = """
 import hashlib, sys, numpy as np
 from fa_verify.precision import PrecisionModel
@@ -55,6 +76,11 @@ for dtype in ("fp32", "bf16"):
         p = make_problem(dist, shape, dtype, 0, causal=True, causal_alignment="top-left")
         for name, out in ensemble_outputs(p, PrecisionModel.flash(dtype)).items():
             digest.update(name.encode() + out.tobytes())
+    # the variants: tanh, bias and sink terms from + - x only too
+    p = make_problem("normal", (1, 2, 1, 9, 40, 16), dtype, 0).replace(
+        window_size=(7, 3), softcap=0.7, alibi_slopes=[0.25, 1.5], sinks=[1.0, -2.0])
+    for name, out in ensemble_outputs(p, PrecisionModel.flash(dtype)).items():
+        digest.update(name.encode() + out.tobytes())
 print(digest.hexdigest())
 """
 

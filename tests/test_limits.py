@@ -25,6 +25,7 @@ from fa_verify.properties.online_softmax import check_merge_law
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 sys.path.insert(0, str(FIXTURES))
+from feature_kernels import correct as with_variants  # noqa: E402
 from user_kernels import float64_then_round, limited_fp16_causal  # noqa: E402
 
 pytest_plugins = ["pytester"]
@@ -181,7 +182,9 @@ def test_the_issue_kernel_is_checked_in_one_command_line():
         "equal-seq": True, "heads": ["mha"], "causal": "yes", "lse": None}
     statuses = _statuses(document)
     not_applicable = {name: reason for name, (status, reason) in statuses.items() if status == "not applicable"}
-    assert set(not_applicable) == {"merge_law", "fully_masked_rows", "key_permutation", "query_permutation"}
+    variants = {"variant_agreement", "feature_sensitivity", "wide_window", "softcap_limit", "window_independence"}
+    assert set(not_applicable) == {"merge_law", "fully_masked_rows", "key_permutation", "query_permutation",
+                                "races"} | variants
     assert "declares Nq = Nk" in not_applicable["merge_law"] and "declares Nq = Nk" in not_applicable["fully_masked_rows"]
     assert "declares causal only" in not_applicable["key_permutation"]
     assert all(status == "passed" for name, (status, _) in statuses.items() if name not in not_applicable)
@@ -217,13 +220,15 @@ def test_the_pytest_plugin_takes_the_same_limits(pytester):
     {"seq-multiple": "16", "seq-max": "48", "heads": "mqa,mha", "causal": "no", "dtype": "bf16"},
     {"head-dims": "96", "seq-multiple": "128", "equal-seq": "yes", "lse": "no"},
 ])
-def test_every_property_draws_within_the_limits(options):
+@pytest.mark.parametrize("fn", [float64_then_round, with_variants])
+def test_every_property_draws_within_the_limits(options, fn):
     limits = parse_limits(options)
-    caps = capabilities(CallableBackend(float64_then_round, limits=limits))
+    caps = capabilities(CallableBackend(fn, limits=limits))
     for prop in PROPERTIES:
         strategy = problem_strategy(prop, caps, Selection())
         if isinstance(strategy, str):
-            assert "declares" in strategy or "returns no LSE" in strategy, strategy
+            variants_missing = fn is float64_then_round and "does not implement" in strategy
+            assert "declares" in strategy or "returns no LSE" in strategy or variants_missing, strategy
             continue
 
         @settings(max_examples=15, database=None, deadline=None, suppress_health_check=list(HealthCheck))

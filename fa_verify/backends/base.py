@@ -23,7 +23,7 @@ from fa_verify.errors import (
 )
 from fa_verify.limits import Limits
 from fa_verify.precision import PrecisionModel
-from fa_verify.problem import AttentionProblem
+from fa_verify.problem import AttentionProblem, unsupported_features
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,9 @@ class Backend(ABC):
     conventions: tuple[Convention, ...] = ()
     #: The problems it supports; strategies draw within them and `supports` enforces them.
     limits: Limits = Limits()
+    #: The variants it implements (keys of fa_verify.problem.FEATURES); problems using others
+    #: are not supported.
+    features: tuple = ()
 
     @abstractmethod
     def precision(self, dtype) -> PrecisionModel:
@@ -83,7 +86,7 @@ class Backend(ABC):
         """None if the backend can run `problem`, else the reason it cannot."""
         if problem.dtype not in self.dtypes:
             return f"{self.name} does not run dtype={problem.dtype} (it runs {', '.join(self.dtypes)})"
-        return self.limits.check(problem)
+        return unsupported_features(self.name, problem, self.features) or self.limits.check(problem)
 
     def run(self, problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray | None]:
         """out [B,H,Nq,D] in the precision model's output dtype, and LSE float32 [B,H,Nq] or None.
@@ -164,3 +167,13 @@ def grouped(problem: AttentionProblem, work: np.dtype):
     B, H, Nq, D = problem.q.shape
     q = problem.q.astype(work).reshape(B, problem.kv_heads, problem.group_size, Nq, D)
     return q, problem.k.astype(work)[:, :, None], problem.v.astype(work)[:, :, None]
+
+
+def grouped_variants(problem: AttentionProblem, work: np.dtype):
+    """The ALiBi bias as [B, Hkv, G, Nq, Nk] and the sinks as [1, Hkv, G, 1] in `work` (each None
+    when the problem has none), shaped like `grouped`'s arrays."""
+    B, H, Nq, _ = problem.out_shape
+    shape = (problem.kv_heads, problem.group_size)
+    bias = problem.alibi_bias(np.arange(B)[:, None, None], np.arange(H)[None, :, None], np.arange(Nq))
+    return (None if bias is None else bias.astype(work).reshape(B, *shape, Nq, problem.nk),
+            None if problem.sinks is None else problem.sinks.astype(work).reshape(1, *shape, 1))

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from fa_verify.backends.base import Backend, grouped
+from fa_verify.backends.base import Backend, grouped, grouped_variants
 from fa_verify.dtypes import numpy_dtype
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.precision import PrecisionModel
-from fa_verify.problem import AttentionProblem
+from fa_verify.problem import FEATURES, AttentionProblem
 
 
 def naive_attention(problem: AttentionProblem, precision: PrecisionModel) -> tuple[np.ndarray, np.ndarray]:
@@ -26,7 +26,9 @@ def naive_attention(problem: AttentionProblem, precision: PrecisionModel) -> tup
     output dtype. Matrix products run in float32 (float64 if a stage is fp64) and are rounded
     once to a 16-bit accumulation dtype: a kernel that really accumulates in fp16/bf16 rounds
     every partial sum, so this is the mildest legitimate same-precision error, not the worst.
-    Fully masked rows give out 0 and LSE -inf.
+    Variants: the softcap (s / c, tanh, c times it) and the ALiBi bias are rounded to the
+    score dtype like every score stage; a sink joins the row max and the row sum.
+    Fully masked rows give out 0 and LSE -inf (the sink with a sink).
     """
     if precision.input != problem.dtype:
         raise InvalidArgumentError(
@@ -42,14 +44,25 @@ def naive_attention(problem: AttentionProblem, precision: PrecisionModel) -> tup
     q, k, v = grouped(problem, work)
     scale = rounded(np.asarray(problem.scale_value), score)
     s = rounded(rounded(q @ np.swapaxes(k, -1, -2), score) * scale, score)
+    bias, sinks = grouped_variants(problem, work)
+    if problem.softcap > 0:
+        cap = rounded(np.asarray(problem.softcap), score)
+        s = rounded(cap * rounded(np.tanh(rounded(s / cap, score)), score), score)
+    if bias is not None:
+        s = rounded(s + rounded(bias, score), score)
     s = np.where(problem.mask, s, work.type(-np.inf))
 
     m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sinks = rounded(sinks[..., None], score)
+        m = np.maximum(m, sinks)
     m = np.where(np.isfinite(m), m, 0)  # fully masked row: exp(-inf - 0) = 0, no -inf - -inf
     p = rounded(rounded(np.exp(rounded(s - m, score)), score), precision.p_rounding)
 
     pv = precision.pv_accumulation
     l = rounded(p.sum(axis=-1, keepdims=True), pv)
+    if sinks is not None:
+        l = rounded(l + rounded(np.exp(rounded(sinks - m, score)), score), pv)
     acc = rounded(p @ v, pv)
     out = rounded(acc / np.where(l > 0, l, 1), pv)
 
@@ -70,6 +83,7 @@ class NaiveBackend(Backend):
             raise InvalidArgumentError(f"compute={compute!r}; use one of {tuple(self._PRESETS)}")
         self.compute = compute
         self.name = f"naive-{compute}"
+        self.features = tuple(FEATURES)
 
     def precision(self, dtype) -> PrecisionModel:
         return self._PRESETS[self.compute](dtype)

@@ -5,6 +5,13 @@ and k, v are [B,Hkv,Nk,D] (GQA passes Hkv heads) in layout "bhsd", or [B,N,H,D] 
 "bshd" (flash_attn_func's); LSE is [B,H,Nq] float32 in both layouts. Arrays are numpy arrays of
 the problem dtype (ml_dtypes.bfloat16 for bf16) or, with array="torch", CPU torch tensors.
 
+Variants, with flash-attn's keyword names: a function whose signature names `window_size`,
+`softcap`, `alibi_slopes` or `sinks` implements that variant and is called with it on every
+problem (window_size=(left, right), softcap=float (0 = off), alibi_slopes=float32 [H] or [B, H]
+or None, sinks=float32 [H] or None: numpy arrays, or torch tensors with array="torch"), with
+the conventions of fa_verify.problem; `features=` narrows (or switches off) what is exercised.
+Problems using a variant the function does not take are not supported.
+
 The out= form: a function with an `out` parameter (and optionally `lse`) is called with
 out= (and lse=) buffers to fill, of the shapes above in the output dtype and float32, and
 returns nothing (a returned value is ignored). The buffers start NaN-filled inside guard bands
@@ -55,7 +62,7 @@ from fa_verify.isolation import (
 from fa_verify.limits import Limits, parse_limits
 from fa_verify.precision import PrecisionModel
 from fa_verify.worker_loop import serve
-from fa_verify.problem import CAUSAL_ALIGNMENTS
+from fa_verify.problem import CAUSAL_ALIGNMENTS, FEATURES
 
 LAYOUTS = ("bhsd", "bshd")
 ARRAYS = ("numpy", "torch")
@@ -72,14 +79,15 @@ class CallableBackend(Backend):
     (see the module's doc); the function must then be importable as MODULE:FUNC (`name` may
     give that reference), not a lambda, a local function or one defined in __main__.
     `limits` (a `Limits`, or a dict of limit options for `parse_limits`) declares the problems
-    it supports: only those are drawn.
+    it supports: only those are drawn. `features` (None: every variant whose keyword the
+    signature names) lists the variants to exercise (keys of fa_verify.problem.FEATURES).
     """
 
     def __init__(self, fn, name: str | None = None, layout: str = "bhsd", array: str = "numpy",
                  causal_alignment: str = "bottom-right", dtypes=None,
                  precision: str | PrecisionModel | None = None, isolate: bool = False,
                  timeout: float = DEFAULT_TIMEOUT, memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT,
-                 limits: Limits | dict | None = None):
+                 limits: Limits | dict | None = None, features=None):
         if not callable(fn):
             raise InvalidArgumentError(f"fn={fn!r} is not callable")
         for arg, value, allowed in (("layout", layout, LAYOUTS), ("array", array, ARRAYS),
@@ -105,6 +113,7 @@ class CallableBackend(Backend):
                 f"dtypes={self.dtypes!r}; pass dtypes=({precision.input!r},) or a preset such as 'flash'")
         self.fn, self.layout, self.array = fn, layout, array
         self.fills = output_parameters(fn)
+        self.features = variant_parameters(fn, features)
         self.causal_alignment, self._precision = causal_alignment, precision
         self.name = name or _qualified_name(fn)
         # Checked in-process too: a bad limit is an error whether or not it applies.
@@ -116,7 +125,7 @@ class CallableBackend(Backend):
         self._worker = None
         if isolate:
             options = dict(name=self.name, layout=layout, array=array, causal_alignment=causal_alignment,
-                           dtypes=self.dtypes, precision=precision)
+                           dtypes=self.dtypes, precision=precision, features=self.features)
             self._worker = CallableWorker(_reference(fn, name), options, float(timeout), memory_limit)
 
     def precision(self, dtype) -> PrecisionModel:
@@ -129,7 +138,8 @@ class CallableBackend(Backend):
 
     def supports(self, problem):
         reason = super().supports(problem)
-        if reason is None and problem.causal and problem.nq != problem.nk \
+        diagonal = problem.causal or "window" in problem.features or "alibi" in problem.features
+        if reason is None and diagonal and problem.nq != problem.nk \
                 and problem.causal_alignment != self.causal_alignment:
             reason = (f"{self.name} implements {self.causal_alignment} causal masking; the problem needs "
                       f"{problem.causal_alignment} (they differ when Nq={problem.nq} != Nk={problem.nk})")
@@ -154,7 +164,8 @@ class CallableBackend(Backend):
             from fa_verify.properties.padding import padded_array
 
             q, k, v = (padded_array(x, self.pad)[0] for x in (q, k, v))
-        result = self.fn(q, k, v, causal=problem.causal, scale=problem.scale_value, **dict(zip(self.fills, fill)))
+        result = self.fn(q, k, v, causal=problem.causal, scale=problem.scale_value, **dict(zip(self.fills, fill)),
+                         **self._variant_arguments(problem))
         snapshot.check(self.name, *inputs)
         if buffers:  # the out= form: what the function wrote, whatever it returned
             check_written(self.name, *buffers)
@@ -165,6 +176,18 @@ class CallableBackend(Backend):
         if self.layout == "bshd":
             out = np.ascontiguousarray(out.transpose(0, 2, 1, 3))
         return out, lse
+
+    def _variant_arguments(self, problem) -> dict:
+        """The keyword arguments of the variants the function takes, off where the problem has none."""
+        values = {"window": problem.window_size, "softcap": problem.softcap,
+                  "alibi": problem.alibi_slopes, "sinks": problem.sinks}
+        arguments = {}
+        for feature in self.features:
+            value = values[feature]
+            if isinstance(value, np.ndarray):
+                value = to_torch(value.copy()) if self.array == "torch" else value.copy()
+            arguments[FEATURES[feature]] = value
+        return arguments
 
     def _returned(self, result):
         """(out, lse | None) as numpy arrays from what a returning function gave back."""
@@ -208,6 +231,28 @@ def output_parameters(fn) -> tuple:
             f"fn={_qualified_name(fn)} takes lse= but not out=: the out= form of the callable protocol "
             "needs an out parameter (lse is optional); or drop lse and return (out, lse)")
     return names
+
+
+def variant_parameters(fn, features=None) -> tuple:
+    """The variants (keys of FEATURES) `fn` takes by keyword, narrowed to `features` if given."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: no variants
+        parameters = {}
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    taken = tuple(f for f, name in FEATURES.items() if name in parameters and parameters[name].kind in keyword)
+    if features is None:
+        return taken
+    features = (features,) if isinstance(features, str) else tuple(features)
+    for feature in features:
+        if feature not in FEATURES:
+            raise InvalidArgumentError(f"features={features!r}: {feature!r} is not a variant; use any of "
+                                       f"{tuple(FEATURES)}")
+        if feature not in taken:
+            raise InvalidArgumentError(
+                f"features={features!r}: {_qualified_name(fn)} has no keyword parameter {FEATURES[feature]!r}, "
+                f"so it cannot be given {feature}; add the parameter or drop {feature!r}")
+    return tuple(f for f in FEATURES if f in features)
 
 
 def _reference(fn, name: str | None) -> str:

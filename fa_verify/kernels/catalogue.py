@@ -27,7 +27,7 @@ from typing import Callable
 from fa_verify.dtypes import DTYPE_NAMES
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.precision import PrecisionModel
-from fa_verify.problem import AttentionProblem
+from fa_verify.problem import AttentionProblem, unsupported_features
 
 #: Environment variable naming the folder that holds the .cu sources (default: the repository's kernels/).
 KERNELS_DIR_ENV = "FA_VERIFY_KERNELS_DIR"
@@ -160,6 +160,8 @@ class KernelFamily:
         if problem.head_dim not in self.configs:
             return (f"{self.name} has no entry for D={problem.head_dim} "
                     f"(it has D in {', '.join(map(str, self.head_dims))})")
+        if problem.features:  # the variants are not in our kernels yet
+            return unsupported_features(self.name, problem, ())
         if problem.heads > 65535 or problem.batch > 65535:
             return f"grid dimensions H={problem.heads}, B={problem.batch} exceed CUDA's limit of 65535"
         if shared_limit is not None:

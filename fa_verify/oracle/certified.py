@@ -14,6 +14,14 @@ of the exact scaled score minus m_i. Then every probability has relative error
 r_i <= expm1(b_i) + eps_exp e^{b_i}, and `softmax_output_coefficient` turns r into the
 output bound. Exact t - m vs computed m does not matter: softmax is shift invariant.
 
+Variants (fa_verify.problem): the scores become logits z = softcap tanh(t / softcap) + bias
+before the max; a sink joins the max and the row sum (one more term and rounding, no value).
+tanh' <= 1, so the softcap never amplifies the scores' error; it adds the quotient's rounding
+(u |t|), tanh's error and the product's ((u + eps) |z|); ALiBi adds the bias product's and
+the addition's roundings (u |bias| each, and u |bias| more in the max subtraction, since
+|z| is no longer bounded by scale A_i); a sink adds u (|sink| + |m_i|) in its subtraction.
+These per-row terms (row maxima over the attended keys) join b_i.
+
 A_i comes in two grades. The cheap one is free: Cauchy-Schwarz, sum_d |q_d||k_d| <= |q| |k|,
 from Euclidean norms computed in float64 (about 1.6x larger than A for random vectors, far
 more for vectors whose large entries sit in different coordinates). Only rows whose cheap
@@ -53,12 +61,17 @@ _SMALLEST_SUBNORMAL = 2.0 ** -1074
 _PV_CHUNK = 1024
 
 
-def _attend(q, k, v, mask, scale: float):
-    """Float64 attention of a group of heads [G, N, D] with the quantities the bound needs."""
+def _attend(q, k, v, mask, scale: float, variants=None):
+    """Float64 attention of a group of heads [G, N, D] with the quantities the bound needs.
+    `variants`, a `_Variants` of these heads, turns the scores into the variant's logits."""
     scores = np.matmul(q * scale, k.swapaxes(-1, -2))
+    extra = variants.apply(scores, mask) if variants is not None else None
     if mask is not None:
         scores[:, ~mask] = -np.inf
     m = scores.max(axis=-1)
+    sinks = None if variants is None else variants.sinks
+    if sinks is not None:  # the sink is one more logit of the row's max and sum (its value: none)
+        m = np.maximum(m, sinks[:, None])
     m = np.where(np.isfinite(m), m, 0.0)  # fully masked rows: p = exp(-inf) = 0 below
     scores -= m[..., None]
     p = np.exp(scores, out=scores)
@@ -70,7 +83,40 @@ def _attend(q, k, v, mask, scale: float):
     for start in range(chunk, nk, chunk):
         acc += np.matmul(p[..., start:start + chunk], values[:, start:start + chunk])
     rounds = min(chunk, nk) + -(-nk // chunk)
-    return acc[..., :d], acc[..., d], acc[..., d + 1:], m, rounds
+    if sinks is not None:
+        acc[..., d] += np.exp(sinks[:, None] - m)
+        extra = extra + U64 * (np.abs(sinks[:, None]) + np.abs(m))  # the subtraction sink - m
+        rounds += 1
+    return acc[..., :d], acc[..., d], acc[..., d + 1:], m, rounds, extra
+
+
+class _Variants:
+    """The variants of heads `heads` of batch entry `b`: softcap, ALiBi bias and sinks applied
+    to float64 scores, with the extra rounding error of every logit per row."""
+
+    def __init__(self, problem: AttentionProblem, b: int, heads: slice):
+        self.softcap = problem.softcap
+        self.bias = problem.alibi_bias(b, np.arange(problem.heads)[heads][:, None], np.arange(problem.nq))
+        self.sinks = None if problem.sinks is None else problem.sinks[heads].astype(np.float64)
+
+    def apply(self, scores, mask):
+        """scores -> softcap tanh(scores / softcap) + bias, in place; returns per row [G, N] a
+        bound on the logits' rounding beyond the scores' own (see the module's doc)."""
+        def row_max(x):
+            return np.where(mask, np.abs(x), 0.0).max(axis=-1) if mask is not None else np.abs(x).max(axis=-1)
+
+        extra = np.zeros(scores.shape[:-1])
+        if self.softcap > 0:
+            # t / c and c tanh: one rounding each, tanh within EPS_EXP; tanh' <= 1 carries the
+            # quotient's rounding (u |t| / c) through as at most u |t|.
+            extra += U64 * row_max(scores)
+            scores[...] = self.softcap * np.tanh(scores / self.softcap)
+            extra += (U64 + EPS_EXP) * row_max(scores)
+        if self.bias is not None:
+            # the bias product, the addition and its share of the max subtraction
+            extra += 3 * U64 * row_max(self.bias) + U64 * row_max(scores)
+            scores += self.bias
+        return extra
 
 
 def _norm_magnitude(q, k, limits):
@@ -94,10 +140,13 @@ def _gemm_magnitude(q, k, mask, rows):
     return out / (1 - gamma(q.shape[-1]))
 
 
-def _bounds(problem, l, m, magnitude, rounds, v_max):
-    """Relative output coefficient, absolute underflow term and LSE bound, per row."""
+def _bounds(problem, l, m, magnitude, rounds, v_max, extra=None):
+    """Relative output coefficient, absolute underflow term and LSE bound, per row; `extra`
+    bounds the logits' rounding beyond the scores' (variants)."""
     scale_hi = problem.scale_value / (1 - (0 if problem.scale_is_exact else U64))
     b = U64 * np.abs(m) + gamma(problem.head_dim + 3) * scale_hi * magnitude
+    if extra is not None:
+        b = b + extra
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         r = np.expm1(b) + EPS_EXP * np.exp(b)
         coefficient, alpha = softmax_output_coefficient(r, rounds, U64)
@@ -119,11 +168,18 @@ def mp_row_bounds(problem, rows, digits):
     k, _ = problem.kv64()
     scale = problem.scale_value
     coefficients, lse_bounds = [], []
-    limits = problem.key_limit()
+    starts, limits = problem.key_start(), problem.key_limit()
     for b, h, i in rows:
-        n = int(limits[i])
-        a = np.abs(q[b, h, i]) @ np.abs(k[b, h, :n]).T if n else np.zeros(1)
-        logits = scale * (q[b, h, i] @ k[b, h, :n].T) if n else np.zeros(1)
+        keys = k[b, h, starts[i]:max(starts[i], limits[i])]
+        n = len(keys)
+        a = np.abs(q[b, h, i]) @ np.abs(keys).T if n else np.zeros(1)
+        logits = np.abs(scale * (q[b, h, i] @ keys.T)) if n else np.zeros(1)
+        if problem.features:  # scores, capped scores, biases and the sink, twice (see mp_bound)
+            bias = problem.alibi_bias(b, h, i)
+            bias = np.zeros(1) if bias is None or not n else np.abs(bias[starts[i]:limits[i]])
+            sink = 0.0 if problem.sinks is None else abs(float(problem.sinks[h]))
+            logits = 2 * (logits.max(initial=0.0) * 2 + bias.max(initial=0.0) + sink) + np.zeros(1)
+            n += problem.sinks is not None
         coefficient, alpha = mp_path.mp_bound(n, problem.head_dim, scale, a.max() * 1.01,
                                               np.abs(logits).max() * 1.01 + 1, digits)
         coefficients.append(coefficient)
@@ -137,7 +193,7 @@ def certified_reference(problem: AttentionProblem, digits: int = mp_path.DEFAULT
     B, H, Nq, D = problem.out_shape
     q = problem.q64()
     k, v = problem.kv64()
-    mask = problem.mask if problem.causal else None
+    mask = problem.mask if problem.is_masked else None
     # Every head is filled in by the loop below.
     out, row_scale = (np.empty((B, H, Nq, D)) for _ in range(2))
     lse, coefficient, tau, lse_bound = (np.empty((B, H, Nq)) for _ in range(4))
@@ -148,7 +204,9 @@ def certified_reference(problem: AttentionProblem, digits: int = mp_path.DEFAULT
     for b in range(B):
         for h0 in range(0, H, heads_per_chunk):
             sl = (b, slice(h0, h0 + heads_per_chunk))
-            num, l, dabs, m, rounds = _attend(q[sl], k[sl], v[sl], mask, problem.scale_value)
+            heads = slice(h0, h0 + heads_per_chunk)
+            variants = _Variants(problem, b, heads) if problem.features else None
+            num, l, dabs, m, rounds, extra = _attend(q[sl], k[sl], v[sl], mask, problem.scale_value, variants)
             live = l > 0
             with np.errstate(divide="ignore", invalid="ignore"):
                 out[sl] = np.where(live[..., None], num / l[..., None], 0.0)
@@ -156,13 +214,13 @@ def certified_reference(problem: AttentionProblem, digits: int = mp_path.DEFAULT
                 lse[sl] = np.where(live, m + np.log(l), -np.inf)
             v_max = np.abs(v[sl]).max(axis=(-2, -1))
             magnitude = _norm_magnitude(q[sl], k[sl], limits)
-            c, t, lb = _bounds(problem, l, m, magnitude, rounds, v_max)
+            c, t, lb = _bounds(problem, l, m, magnitude, rounds, v_max, extra)
             loose = np.nonzero(live & ~(c <= threshold))
             if loose[0].size:  # the free bound is not enough there: pay for the tight one
                 gemm_rows += loose[0].size
                 magnitude[loose] = np.minimum(magnitude[loose],
                                               _gemm_magnitude(q[sl], k[sl], mask, loose))
-                c, t, lb = _bounds(problem, l, m, magnitude, rounds, v_max)
+                c, t, lb = _bounds(problem, l, m, magnitude, rounds, v_max, extra)
             coefficient[sl] = np.where(live, c, 0.0)
             tau[sl] = np.where(live, t, 0.0)
             lse_bound[sl] = np.where(live, lb, 0.0)

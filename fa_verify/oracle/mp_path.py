@@ -25,12 +25,19 @@ def _mp_scale(problem: AttentionProblem):
     return mpmath.mpf(problem.scale)
 
 
-def _row(q_row, keys, values, scale):
-    """Out, LSE and row scale D_c = sum_j p_j |v_jc| / sum_j p_j of one unmasked row, in mpmath."""
+def _row(q_row, keys, values, scale, softcap=0.0, bias=None, sink=None):
+    """Out, LSE and row scale D_c = sum_j p_j |v_jc| / sum_j p_j of one row with at least one
+    key (or a sink), in mpmath; the variants as the problem module states them (bias: the
+    ALiBi term per key, exact; sink: the sink logit, whose exponential joins the sum only)."""
     t = [scale * mpmath.fdot(q_row, key) for key in keys]
-    m = max(t)
+    if softcap > 0:
+        cap = mpmath.mpf(softcap)
+        t = [cap * mpmath.tanh(x / cap) for x in t]
+    if bias is not None:
+        t = [x + mpmath.mpf(c) for x, c in zip(t, bias)]
+    m = max(t + ([] if sink is None else [mpmath.mpf(sink)]))
     p = [mpmath.exp(x - m) for x in t]
-    total = mpmath.fsum(p)
+    total = mpmath.fsum(p + ([] if sink is None else [mpmath.exp(mpmath.mpf(sink) - m)]))
     columns = list(zip(*values))
     out = [mpmath.fdot(p, col) / total for col in columns]
     row_scale = [mpmath.fdot(p, [abs(x) for x in col]) / total for col in columns]
@@ -50,7 +57,11 @@ def mp_bound(nk, head_dim: int, scale: float, max_score_magnitude, max_abs_logit
     Every mpmath operation rounds with relative error <= 2^-prec. A score t_j carries D + 3
     roundings relative to scale * sum_d |q_d k_jd| (fdot, the scale, the scale's own
     rounding), x_j = t_j - m one more relative to |x_j| <= 2 max|t|, exp one; the sums over
-    N keys N + 2 more. With r the largest relative error of a probability and
+    N keys N + 2 more. The variants (softcap: a division, tanh and a product; ALiBi: an
+    exact bias and an addition; a sink: one more term) add a few roundings relative to the
+    largest magnitude among the scores, logits, biases and sink, which max_abs_logit must
+    bound (4 units of it are counted: callers pass twice the magnitude for variant rows).
+    With r the largest relative error of a probability and
     alpha = r + (N + 4) 2^-prec (1 + r), the argument of `certified` gives
     |out - exact| <= coefficient * D_c, and |lse - exact| <= alpha (+ its last rounding).
     Both are doubled for safety. Returns (coefficient, alpha) per row.
@@ -69,18 +80,22 @@ def mp_rows(problem: AttentionProblem, rows, digits: int = DEFAULT_DIGITS):
     cache = {}
     with mpmath.workdps(digits):
         scale = _mp_scale(problem)
-        limits = problem.key_limit()
+        starts, limits = problem.key_start(), problem.key_limit()
         for b, h, i in rows:
-            n = int(limits[i])
-            if n == 0:
-                yield b, h, i, np.zeros(problem.head_dim), -math.inf, np.zeros(problem.head_dim)
+            lo, hi = int(starts[i]), int(limits[i])
+            sink = None if problem.sinks is None else float(problem.sinks[h])
+            if hi <= lo:
+                lse = -math.inf if sink is None else sink
+                yield b, h, i, np.zeros(problem.head_dim), lse, np.zeros(problem.head_dim)
                 continue
             key = (b, h // g)
             if key not in cache:
                 cache[key] = (_as_mp(problem.k[b, h // g]), _as_mp(problem.v[b, h // g]))
             keys, values = cache[key]
             q_row = _as_mp(problem.q[b, h, i])[0]
-            out, lse, row_scale = _row(q_row, keys[:n], values[:n], scale)
+            bias = problem.alibi_bias(b, h, i)
+            out, lse, row_scale = _row(q_row, keys[lo:hi], values[lo:hi], scale, problem.softcap,
+                                       None if bias is None else bias[lo:hi], sink)
             yield (b, h, i, np.array([float(x) for x in out]), float(lse),
                    np.array([float(x) for x in row_scale]))
 

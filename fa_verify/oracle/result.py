@@ -13,11 +13,12 @@ class Reference:
 
     Guarantee: |out - exact_out| <= out_bound and |lse - exact_lse| <= lse_bound, elementwise,
     where "exact" is attention evaluated in real arithmetic with the exact scale.
-    Fully masked rows have out 0, lse -inf and bounds 0.
+    Fully masked rows have out 0, lse -inf and bounds 0 (with a sink: lse = the sink's logit,
+    judged by its bound like any row).
     """
 
     out: np.ndarray          # [B, H, Nq, D]
-    lse: np.ndarray          # [B, H, Nq], natural log of the row's sum of exp(scaled scores)
+    lse: np.ndarray          # [B, H, Nq], natural log of the row's sum of exp(logits) (+ exp(sink))
     out_bound: np.ndarray    # [B, H, Nq, D]
     lse_bound: np.ndarray    # [B, H, Nq]
     #: D_ic = sum_j p_ij |v_jc| / sum_j p_ij: the natural scale of output element (i, c). [B,H,Nq,D]

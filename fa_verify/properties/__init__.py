@@ -39,6 +39,13 @@ from fa_verify.properties.padding import PaddedInputs, check_nan_padding, pad_in
 from fa_verify.properties.races import check_races
 from fa_verify.properties.registry import PROPERTIES, PROPERTY_NAMES, Property, get_property
 from fa_verify.properties.rounding import check_unbiased_rounding
+from fa_verify.properties.variants import (
+    check_feature_sensitivity,
+    check_softcap_limit,
+    check_variant_agreement,
+    check_wide_window,
+    check_window_independence,
+)
 from fa_verify.properties.draw import EDGE_CASES
 from fa_verify.properties.search import PropertyOutcome, search_property
 from fa_verify.properties.selection import Selection
@@ -74,6 +81,11 @@ __all__ = [
     "check_score_shift",
     "check_unbiased_rounding",
     "check_v_affinity",
+    "check_variant_agreement",
+    "check_feature_sensitivity",
+    "check_wide_window",
+    "check_softcap_limit",
+    "check_window_independence",
     "get_property",
     "pad_inputs",
     "run_padded",

@@ -12,13 +12,14 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 from hypothesis import strategies as st
 
 from fa_verify import strategies as fst
 from fa_verify.backends import Backend
 from fa_verify.errors import BackendOutputError, FaVerifyError, InvalidArgumentError, KernelRunError
 from fa_verify.limits import Limits
-from fa_verify.problem import CAUSAL_ALIGNMENTS, AttentionProblem
+from fa_verify.problem import CAUSAL_ALIGNMENTS, FEATURES, AttentionProblem
 from fa_verify.properties.registry import Property
 from fa_verify.properties.selection import Selection
 from fa_verify.properties.shape_budget import budgeted_problems
@@ -50,6 +51,8 @@ class Capabilities:
     alignments: tuple
     returns_lse: bool
     limits: Limits = Limits()
+    #: the variants it runs (keys of fa_verify.problem.FEATURES)
+    features: tuple = ()
 
 
 _CAPABILITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -97,11 +100,21 @@ def capabilities(backend: Backend) -> Capabilities:
         raise  # setup or misuse
     except (Exception, SystemExit):  # noqa: BLE001 - whatever the target itself raises, the examples report
         returns_lse = True
+    features = tuple(f for f, switched_on in _FEATURE_PROBES.items() if _runs(backend, switched_on(probe)))
     caps = Capabilities(name=backend.name, dtypes=tuple(backend.dtypes),
                         head_dims=None if len(dims) == len(_PROBED_HEAD_DIMS) else dims,
-                        alignments=alignments, returns_lse=returns_lse, limits=limits)
+                        alignments=alignments, returns_lse=returns_lse, limits=limits, features=features)
     _CAPABILITIES[backend] = caps
     return caps
+
+
+#: Each variant switched on in a probe problem.
+_FEATURE_PROBES = {
+    "window": lambda p: p.replace(window_size=(1, 1)),
+    "softcap": lambda p: p.replace(softcap=1.0),
+    "alibi": lambda p: p.replace(alibi_slopes=np.ones(p.heads)),
+    "sinks": lambda p: p.replace(sinks=np.zeros(p.heads)),
+}
 
 
 def _causal_modes(prop: Property, *allowed: tuple) -> tuple:
@@ -176,6 +189,12 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
         return f"needs bottom-right causal problems, which {caps.name} does not run"
     if not causal or (causal == (True,) and not alignments):
         return f"needs {prop.masking} problems, which the selection (--causal) or the target excludes"
+    features = tuple(f for f in prop.features if f in caps.features)
+    if prop.features and not (features and set(prop.always) <= set(caps.features)):
+        needed = prop.always or prop.features
+        keywords = ", ".join(FEATURES[f] for f in needed)
+        return (f"about {' or '.join(needed)}, which {caps.name} does not implement (a callable takes "
+                f"{'it' if len(needed) == 1 else 'them'} through the keyword{'s' * (len(needed) > 1)} {keywords})")
     if prop.unequal_seq and caps.limits.equal_seq:
         return f"{prop.unequal_seq}, but {caps.name} declares Nq = Nk (--equal-seq)"
     limits = caps.limits
@@ -190,8 +209,10 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
                                    else dict(max_head_dim=max(caps.head_dims), head_dims=caps.head_dims)))
     except InvalidArgumentError as exc:
         return f"the declared limits ({limits.describe()}) leave no shape to draw within --max-seq {max_seq}: {exc}"
-    if selection.shapes is not None:
-        modes = [(False, "bottom-right")] * (False in causal) + [(True, a) for a in alignments]
-        return budgeted_problems(shapes, fst.dtypes(dtypes), modes, selection.shapes, selection.seed)
-    return fst.problems(shapes=shapes, dtypes=fst.dtypes(dtypes),
-                        causal=fst.causal_modes(non_causal=False in causal, alignments=alignments))
+    dense = (budgeted_problems(shapes, fst.dtypes(dtypes),
+                               [(False, "bottom-right")] * (False in causal) + [(True, a) for a in alignments],
+                               selection.shapes, selection.seed)
+             if selection.shapes is not None else
+             fst.problems(shapes=shapes, dtypes=fst.dtypes(dtypes),
+                          causal=fst.causal_modes(non_causal=False in causal, alignments=alignments)))
+    return fst.variant_problems(dense, features, always=prop.always) if features else dense

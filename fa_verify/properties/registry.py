@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fa_verify.errors import InvalidArgumentError
+from fa_verify.problem import FEATURES
 from fa_verify.properties import (
     agreement,
     convexity,
@@ -17,6 +18,7 @@ from fa_verify.properties import (
     padding,
     races,
     rounding,
+    variants,
 )
 
 @dataclass(frozen=True)
@@ -42,6 +44,11 @@ class Property:
     #: a slow check's cap on the examples of a search, and why (both said in the output)
     max_examples: int | None = None
     max_examples_reason: str = ""
+    #: variants (keys of fa_verify.problem.FEATURES) the check is about: not applicable to a
+    #: target implementing none of them; its problems use those the target implements
+    features: tuple = ()
+    #: variants every drawn problem uses (the target must implement them)
+    always: tuple = ()
 
     @property
     def seeded(self) -> bool:
@@ -76,6 +83,11 @@ PROPERTIES = (
     Property("unbiased_rounding", rounding.check_unbiased_rounding, large=True),
     Property("races", races.check_races, target_reason=races.not_checkable, max_examples=races.RACE_EXAMPLES,
              max_examples_reason="the race detector checks every memory access of the kernel"),
+    Property("variant_agreement", variants.check_variant_agreement, features=tuple(FEATURES)),
+    Property("feature_sensitivity", variants.check_feature_sensitivity, features=tuple(FEATURES)),
+    Property("wide_window", variants.check_wide_window, features=("window",)),
+    Property("softcap_limit", variants.check_softcap_limit, features=("softcap",)),
+    Property("window_independence", variants.check_window_independence, features=("window",), always=("window",)),
 )
 
 PROPERTY_NAMES = tuple(p.name for p in PROPERTIES)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from fa_verify.dtypes import numpy_dtype
-from fa_verify.problem import AttentionProblem
+from fa_verify.problem import NO_WINDOW, AttentionProblem
 from fa_verify.properties._result import FAILED, NOT_APPLICABLE
 
 #: Environment variables a reproducer sets again when they were set at check time: they change
@@ -112,7 +112,8 @@ def callable_options(backend, dtype: str) -> dict:
     return {"layout": backend.layout, "array": backend.array, "causal_alignment": backend.causal_alignment,
             "precision": precision_spec(backend.precision(dtype)),
             # merge_law's and fully_masked_rows' derived problems follow the declared limits
-            "limits": backend.limits.as_dict()}
+            "limits": backend.limits.as_dict(),
+            "features": list(backend.features)}
 
 
 @dataclass(frozen=True)
@@ -170,13 +171,20 @@ class Target:
 
 # --- the inputs ---------------------------------------------------------------------------------
 
+#: The variants' arrays saved beside q, k and v (when the problem has them).
+_VARIANT_ARRAYS = ("alibi_slopes", "sinks")
+
+
 def save_problem(problem: AttentionProblem, path) -> None:
-    """q, k, v (bf16 as uint16 bits: numpy has no bf16) and the parameters, as an .npz file."""
+    """q, k, v (bf16 as uint16 bits: numpy has no bf16), the variants' slopes and sinks (float32)
+    and the parameters, as an .npz file."""
     parameters = {"dtype": problem.dtype, "causal": problem.causal, "causal_alignment": problem.causal_alignment,
-                  "scale": problem.scale, "tags": [list(t) for t in problem.tags]}
+                  "scale": problem.scale, "tags": [list(t) for t in problem.tags],
+                  "window_size": list(problem.window_size), "softcap": problem.softcap}
     arrays = {name: getattr(problem, name) for name in ("q", "k", "v")}
     if problem.dtype == "bf16":
         arrays = {name: x.view(np.uint16) for name, x in arrays.items()}
+    arrays.update({name: getattr(problem, name) for name in _VARIANT_ARRAYS if getattr(problem, name) is not None})
     with open(path, "wb") as f:
         np.savez(f, parameters=np.array(json.dumps(parameters, default=str)), **arrays)
 
@@ -187,8 +195,11 @@ def load_problem(path) -> AttentionProblem:
         parameters = json.loads(str(data["parameters"]))
         dtype = numpy_dtype(parameters["dtype"])
         q, k, v = (np.ascontiguousarray(data[name]).view(dtype) for name in ("q", "k", "v"))
+        variant_arrays = {name: data[name] for name in _VARIANT_ARRAYS if name in data.files}
     return AttentionProblem(q, k, v, causal=parameters["causal"], causal_alignment=parameters["causal_alignment"],
-                            scale=parameters["scale"], tags=tuple(tuple(t) for t in parameters["tags"]))
+                            scale=parameters["scale"], tags=tuple(tuple(t) for t in parameters["tags"]),
+                            window_size=tuple(parameters.get("window_size", NO_WINDOW)),
+                            softcap=parameters.get("softcap", 0.0), **variant_arrays)
 
 
 # --- the script ---------------------------------------------------------------------------------

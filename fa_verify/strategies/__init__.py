@@ -12,7 +12,8 @@ Values come from the named generators in `DISTRIBUTIONS`, seeded from Hypothesis
 a quarter of the problems a `ScoreProfile` drawn by Hypothesis then makes the row max rise,
 fall or jump late, by up to hundreds of logits, to drive a kernel's online softmax.
 `make_problem` rebuilds a problem from its tags (distribution with its profile, seed) without
-Hypothesis.
+Hypothesis. `variant_problems(features=...)` switches on sliding windows, softcap, ALiBi and
+sinks (fa_verify.problem) for targets that implement them.
 """
 
 from fa_verify.strategies._problems import (
@@ -33,6 +34,13 @@ from fa_verify.strategies._shapes import (
     favoured_seq_lengths,
     shapes,
 )
+from fa_verify.strategies._variants import (
+    SOFTCAPS,
+    alibi_slopes,
+    sink_logits,
+    variant_problems,
+    window_sides,
+)
 from fa_verify.strategies._values import (
     DISTRIBUTION_NAMES,
     DISTRIBUTIONS,
@@ -45,8 +53,10 @@ __all__ = [
     "DISTRIBUTIONS",
     "DISTRIBUTION_NAMES",
     "EXPLICIT_SCALES",
+    "SOFTCAPS",
     "ScoreProfile",
     "Shape",
+    "alibi_slopes",
     "causal_modes",
     "distributions",
     "dtypes",
@@ -58,4 +68,7 @@ __all__ = [
     "score_profiles",
     "seeds",
     "shapes",
+    "sink_logits",
+    "variant_problems",
+    "window_sides",
 ]
