@@ -1,0 +1,34 @@
+"""AddressSanitizer pass: a CUDA target's kernel, built with ASan, runs without an invalid access.
+
+The ordinary CPU-runner build places every argument between NaN-filled guard regions, so a read
+past an argument shows as NaN in the output only if it reaches the output; AddressSanitizer
+reports any out-of-bounds access to an argument, a `__shared__` array or the launch's dynamic
+shared memory, with the file and line. It costs several times an ordinary run, so `check` runs it
+on a bounded number of examples (SANITIZER_EXAMPLES) and says so.
+"""
+
+from __future__ import annotations
+
+from fa_verify.properties._result import PropertyResult, not_applicable, passed
+from fa_verify.properties._subject import as_backend
+
+#: Examples the AddressSanitizer pass runs per dtype selection (each also builds the ASan module once).
+SANITIZER_EXAMPLES = 3
+
+
+def not_checkable(backend) -> str | None:
+    """Why fa_verify has no AddressSanitizer build of `backend` (None: it has)."""
+    if getattr(as_backend(backend), "sanitized", None) is None:
+        return (f"{as_backend(backend).name} is not a CUDA kernel run by the CUDA-on-CPU runner: "
+                "fa_verify has no AddressSanitizer build of it")
+    return None
+
+
+def check_address_sanitizer(backend, problem) -> PropertyResult:
+    """The kernel's AddressSanitizer build runs the problem without an invalid memory access."""
+    backend = as_backend(backend)
+    reason = not_checkable(backend)
+    if reason is not None:
+        return not_applicable("address_sanitizer", problem, reason)
+    backend.sanitized().run(problem)  # an ASan report raises KernelSanitizerError: a failing example with it
+    return passed("address_sanitizer", problem)
