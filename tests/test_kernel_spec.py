@@ -211,3 +211,17 @@ def test_arch_option_holds_the_launch_to_that_arch(tmp_path, capsys):
     assert code == 1 and "sm_86 allows at most 101376 bytes" in out, out
     code, _, err = _check(capsys, RAW, spec, "--arch", "ampere", *options)
     assert code == 2 and "arch='ampere'" in err, err
+
+
+def test_the_race_detector_runs_spec_kernels(tmp_path):
+    from fa_verify.errors import KernelRaceError
+
+    source = PUBLISHED.read_text()
+    end_of_tile = "        __syncthreads();\n    }\n    if (!active) return;"
+    assert end_of_tile in source
+    racy = tmp_path / "no_barrier_after_tile.cu"  # the next tile's loads overwrite what others still read
+    racy.write_text(source.replace(end_of_tile, "    }\n    if (!active) return;"))
+    problem = _problem("fp32")  # Nk = 45: two key tiles of 32
+    SpecKernelBackend(PUBLISHED, KERNELS / "published_flash.toml").run_racecheck(problem)
+    with pytest.raises(KernelRaceError, match="no_barrier_after_tile.cu:"):
+        SpecKernelBackend(racy, KERNELS / "published_flash.toml").run_racecheck(problem)

@@ -44,7 +44,8 @@ class SpecKernelBackend(Backend):
         self.limits = self.spec.limits
         self.dtypes = self.limits.dtypes
         self.notes = f"{self.source.name} launched by its kernel spec on the CUDA-on-CPU runner ({self.spec.arch})"
-        self._module = self._sanitized = None
+        self._modules: dict = {}
+        self._sanitized = None
         self._lock = threading.Lock()
 
     def availability(self):
@@ -73,18 +74,28 @@ class SpecKernelBackend(Backend):
                 self._sanitized = self if self.sanitize else SpecKernelBackend(self.source, self.spec, sanitize=True)
             return self._sanitized
 
-    def build(self):
-        """The kernel module with a launcher per instantiation (built once; the runner caches builds)."""
+    def module(self, racecheck: bool = False):
+        """The kernel module with a launcher per instantiation, or its race detector build (each
+        built once; the runner caches builds)."""
         from fa_verify.cuda_cpu import CpuKernelModule
 
         with self._lock:
-            if self._module is None:
+            if racecheck not in self._modules:
                 signature = self.spec.signature()
                 entries = {self.spec.entry_for(dtype, d or 0): signature for dtype, d in self.spec.entries()}
-                self._module = CpuKernelModule(
+                self._modules[racecheck] = CpuKernelModule(
                     self.source, entries, include_dirs=self.spec.include_dirs, defines=self.spec.defines,
-                    sanitize=self.sanitize, arch=self.spec.arch_number, set_aside_host_code=True)
-            return self._module
+                    sanitize=self.sanitize and not racecheck, racecheck=racecheck, arch=self.spec.arch_number,
+                    set_aside_host_code=True)
+            return self._modules[racecheck]
+
+    def build(self):
+        """Build (or fetch) the kernel module this backend launches."""
+        return self.module()
+
+    def run_racecheck(self, problem: AttentionProblem) -> None:
+        """`races`' hook: run `problem` on the race detector's build; raises KernelRaceError."""
+        self._launch(problem, self._inputs(problem), racecheck=True)
 
     def _run(self, problem: AttentionProblem):
         return self._launch(problem, self._inputs(problem))
@@ -112,7 +123,7 @@ class SpecKernelBackend(Backend):
             arrays.append(_bits(_layout(x, self.spec.layout)))
         return arrays
 
-    def _launch(self, problem: AttentionProblem, inputs: list):
+    def _launch(self, problem: AttentionProblem, inputs: list, racecheck: bool = False):
         from fa_verify.cuda_cpu import Inside
 
         spec = self.spec
@@ -132,7 +143,7 @@ class SpecKernelBackend(Backend):
         opt_in = (shared if spec.shared_opt_in is True else None if spec.shared_opt_in is False
                   else self._dimension(spec.shared_opt_in, values, "shared-opt-in", minimum=0))
         entry = spec.entry_for(problem.dtype, D if "{D}" in spec.entry else 0)
-        self.build().launch(entry, grid, block, shared, args, shared_opt_in=opt_in)
+        self.module(racecheck).launch(entry, grid, block, shared, args, shared_opt_in=opt_in)
         check_written(f"{self.name} on the CUDA-on-CPU runner", *(b for b in (o, lse) if b is not None))
         out = o.view if spec.layout == "bhsd" else np.ascontiguousarray(o.view.transpose(0, 2, 1, 3))
         return out, (lse.view if lse is not None else None)
