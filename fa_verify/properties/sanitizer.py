@@ -10,7 +10,7 @@ on a bounded number of examples (SANITIZER_EXAMPLES) and says so.
 from __future__ import annotations
 
 from fa_verify.properties._result import PropertyResult, not_applicable, passed
-from fa_verify.properties._subject import as_backend
+from fa_verify.properties._subject import as_backend, missing_runner_hook
 
 #: Examples the AddressSanitizer pass runs per dtype selection (each also builds the ASan module once).
 SANITIZER_EXAMPLES = 3
@@ -18,17 +18,13 @@ SANITIZER_EXAMPLES = 3
 
 def not_checkable(backend) -> str | None:
     """Why fa_verify has no AddressSanitizer build of `backend` (None: it has)."""
-    if getattr(as_backend(backend), "sanitized", None) is None:
-        return (f"{as_backend(backend).name} is not a CUDA kernel run by the CUDA-on-CPU runner: "
-                "fa_verify has no AddressSanitizer build of it")
-    return None
+    return missing_runner_hook(backend, "sanitized", "fa_verify has no AddressSanitizer build of it")
 
 
 def check_address_sanitizer(backend, problem) -> PropertyResult:
     """The kernel's AddressSanitizer build runs the problem without an invalid memory access."""
-    backend = as_backend(backend)
     reason = not_checkable(backend)
     if reason is not None:
         return not_applicable("address_sanitizer", problem, reason)
-    backend.sanitized().run(problem)  # an ASan report raises KernelSanitizerError: a failing example with it
+    as_backend(backend).sanitized().run(problem)  # an ASan report raises KernelSanitizerError: a failing example
     return passed("address_sanitizer", problem)
