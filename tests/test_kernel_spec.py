@@ -131,6 +131,7 @@ def _check(capsys, source, spec, *options):
     ({"arch": "sm_81"}, "arch=sm_81"),
     ({"grids": [1]}, "'grids' is not a spec key"),
     ({"limits": {"dtype": "fp8"}}, "limits.dtype='fp8'"),
+    ({"precision": "fast"}, "precision='fast'"),
     ({"limits": {"dtype": "fp32", "head-dims": [64], "causal": "no"}}, "no parameter passes Hkv"),
 ])
 def test_spec_errors_exit_2_naming_the_key(tmp_path, capsys, change, named):

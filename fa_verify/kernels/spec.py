@@ -35,6 +35,7 @@ from fa_verify.dtypes import DTYPE_NAMES, dtype_name
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.kernels import expressions
 from fa_verify.limits import Limits, parse_limits
+from fa_verify.precision import PrecisionModel
 
 #: The buffers a kernel may take, and their shapes' names.
 BUFFERS = ("q", "k", "v", "o", "lse")
@@ -119,6 +120,11 @@ class KernelSpec:
             raise InvalidArgumentError(f"{where}: include-dirs={self.include_dirs!r} must be a list of folders")
         object.__setattr__(self, "include_dirs", tuple(self.include_dirs))
         object.__setattr__(self, "limits", self._limits())
+        for dtype in self.limits.dtypes:  # a bad precision is a spec error now, not at the first run
+            try:
+                PrecisionModel.parse(self.precision, dtype)
+            except (InvalidArgumentError, AttributeError, TypeError) as exc:
+                raise InvalidArgumentError(f"{where}: precision={self.precision!r}: {exc}") from None
 
     # --- reading -------------------------------------------------------------------------------
     @classmethod
