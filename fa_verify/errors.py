@@ -56,6 +56,10 @@ class KernelRunError(FaVerifyError, RuntimeError):
         self.detail = detail
 
 
+class KernelLaunchError(KernelRunError):
+    """A launch a GPU would refuse (too much shared memory, a bad configuration): the kernel never ran."""
+
+
 class KernelCrashError(KernelRunError):
     """The kernel crashed its process ("kernel crashed: SIGSEGV") or trapped."""
 

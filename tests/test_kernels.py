@@ -189,7 +189,7 @@ def test_outputs_start_as_nan_so_unwritten_elements_are_reported():
     """run_on_cpu fills outputs with a sentinel NaN: a kernel that skips elements is reported."""
 
     class WritesNothing:
-        def launch(self, *args):
+        def launch(self, *args, **options):
             pass
 
     family = get_family("fa2")

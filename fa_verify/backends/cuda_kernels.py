@@ -129,7 +129,9 @@ def run_on_cpu(family: KernelFamily, problem: AttentionProblem, module=None,
     if launch.scratch_dtype:
         scratch = np.zeros(max(1, launch.scratch_elements), dtype=numpy_dtype(launch.scratch_dtype))
         args.append(_bits(scratch))
-    module.launch(launch.entry, launch.grid, launch.block, launch.shared_bytes, args)  # writes o, lse
+    # Opted in to what the launch needs, as the PyCUDA runner sets the attribute on the GPU.
+    module.launch(launch.entry, launch.grid, launch.block, launch.shared_bytes, args,
+                  shared_opt_in=launch.shared_bytes)  # writes o, lse
     check_written(f"{family.label} on the CUDA-on-CPU runner", o, lse)
     return o.view, lse.view
 
@@ -151,6 +153,10 @@ class CpuKernelBackend(KernelBackend):
     def module(self, racecheck: bool = False):
         """The kernel module this backend launches, or its race detector build."""
         return cpu_module(self.family, sanitize=self.sanitize and not racecheck, racecheck=racecheck)
+
+    def sanitized(self) -> "CpuKernelBackend":
+        """The same family built with AddressSanitizer (the address_sanitizer property's twin)."""
+        return self if self.sanitize else CpuKernelBackend(self.family, sanitize=True)
 
     def build(self):
         """Build (or fetch) the kernel module this backend launches."""

@@ -88,7 +88,8 @@ def add_parser(sub) -> None:
                     "failed; 1: one failed; 2: usage or setup error.")
     cmd.add_argument("target", metavar="TARGET",
                      help="a backend name (see 'fa_verify backends'), 'all' for every available "
-                          "backend, or MODULE:FUNC with fn(q, k, v, *, causal, scale) -> out | (out, lse)")
+                          "backend, MODULE:FUNC with fn(q, k, v, *, causal, scale) -> out | (out, lse), "
+                          "or a CUDA file (kernel.cu) with --spec")
     cmd.add_argument("--dtype", action="append", choices=("fp16", "bf16", "fp32"),
                      help="dtype to check (repeatable; default: every dtype the target runs)")
     cmd.add_argument("--causal", choices=tuple(CAUSAL_CHOICES), default=None,
@@ -104,6 +105,15 @@ def add_parser(sub) -> None:
         cmd.add_argument(f"--{name}", **kwargs)
     cmd.add_argument("--json", action="store_true",
                      help="print one JSON document on stdout (progress goes to stderr)")
+    cuda_opts = cmd.add_argument_group(
+        "CUDA files (kernel.cu --spec kernel.toml)",
+        "A published .cu file, host code and all, run on the CUDA-on-CPU runner as its kernel spec "
+        "says (the README's 'Check your CUDA kernel without a GPU' gives the format).")
+    cuda_opts.add_argument("--spec", default=None, metavar="FILE",
+                           help="the kernel spec (TOML): parameters, entry, launch, limits")
+    cuda_opts.add_argument("--arch", default=None, metavar="sm_XY",
+                           help="GPU architecture whose shared-memory limits launches are held to and "
+                                "__CUDA_ARCH__ (default: the spec's, else sm_80)")
     callable_opts = cmd.add_argument_group(
         "MODULE:FUNC targets (the callable protocol)",
         "These describe a callable; a built-in backend declares its own, so giving one with a "
@@ -134,6 +144,10 @@ def _targets(args):
     from fa_verify.backends import CallableBackend, builtin_backends, get_backend, load_callable
     from fa_verify.errors import BackendUnavailableError, InvalidArgumentError
 
+    if args.spec is not None or args.target.endswith((".cu", ".cuh")):
+        return [_spec_target(args)]
+    if args.arch is not None:
+        raise InvalidArgumentError(f"--arch applies to CUDA files checked with --spec, not to {args.target!r}")
     if ":" in args.target:
         sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
         fn = load_callable(args.target)
@@ -154,6 +168,28 @@ def _targets(args):
     if not availability.available:
         raise BackendUnavailableError(f"backend {backend.name!r} is unavailable: {availability.reason}")
     return [backend]
+
+
+def _spec_target(args):
+    """The backend of `check kernel.cu --spec kernel.toml`."""
+    from dataclasses import replace
+
+    from fa_verify.backends.spec_kernel import SpecKernelBackend
+    from fa_verify.errors import InvalidArgumentError
+    from fa_verify.kernels.spec import KernelSpec
+
+    if args.spec is None:
+        raise InvalidArgumentError(f"{args.target} is a CUDA file: give its kernel spec with --spec kernel.toml "
+                                   "(which parameter is q, k, v, o, lse; the entry; grid, block, shared memory)")
+    given = [f"--{name.replace('_', '-')}" for name in (*CALLABLE_DEFAULTS, *limit_arguments(skip=SELECTION_LIMITS))
+             if name != "isolate" and getattr(args, name.replace("-", "_")) is not None]
+    if given:
+        raise InvalidArgumentError(f"{', '.join(given)}: a CUDA file's layout, precision and limits are its "
+                                   f"spec's ({args.spec}); declare them there")
+    spec = KernelSpec.from_toml(args.spec)
+    if args.arch is not None:
+        spec = replace(spec, arch=args.arch)
+    return SpecKernelBackend(args.target, spec)
 
 
 #: The callable-protocol options and their defaults (CallableBackend's).

@@ -7,16 +7,22 @@ reports become exceptions::
 
     from fa_verify.cuda_cpu import CpuKernelModule
     mod = CpuKernelModule("kernels/fa2.cu", {"fa2_fp16_d64": ["ptr"] * 5 + ["int"] * 5 + ["float", "int", "int"]})
-    mod.launch("fa2_fp16_d64", grid=(nq_tiles, H, B), block=128, shared_bytes=smem, args=[q, k, v, o, lse, ...])
+    mod.launch("fa2_fp16_d64", grid=(nq_tiles, H, B), block=128, shared_bytes=smem, args=[q, k, v, o, lse, ...],
+               shared_opt_in=smem)  # cudaFuncAttributeMaxDynamicSharedMemorySize, needed above 48 KiB
+
+An entry may be a template instantiation (``"flash_fwd<64, 32, __half>"``), and a published file
+builds as it is with ``set_aside_host_code=True``; `fa_verify check kernel.cu --spec kernel.toml`
+(fa_verify.kernels.spec) does both from a kernel spec.
 
 ``racecheck=True`` builds the race detector's version (runtime/race_runtime.cpp): a launch raises
 KernelRaceError, with both accesses' file:line, for conflicting accesses to shared or global memory
 that no __syncthreads, __syncwarp or atomics order.
 
 Modules: _build (compile + cache), _rewrite (__shared__ and unsupported constructs),
-_trampolines (typed launchers), _diagnostics (build-error hints), _module (CpuKernelModule),
-_process (the worker's parent side), _worker / _exec (the worker's side), _race (the race
-detector's reports).
+_host_code (a published file's host code set aside), _shared_limits (the 48 KiB default and the
+arch's maximum), _trampolines (typed launchers), _diagnostics (build-error hints), _module
+(CpuKernelModule), _process (the worker's parent side), _worker / _exec (the worker's side), _race
+(the race detector's reports).
 """
 
 from fa_verify.cuda_cpu._build import SHIM_DIR, BuildResult, build, default_cache_dir
@@ -27,7 +33,9 @@ from fa_verify.cuda_cpu._process import shutdown_workers
 SUPPORTED = (
     "__global__/__device__/__host__/__forceinline__/__noinline__/__launch_bounds__/__align__/__restrict__",
     "threadIdx, blockIdx, blockDim, gridDim, warpSize; dim3, uint3 and the CUDA vector types (float4, int2, ...)",
-    "static __shared__ (per block; NaN-filled at block start outside sanitizer builds) and extern __shared__ arrays",
+    "static __shared__, in kernels, templates and inline functions (per block; NaN-filled at block start) and "
+    "extern __shared__ arrays (dynamic: 48 KiB without the opt-in, the arch's maximum with it)",
+    "template kernels: an entry is a name or an instantiation written as in C++ ('flash_fwd<64, 32, __half>')",
     "__syncthreads, __syncthreads_count/_and/_or, __syncwarp, __threadfence*, __nanosleep (yields)",
     "__shfl_sync, __shfl_up_sync, __shfl_down_sync, __shfl_xor_sync (with width), __ballot_sync, "
     "__any_sync, __all_sync, __activemask",

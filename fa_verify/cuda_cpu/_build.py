@@ -117,9 +117,9 @@ def build(
 ) -> BuildResult:
     """Build (or fetch from the cache) the library for `source` with launchers for `entries`.
 
-    `entries` maps each ``extern "C" __global__`` name to its signature ('ptr' | 'int' | 'float'
-    per parameter); `defines` are ``NAME`` or ``NAME=VALUE`` strings; `sanitize` builds with
-    AddressSanitizer, `racecheck` with the race detector (not both). Raises KernelBuildError
+    `entries` maps each ``__global__`` kernel's name or template instantiation to its signature
+    ('ptr' | 'int' | 'float' per parameter); `defines` are ``NAME`` or ``NAME=VALUE`` strings;
+    `sanitize` builds with AddressSanitizer, `racecheck` with the race detector (not both). Raises KernelBuildError
     with the compiler's full output, KernelUnsupportedError for what the runner cannot emulate.
     """
     if sanitize and racecheck:
@@ -157,7 +157,7 @@ def build(
         work = Path(work_dir)
         preprocessed, depends = _preprocess(cxx, source, flags, macro_flags, include_flags, work, entries)
         _rewrite.check_supported(preprocessed, SHIM_DIR)
-        unit = _rewrite.rewrite_shared(preprocessed, sanitize=sanitize)
+        unit = _rewrite.rewrite_shared(preprocessed)
         unit += _trampolines.generate(entries, str(source))
         runtime = _runtime_objects(cxx, identity, flags, cache, racecheck)
         unit_key = _sha256(json.dumps([_BUILDER_VERSION, identity, flags, _sha256(unit), [r.name for r in runtime]]))

@@ -34,7 +34,7 @@ def hints(output: str, entries: Iterable[str]) -> list[str]:
         name, scope = match.group(1), match.group(2)
         if name in entries and not scope:
             add(f"entry point `{name}` is not defined in the source "
-                "(it must be an `extern \"C\" __global__` function)")
+                "(name a `__global__` function of the file, or a template instantiation such as `flash_fwd<64, 32, __half>`)")
         elif scope and ("wmma" in scope or "nvcuda" in scope):
             add(f"`{scope}::{name}` is not emulated by the CUDA-on-CPU shim's <mma.h>")
         elif _CUDA_LIKE.match(name):

@@ -1,8 +1,8 @@
 """CpuKernelModule: a CUDA C source built for the CPU runner, launched like a GPU module.
 
 Arrays behave as device buffers that are copied in before and out after each launch: the kernel
-sees each numpy array as a contiguous buffer of exactly its size, and what it writes lands back in
-the same array. The launch itself runs in a worker process (see _process), so a crash, a hang or
+sees each numpy array as a contiguous buffer of its size between NaN-filled guard regions (exactly
+its size in sanitizer builds: see _exec), and what it writes lands back in the same array. The launch itself runs in a worker process (see _process), so a crash, a hang or
 a sanitizer report becomes an exception here.
 """
 
@@ -18,8 +18,10 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from fa_verify.cuda_cpu import _build, _exec, _process, _race
-from fa_verify.cuda_cpu._trampolines import KINDS
+from pathlib import Path
+
+from fa_verify.cuda_cpu import _build, _exec, _host_code, _process, _race, _shared_limits
+from fa_verify.cuda_cpu._trampolines import KINDS, symbol
 from fa_verify.errors import (
     InvalidArgumentError,
     KernelCrashError,
@@ -31,19 +33,27 @@ from fa_verify.errors import (
 ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 DEFAULT_TIMEOUT = 60.0
 _IDENTIFIER = re.compile(r"^[A-Za-z_]\w*$")
+#: A kernel's name, optionally qualified, optionally a template instantiation: `ns::f<64, __half>`.
+_ENTRY = re.compile(r"^(::)?[A-Za-z_]\w*(::[A-Za-z_]\w*)*(\s*<.+>)?$", re.S)
 
 
 class CpuKernelModule:
-    """Build `source_path` for the CPU and launch its ``extern "C" __global__`` entry points.
+    """Build `source_path` for the CPU and launch its ``__global__`` entry points.
 
-    entries: {name: signature}, a signature listing 'ptr' | 'int' | 'float' per parameter (the
-    build checks it against the kernel's parameter types). defines: ``"NAME"``/``"NAME=VALUE"``
+    entries: {entry: signature}. An entry is a kernel's name (``extern "C"`` or not, qualified
+    or not) or a template instantiation written as in C++, ``"flash_fwd<64, 32, __half>"``
+    (the build instantiates it: no alias line in the source is needed). A signature lists
+    'ptr' | 'int' | 'float' per parameter (the build checks it against the kernel's parameter
+    types). defines: ``"NAME"``/``"NAME=VALUE"``
     strings or a {name: value} mapping. sanitize: build with AddressSanitizer and report
     out-of-bounds accesses to arrays and shared memory. racecheck: build with the race detector
     and raise KernelRaceError for conflicting accesses to shared or global memory that no barrier
     orders (not with sanitize). timeout: seconds a launch may take.
     isolated=False runs in this process (faster, but a crash kills it; not with sanitize).
-    arch sets __CUDA_ARCH__ (80 -> 800); stack_kib is each emulated thread's stack.
+    arch sets __CUDA_ARCH__ (80 -> 800) and the shared-memory maximum launches are held to;
+    stack_kib is each emulated thread's stack. set_aside_host_code builds a copy of the file
+    without its host code (launchers, main, torch extension glue, host-only includes; see
+    _host_code), so a published file builds as it is.
     """
 
     def __init__(
@@ -60,6 +70,7 @@ class CpuKernelModule:
         arch: int = 80,
         stack_kib: int = 256,
         cache_dir: str | os.PathLike | None = None,
+        set_aside_host_code: bool = False,
     ):
         if not os.path.isfile(source_path):
             raise InvalidArgumentError(f"source_path={str(source_path)!r} is not a file")
@@ -74,9 +85,15 @@ class CpuKernelModule:
         self.isolated = bool(isolated)
         self.timeout = float(timeout)
         self.stack_bytes = int(stack_kib) * 1024
+        _shared_limits.arch_maximum(arch)  # an unknown arch is refused before the build
+        self.arch = arch
         self.last_output = ""  # what the last launch printed (device printf)
+        built = source_path
+        if set_aside_host_code:
+            folder = Path(cache_dir) if cache_dir is not None else _build.default_cache_dir()
+            built = _host_code.device_only_copy(Path(source_path), folder / "device_only", include_dirs)
         self.build = _build.build(
-            source_path,
+            built,
             self.entries,
             include_dirs=tuple(include_dirs),
             defines=_normalise_defines(defines),
@@ -101,6 +118,7 @@ class CpuKernelModule:
         timeout: float | None = None,
         order: str = "forward",
         seed: int = 0,
+        shared_opt_in: int | None = None,
     ) -> None:
         """Run kernel `name` over `grid` x `block` with `shared_bytes` of dynamic shared memory.
 
@@ -109,7 +127,9 @@ class CpuKernelModule:
         Python/numpy integers for 'int', reals for 'float'. Arrays the kernel writes are updated
         in place. order: "forward" | "reverse" | "shuffle" (with seed) is the order in which the
         threads of a block run between synchronisation points; a race that one order hides,
-        another shows. Raises KernelCrashError, KernelTimeoutError, KernelSanitizerError,
+        another shows. shared_opt_in: the bytes the host gives cudaFuncAttributeMaxDynamicSharedMemorySize
+        (None: no opt-in, 48 KiB at most), held to the arch's maximum like a GPU (KernelLaunchError).
+        Raises KernelLaunchError, KernelCrashError, KernelTimeoutError, KernelSanitizerError,
         KernelDeadlockError, KernelRaceError (a racecheck build), InvalidArgumentError.
         """
         if name not in self.entries:
@@ -123,10 +143,14 @@ class CpuKernelModule:
             raise InvalidArgumentError(f"order={order!r} must be one of {sorted(ORDERS)}")
         timeout = self.timeout if timeout is None else timeout
         _check_positive("timeout", timeout)
+        shared_bytes = _nonnegative("shared_bytes", shared_bytes)
+        if shared_opt_in is not None:
+            _nonnegative("shared_opt_in", shared_opt_in)
+        _shared_limits.check_dynamic_shared(name, shared_bytes, self.arch, shared_opt_in)
         config = {
             "grid": _dims("grid", grid),
             "block": _dims("block", block),
-            "shared_bytes": _nonnegative("shared_bytes", shared_bytes),
+            "shared_bytes": shared_bytes,
             "order": ORDERS[order],
             "seed": int(seed),
             "stack_bytes": self.stack_bytes,
@@ -136,10 +160,10 @@ class CpuKernelModule:
         names = [f"argument {positions[0]} ({a.dtype}{list(a.shape)}, {a.nbytes} bytes)" for a, positions in arrays]
         if self.isolated:
             result, self.last_output = self._run_in_worker(
-                name, config, slots, itemsizes, arrays, pointers, timeout, what, names
+                symbol(name), config, slots, itemsizes, arrays, pointers, timeout, what, names
             )
         else:
-            result, self.last_output = self._run_here(name, config, slots, itemsizes, arrays, pointers), ""
+            result, self.last_output = self._run_here(symbol(name), config, slots, itemsizes, arrays, pointers), ""
         if self.last_output:
             sys.stdout.write(self.last_output)
         _raise_for_status(result["status"], result["message"], name, args)
@@ -159,6 +183,7 @@ class CpuKernelModule:
             "pointers": pointers,
             "buffers": buffers,
             "itemsizes": itemsizes,
+            "guard": not self.sanitize,  # NaN-filled guard regions; ASan needs exact-size buffers
         }
         worker = _process.worker(self.sanitize)
         result, output = worker.run(request, timeout, what, names)
@@ -167,6 +192,11 @@ class CpuKernelModule:
             if not array.flags.writeable:
                 raise InvalidArgumentError(f"kernel {name} wrote to argument {positions[0]}, a read-only array")
             np.copyto(array, np.frombuffer(data, dtype=array.dtype).reshape(array.shape))
+        for index, offset, count in result["guard_writes"]:
+            where = f"{offset - arrays[index][0].nbytes} bytes past its end" if offset >= 0 else f"{-offset} bytes before its start"
+            result = {"status": _exec.STATUS_OUT_OF_BOUNDS,
+                      "message": f"{count} bytes changed outside {names[index]}, the first {where}"}
+            break
         return result, output
 
     def _run_here(self, name, config, slots, itemsizes, arrays, pointers):
@@ -248,6 +278,9 @@ def _raise_for_status(status: int, message: str, name: str, args) -> None:
         raise InvalidArgumentError(f"launch of {name}: {message}")
     if status == _exec.STATUS_DEADLOCK:
         raise KernelDeadlockError(f"{name}: {message}", detail=message)
+    if status == _exec.STATUS_OUT_OF_BOUNDS:
+        raise KernelRunError(f"kernel {name} wrote out of bounds (a GPU may corrupt other data or fault): {message}",
+                             detail=message)
     if status == _exec.STATUS_TRAP:
         raise KernelCrashError(f"kernel trapped: {message} ({name})", detail=message)
     raise KernelRunError(f"kernel {name} failed with status {status}: {message}", detail=message)
@@ -260,8 +293,11 @@ def _check_entries(entries) -> dict[str, tuple[str, ...]]:
         )
     checked = {}
     for name, signature in entries.items():
-        if not isinstance(name, str) or not _IDENTIFIER.match(name):
-            raise InvalidArgumentError(f"entry name {name!r} is not a C identifier")
+        if not isinstance(name, str) or not _ENTRY.match(name.strip()):
+            raise InvalidArgumentError(
+                f"entry name {name!r} is neither a kernel's name nor a template instantiation such as "
+                "'flash_fwd<64, 32, __half>'")
+        name = name.strip()
         if isinstance(signature, str):
             raise InvalidArgumentError(f"signature of {name}={signature!r} must be a sequence such as ['ptr', 'int']")
         signature = tuple(signature)

@@ -156,7 +156,9 @@ def _locate(kind: str, report: str, buffers: list[tuple[int, int]], buffer_names
         for index, (address, size) in enumerate(buffers):
             if address == start and index < len(buffer_names):
                 return f" on {buffer_names[index]}"
-    variable = re.search(r"global variable '([^']+)'", report)
+    # A read past the end lies to the right of its variable (and maybe to the left of the next one).
+    variable = re.search(r"to the right of global variable '([^']+)'", report) or re.search(
+        r"global variable '([^']+)'", report)
     if variable:
         return f" at __shared__ or global variable '{variable.group(1)}'"
     return ""

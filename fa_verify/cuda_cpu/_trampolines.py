@@ -1,5 +1,10 @@
 """C++ launch trampolines appended to each kernel unit, one per entry point.
 
+An entry is a kernel's name (any linkage: `extern "C"` is not needed, the trampoline calls the
+kernel from C++) or a template instantiation written as in C++, ``flash_fwd<64, 32, __half>``:
+the trampoline's use of it instantiates the template, and its exported launcher gets a C
+identifier (`symbol`).
+
 Macros are gone by the time these are appended (the unit is preprocessed), so they are spelled out.
 
 Why generated C++ rather than calling the kernel through ctypes: a CUDA thread is a fiber that
@@ -11,10 +16,21 @@ parameter, instead of running the kernel on garbage.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Mapping, Sequence
 
 KINDS = {"ptr": "p", "int": "i", "float": "f"}
 EXPORT_PREFIX = "fa_cpu_launch_"
+
+
+def symbol(entry: str) -> str:
+    """A C identifier for `entry`: the name itself, or for a template instantiation such as
+    ``flash_fwd<64, 32, __half>`` its words joined by ``_`` and a hash of the exact spelling."""
+    if re.fullmatch(r"[A-Za-z_]\w*", entry):
+        return entry
+    words = "_".join(re.findall(r"\w+", entry))
+    return f"{words}_{hashlib.sha256(entry.encode()).hexdigest()[:8]}"
 
 
 def generate(entries: Mapping[str, Sequence[str]], source_name: str) -> str:
@@ -26,8 +42,9 @@ def generate(entries: Mapping[str, Sequence[str]], source_name: str) -> str:
 
 def _one(name: str, signature: tuple[str, ...]) -> str:
     listed = ", ".join(signature) or "no parameters"
+    alias = symbol(name)  # a template instantiation is named by its C identifier from here on
     lines = [
-        f"namespace fa_cpu_entry_{name} {{",
+        f"namespace fa_cpu_entry_{alias} {{",
         f"using F = decltype(&{name});",
         f"static_assert(::fa_cpu::signature<F>::arity == {len(signature)}, "
         f'"fa_verify: kernel {name} does not take {len(signature)} parameters as its signature '
@@ -43,12 +60,12 @@ def _one(name: str, signature: tuple[str, ...]) -> str:
     lines += [
         "static void body(const std::uint64_t* slots) { ::fa_cpu::invoke(&" + name + ", slots); }",
         "}",
-        f'extern "C" __attribute__((visibility("default"))) int {EXPORT_PREFIX}{name}(',
+        f'extern "C" __attribute__((visibility("default"))) int {EXPORT_PREFIX}{alias}(',
         "        const std::uint64_t* slots, const std::int64_t* itemsizes,",
         "        const ::fa_cpu::LaunchConfig* config, char* message, int message_size) {",
         f"    if (!::fa_cpu::check_args(&{name}, slots, itemsizes, message, message_size))",
         "        return ::fa_cpu::kBadArgument;",
-        f"    return fa_cpu_run_grid(&fa_cpu_entry_{name}::body, slots, config, message, message_size);",
+        f"    return fa_cpu_run_grid(&fa_cpu_entry_{alias}::body, slots, config, message, message_size);",
         "}",
         "",
     ]

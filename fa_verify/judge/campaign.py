@@ -33,6 +33,9 @@ from fa_verify.strategies import Shape
 
 #: Where a kill came from.
 BY_PROPERTY, BY_SANITIZER = "property", "sanitizer"
+#: The suite a campaign searches: without `check`'s address_sanitizer pass, since judge_mutant runs
+#: the whole suite on the AddressSanitizer build itself (kills there are counted BY_SANITIZER).
+CAMPAIGN_PROPERTIES = tuple(p for p in PROPERTIES if p.name != "address_sanitizer")
 
 
 @dataclass
@@ -146,7 +149,7 @@ def run_suite(backend, selection: Selection = Selection(), *, properties=None, s
     after each property. control: a backend (the unmutated kernel) that must pass an example
     for the target's failure on it to count.
     """
-    props = PROPERTIES if properties is None else [get_property(p) for p in properties]
+    props = CAMPAIGN_PROPERTIES if properties is None else [get_property(p) for p in properties]
     run = SuiteRun(target=backend.name, seed=selection.seed)
     start = time.perf_counter()
     before = 0  # examples judged by the properties already searched

@@ -1,6 +1,6 @@
 """The kernel catalogue: what each CUDA kernel family in kernels/ is and how to launch it.
 
-A family is one .cu file whose extern "C" entry points are named `<family>_<dtype>_d<D>`, one per
+A family is one .cu file whose entry points (extern "C", so that PyCUDA finds them by name) are named `<family>_<dtype>_d<D>`, one per
 problem dtype and head dimension it instantiates. Every entry takes the common ABI (see
 kernels/fa_common.cuh):
 

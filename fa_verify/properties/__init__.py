@@ -37,6 +37,7 @@ from fa_verify.properties.metamorphic import (
 from fa_verify.properties.online_softmax import check_merge_law
 from fa_verify.properties.padding import PaddedInputs, check_nan_padding, pad_inputs, run_padded
 from fa_verify.properties.races import check_races
+from fa_verify.properties.sanitizer import check_address_sanitizer
 from fa_verify.properties.registry import PROPERTIES, PROPERTY_NAMES, Property, get_property
 from fa_verify.properties.rounding import check_unbiased_rounding
 from fa_verify.properties.variants import (
@@ -75,6 +76,7 @@ __all__ = [
     "check_masked_key_independence",
     "check_merge_law",
     "check_nan_padding",
+    "check_address_sanitizer",
     "check_oracle_agreement",
     "check_query_permutation",
     "check_races",

@@ -45,3 +45,12 @@ def unsupported(backend: Backend, *problems) -> str | None:
         if reason is not None:
             return f"{backend.name} cannot run the derived problem {problem.describe()}: {reason}"
     return None
+
+
+def missing_runner_hook(backend, hook: str, why: str) -> str | None:
+    """Why a property of CUDA kernels on the CPU runner cannot judge `backend`: it has no `hook`
+    method (None: it has). `why` says what the property needs the kernel's build for."""
+    backend = as_backend(backend)
+    if getattr(backend, hook, None) is None:
+        return f"{backend.name} is not a CUDA kernel run by the CUDA-on-CPU runner: {why}"
+    return None

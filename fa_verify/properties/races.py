@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from fa_verify.errors import KernelRaceError
 from fa_verify.properties._result import PropertyResult, failed, not_applicable, passed
-from fa_verify.properties._subject import as_backend
+from fa_verify.properties._subject import as_backend, missing_runner_hook
 
 #: Examples a search runs at most: every access of the kernel is checked, several times slower.
 RACE_EXAMPLES = 5
@@ -26,10 +26,8 @@ RACE_EXAMPLES = 5
 
 def not_checkable(backend) -> str | None:
     """Why the race detector cannot check `backend` (None: it can)."""
-    if getattr(as_backend(backend), "run_racecheck", None) is None:
-        return (f"{as_backend(backend).name} is not a CUDA kernel run by the CUDA-on-CPU runner: the race "
-                "detector checks the memory accesses of a kernel it compiles")
-    return None
+    return missing_runner_hook(backend, "run_racecheck",
+                               "the race detector checks the memory accesses of a kernel it compiles")
 
 
 def check_races(backend, problem) -> PropertyResult:

@@ -18,6 +18,7 @@ from fa_verify.properties import (
     padding,
     races,
     rounding,
+    sanitizer,
     variants,
 )
 
@@ -83,6 +84,9 @@ PROPERTIES = (
     Property("unbiased_rounding", rounding.check_unbiased_rounding, large=True),
     Property("races", races.check_races, target_reason=races.not_checkable, max_examples=races.RACE_EXAMPLES,
              max_examples_reason="the race detector checks every memory access of the kernel"),
+    Property("address_sanitizer", sanitizer.check_address_sanitizer, target_reason=sanitizer.not_checkable,
+             max_examples=sanitizer.SANITIZER_EXAMPLES,
+             max_examples_reason="the kernel's AddressSanitizer build runs several times slower"),
     Property("variant_agreement", variants.check_variant_agreement, features=tuple(FEATURES)),
     Property("feature_sensitivity", variants.check_feature_sensitivity, features=tuple(FEATURES)),
     Property("wide_window", variants.check_wide_window, features=("window",)),

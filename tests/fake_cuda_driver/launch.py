@@ -92,7 +92,8 @@ def run(entry: str, grid, block, shared: int, params: bytes, device: int) -> int
     module = cpu_module(family)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            module.launch(entry, tuple(grid), tuple(block), shared, values)
+            # fake_driver.c has held the launch to the function's MAX_DYNAMIC_SHARED_SIZE_BYTES already
+            module.launch(entry, tuple(grid), tuple(block), shared, values, shared_opt_in=shared)
     except (KernelTimeoutError, KernelDeadlockError) as exc:
         _say(str(exc))
         return CUDA_ERROR_LAUNCH_TIMEOUT

@@ -44,6 +44,9 @@ enum WarpOp : int { kShflIdx = 0, kShflUp = 1, kShflDown = 2, kShflBfly = 3, kBa
 enum BlockReduce : int { kReduceNone = 0, kReduceCount = 1, kReduceAnd = 2, kReduceOr = 3 };
 
 FA_CPU_HIDDEN int block_barrier(int reduce, int predicate);
+// Records a static __shared__ variable (the builder's rewrite calls it where the declaration is
+// first passed) and fills it with NaN now and at every block start. Returns true.
+FA_CPU_HIDDEN bool register_shared(void* address, std::size_t bytes);
 FA_CPU_HIDDEN std::uint64_t warp_op(int op, unsigned int mask, std::uint64_t bits, int b, int c);
 FA_CPU_HIDDEN unsigned int live_lanes();
 FA_CPU_HIDDEN void yield_now();

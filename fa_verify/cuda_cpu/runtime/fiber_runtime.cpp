@@ -48,11 +48,17 @@ dim3 g_grid_dim;
 static constexpr std::size_t kMaxDynamicShared = 227 * 1024;
 alignas(128) unsigned char fa_cpu_dynamic_smem[kMaxDynamicShared];
 
-// Static __shared__ variables are placed in this section (outside sanitizer builds), so that each
-// block can start with them filled with a NaN pattern: reading shared memory that the block has
-// not written yet then shows in the output instead of silently reusing the previous block's data.
-extern "C" char __start_fa_cpu_shared[] __attribute__((weak, visibility("hidden")));
-extern "C" char __stop_fa_cpu_shared[] __attribute__((weak, visibility("hidden")));
+// Static __shared__ variables, as the kernel registers them (register_shared), so that each block
+// can start with them filled with a NaN pattern: reading shared memory that the block has not
+// written yet then shows in the output instead of silently reusing the previous block's data.
+struct SharedVariable {
+    void* address;
+    std::size_t bytes;
+};
+static std::vector<SharedVariable>& shared_variables() {
+    static std::vector<SharedVariable> registered;  // built on first use: no static-init order issue
+    return registered;
+}
 
 // ---- context switch -----------------------------------------------------------------------------
 
@@ -410,8 +416,7 @@ void run_block(const LaunchConfig& cfg, std::uint64_t block_linear) {
 
     // Shared memory starts with garbage on the GPU; here with a NaN pattern.
     std::memset(fa_cpu_dynamic_smem, 0xFF, static_cast<std::size_t>(cfg.shared_bytes));
-    if (__start_fa_cpu_shared && __stop_fa_cpu_shared > __start_fa_cpu_shared)
-        std::memset(__start_fa_cpu_shared, 0xFF, static_cast<std::size_t>(__stop_fa_cpu_shared - __start_fa_cpu_shared));
+    for (const SharedVariable& v : shared_variables()) std::memset(v.address, 0xFF, v.bytes);
 
     FA_CPU_RACE(begin_block());
 
@@ -504,6 +509,13 @@ std::uint64_t warp_op(int op, unsigned int mask, std::uint64_t bits, int bval, i
     return f->w_result;
 }
 
+bool register_shared(void* address, std::size_t bytes) {
+    std::memset(address, 0xFF, bytes);
+    shared_variables().push_back(SharedVariable{address, bytes});
+    FA_CPU_RACE(add_static_shared(address, bytes));
+    return true;
+}
+
 unsigned int live_lanes() { return g_block.warps[current()->warp].live; }
 
 void yield_now() {
@@ -562,7 +574,7 @@ extern "C" int fa_cpu_run_grid(KernelBody body, const std::uint64_t* slots, cons
                                   kMaxDynamicShared - static_cast<std::size_t>(cfg->shared_bytes));
         g_learn_main_stack = true;
 #endif
-        FA_CPU_RACE(begin_launch(*cfg, fa_cpu_dynamic_smem, __start_fa_cpu_shared, __stop_fa_cpu_shared));
+        FA_CPU_RACE(begin_launch(*cfg, fa_cpu_dynamic_smem));
         std::uint64_t linear = 0;
         for (std::int64_t z = 0; z < gr[2] && g_status == kOk; ++z)
             for (std::int64_t y = 0; y < gr[1] && g_status == kOk; ++y)

@@ -93,7 +93,13 @@ bool g_wsync_saturated = false;
 std::vector<std::uint32_t> g_with;
 std::vector<Region> g_regions;         // dynamic shared, static shared, then the arguments
 std::vector<Cell> g_shared_shadow;     // reused by every block and launch (records carry the block)
-std::vector<Cell> g_static_shadow;
+// Static __shared__ variables as they registered, each with its own shadow (reused like the above).
+struct StaticShared {
+    std::uintptr_t lo;
+    std::size_t size;
+    std::unique_ptr<std::vector<Cell>> shadow;
+};
+std::vector<StaticShared> g_static_shared;
 std::vector<std::uintptr_t> g_buffer_lo, g_buffer_size;  // registered by fa_cpu_race_buffers
 std::vector<Race> g_races;
 unsigned long g_race_total = 0;
@@ -206,7 +212,13 @@ int print_access(char* out, std::size_t size, const Access& a) {
 
 }  // namespace
 
-void begin_launch(const LaunchConfig& cfg, unsigned char* dynamic_shared, char* static_lo, char* static_hi) {
+void add_static_shared(void* address, std::size_t bytes) {
+    g_static_shared.push_back(StaticShared{reinterpret_cast<std::uintptr_t>(address), bytes,
+                                           std::make_unique<std::vector<Cell>>(bytes)});
+    if (g_on) add_region(g_static_shared.back().lo, bytes, kStaticShared, g_static_shared.back().shadow->data());
+}
+
+void begin_launch(const LaunchConfig& cfg, unsigned char* dynamic_shared) {
     Dl_info info{};
     dladdr(reinterpret_cast<void*>(&begin_launch), &info);
     g_base = reinterpret_cast<std::uintptr_t>(info.dli_fbase);
@@ -217,11 +229,7 @@ void begin_launch(const LaunchConfig& cfg, unsigned char* dynamic_shared, char* 
     const auto dynamic_bytes = static_cast<std::size_t>(cfg.shared_bytes);
     add_region(reinterpret_cast<std::uintptr_t>(dynamic_shared), dynamic_bytes, kDynamicShared,
                shared_shadow(g_shared_shadow, dynamic_bytes));
-    if (static_lo != nullptr && static_hi > static_lo) {
-        const auto static_bytes = static_cast<std::size_t>(static_hi - static_lo);
-        add_region(reinterpret_cast<std::uintptr_t>(static_lo), static_bytes, kStaticShared,
-                   shared_shadow(g_static_shadow, static_bytes));
-    }
+    for (const StaticShared& v : g_static_shared) add_region(v.lo, v.size, kStaticShared, v.shadow->data());
     g_buffer_shadows.clear();
     for (std::size_t i = 0; i < g_buffer_lo.size(); ++i) {
         g_buffer_shadows.emplace_back(static_cast<Cell*>(std::calloc(g_buffer_size[i], sizeof(Cell))));

@@ -14,8 +14,10 @@ namespace fa_cpu {
 namespace race {
 
 // A launch begins: every record of earlier launches becomes stale.
-FA_CPU_HIDDEN void begin_launch(const LaunchConfig& cfg, unsigned char* dynamic_shared, char* static_lo,
-                                char* static_hi);
+FA_CPU_HIDDEN void begin_launch(const LaunchConfig& cfg, unsigned char* dynamic_shared);
+// A static __shared__ variable registered itself (fa_cpu::register_shared): from now on, and in
+// every later launch, accesses to it are checked as shared memory.
+FA_CPU_HIDDEN void add_static_shared(void* address, std::size_t bytes);
 // A block begins (blocks run one after another): its shared memory starts with no history.
 FA_CPU_HIDDEN void begin_block();
 // A __syncthreads (or _count/_and/_or) of the running block completed.
