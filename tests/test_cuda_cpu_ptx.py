@@ -1,0 +1,153 @@
+"""Inline PTX on the CUDA-on-CPU runner, checked against the PTX ISA's own tables.
+
+The kernels (tests/cuda_cpu_kernels/ptx.cu) only move raw per-lane registers in and out; which
+matrix element each lane's register holds is written here, from the ISA's fragment-layout tables
+("Matrix fragments for mma.m16n8k16/m16n8k8", "ldmatrix"), independently of the emulation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fa_verify.cuda_cpu import CpuKernelModule
+from fa_verify.errors import KernelCrashError, KernelUnsupportedError
+
+KERNELS = Path(__file__).parent / "cuda_cpu_kernels"
+BF16 = ml_dtypes.bfloat16
+MMA = {f"mma_{t}_k{k}": ["ptr", "ptr"] for t in ("f16", "bf16") for k in (8, 16)}
+LDMATRIX = {f"ldmatrix_x{n}{t}": ["ptr"] * 3 for n in (1, 2, 4) for t in ("", "_trans")}
+ENTRIES = {**MMA, **LDMATRIX, "cp_async_groups": ["ptr"] * 4, "ex2_and_shfl": ["ptr"] * 4,
+           "mma_half_warp": ["ptr"]}
+
+
+@pytest.fixture(scope="module")
+def ptx():
+    return CpuKernelModule(KERNELS / "ptx.cu", ENTRIES)
+
+
+def _lane(lane):
+    return lane // 4, lane % 4  # groupID, threadID_in_group
+
+
+def _pack(lo, hi):
+    return np.uint32(int(lo) | (int(hi) << 16))
+
+
+def _a_element(lane, i):
+    g, t = _lane(lane)
+    return g + 8 * ((i // 2) % 2), 2 * t + (i % 2) + 8 * (i // 4)
+
+
+def _b_element(lane, i):
+    g, t = _lane(lane)
+    return 2 * t + (i % 2) + 8 * (i // 2), g
+
+
+def _cd_element(lane, i):
+    g, t = _lane(lane)
+    return g + 8 * (i // 2), 2 * t + (i % 2)
+
+
+@pytest.mark.parametrize("k", [16, 8])
+@pytest.mark.parametrize("name, dtype", [("f16", np.float16), ("bf16", BF16)])
+def test_mma_fragments_follow_the_isa_layout_and_multiply(ptx, k, name, dtype):
+    rng = np.random.default_rng(k)
+    a = rng.standard_normal((16, k)).astype(dtype)
+    b = rng.standard_normal((k, 8)).astype(dtype)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    abits, bbits = a.view(np.uint16), b.view(np.uint16)
+    regs = []
+    for lane in range(32):
+        regs += [_pack(abits[_a_element(lane, 2 * r)], abits[_a_element(lane, 2 * r + 1)]) for r in range(k // 4)]
+        regs += [_pack(bbits[_b_element(lane, 2 * r)], bbits[_b_element(lane, 2 * r + 1)]) for r in range(k // 8)]
+        regs += [c[_cd_element(lane, i)].view(np.uint32) for i in range(4)]
+    out = np.zeros(32 * 4, np.uint32)
+    ptx.launch(f"mma_{name}_k{k}", grid=1, block=32, args=[np.array(regs, np.uint32), out])
+    d = np.zeros((16, 8), np.float32)
+    for lane in range(32):
+        for i in range(4):
+            d[_cd_element(lane, i)] = out[lane * 4 + i].view(np.float32)
+    # fp32 sums of exact products, k ascending from C (the runner's tensor-core model) ...
+    expected = c.copy()
+    for kk in range(k):
+        expected += a[:, kk, None].astype(np.float32) * b[None, kk, :].astype(np.float32)
+    np.testing.assert_array_equal(d, expected)
+    # ... which is A B + C up to fp32 rounding
+    np.testing.assert_allclose(d, a.astype(np.float64) @ b.astype(np.float64) + c, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_ldmatrix_fragments_follow_the_isa_layout(ptx, n, trans):
+    table = np.arange(32 * 8, dtype=np.uint16)  # shared row r holds 8r .. 8r+7
+    rows = np.random.default_rng(n).permutation(32).astype(np.int32)
+    rows[8 * n:] = 1000  # addresses of lanes the shape does not use: never dereferenced
+    out = np.zeros(32 * 4, np.uint32)
+    ptx.launch(f"ldmatrix_x{n}{'_trans' if trans else ''}", grid=1, block=32, args=[table, rows, out])
+    for lane in range(32):
+        for j in range(n):
+            matrix = table.reshape(32, 8)[rows[8 * j:8 * j + 8]]  # row r from the address of lane 8j+r
+            if trans:
+                lo, hi = matrix[2 * (lane % 4), lane // 4], matrix[2 * (lane % 4) + 1, lane // 4]
+            else:
+                lo, hi = matrix[lane // 4, 2 * (lane % 4)], matrix[lane // 4, 2 * (lane % 4) + 1]
+            assert out[lane * 4 + j] == _pack(lo, hi), (lane, j)
+
+
+def test_cp_async_lands_at_its_wait_group_only(ptx):
+    src = np.arange(1, 4 * 64 + 1, dtype=np.uint32)
+    before, middle, after = (np.zeros(4 * 64, np.uint32) for _ in range(3))
+    ptx.launch("cp_async_groups", grid=1, block=64, args=[src, before, middle, after])
+    nan = np.uint32(0xFFFFFFFF)  # shared memory's fill at block start
+    words = src.reshape(64, 4)
+    assert (before == nan).all()
+    np.testing.assert_array_equal(middle.reshape(64, 4)[:, :2], words[:, :2])
+    assert (middle.reshape(64, 4)[:, 2:] == nan).all()
+    np.testing.assert_array_equal(after.reshape(64, 4)[:, :3], words[:, :3])  # src-size 4 of 8 ...
+    assert (after.reshape(64, 4)[:, 3] == 0).all()  # ... the rest zero-filled
+
+
+def _shfl(mode, lane, b, c, values):
+    """PTX shfl.sync's pseudocode (ISA, "shfl.sync")."""
+    segmask, clamp = (c >> 8) & 31, c & 31
+    max_lane, min_lane = (lane & segmask) | (clamp & ~segmask), lane & segmask
+    j, ok = {"up": (lane - b, lane - b >= max_lane), "down": (lane + b, lane + b <= max_lane),
+             "bfly": (lane ^ b, (lane ^ b) <= max_lane)}.get(mode, (min_lane | (b & ~segmask), None))
+    if ok is None:
+        ok = j <= max_lane
+    return values[j if ok else lane]
+
+
+def test_ex2_approx_and_shfl_sync(ptx):
+    x = np.array([0, 1, -1, 10.5, -3.25, 1e-40, -1e-40, -130, -149, 127.5, 0.3] + [0.1 * i for i in range(21)],
+                 np.float32)
+    ex2, ex2_ftz = np.zeros(32, np.float32), np.zeros(32, np.float32)
+    shuffled = np.zeros(32 * 4, np.uint32)
+    ptx.launch("ex2_and_shfl", grid=1, block=32, args=[x, ex2, ex2_ftz, shuffled])
+    exact = np.exp2(x.astype(np.float64))
+    np.testing.assert_allclose(ex2, exact, rtol=2.4e-7, atol=0)
+    subnormal = np.abs(x) < np.finfo(np.float32).tiny
+    flushed = np.where(subnormal, 1.0, exact)
+    flushed = np.where(np.abs(flushed) < np.finfo(np.float32).tiny, 0.0, flushed)
+    np.testing.assert_allclose(ex2_ftz, flushed, rtol=2.4e-7, atol=0)
+    assert ex2_ftz[7] == 0 and ex2[7] > 0  # 2^-130: a subnormal result, flushed by .ftz only
+    values = 100 + np.arange(32)
+    for lane in range(32):
+        expected = [_shfl("bfly", lane, 3, 0x1F, values), _shfl("idx", lane, lane // 8, 0x181F, values),
+                    _shfl("up", lane, 2, 0, values), _shfl("down", lane, 5, 0x1F, values)]
+        assert list(shuffled[4 * lane:4 * lane + 4]) == expected, lane
+
+
+def test_a_warp_collective_with_lanes_missing_traps(ptx):
+    with pytest.raises(KernelCrashError, match=r"mma\.sync\.aligned\.m16n8k8.*ptx\.cu:\d+\).*all 32 lanes"):
+        ptx.launch("mma_half_warp", grid=1, block=32, args=[np.zeros(32, np.uint32)])
+
+
+def test_other_inline_assembly_fails_the_build_naming_the_instruction():
+    with pytest.raises(KernelUnsupportedError, match=r"unsupported_asm\.cu:4: inline assembly `mov\.u32`: this PTX "
+                                                     r"instruction is not emulated"):
+        CpuKernelModule(KERNELS / "unsupported_asm.cu", {"lane_id": ["ptr"]})
