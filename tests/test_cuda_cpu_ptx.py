@@ -1,4 +1,5 @@
-"""Inline PTX on the CUDA-on-CPU runner, checked against the PTX ISA's own tables.
+"""Tensor-core emulation on the CUDA-on-CPU runner: inline PTX (checked against the PTX ISA's own
+tables) and tf32 wmma.
 
 The kernels (tests/cuda_cpu_kernels/ptx.cu) only move raw per-lane registers in and out; which
 matrix element each lane's register holds is written here, from the ISA's fragment-layout tables
@@ -151,3 +152,32 @@ def test_other_inline_assembly_fails_the_build_naming_the_instruction():
     with pytest.raises(KernelUnsupportedError, match=r"unsupported_asm\.cu:4: inline assembly `mov\.u32`: this PTX "
                                                      r"instruction is not emulated"):
         CpuKernelModule(KERNELS / "unsupported_asm.cu", {"lane_id": ["ptr"]})
+
+
+# ---- tf32 wmma -------------------------------------------------------------------------------------------
+
+
+def _tf32(x, rounding):
+    """x as a tf32 (10-bit mantissa) value in float32: 'rna' (cvt.rna.tf32.f32) or truncated."""
+    bits = x.astype(np.float32).view(np.uint32)
+    if rounding == "rna":
+        bits = bits + np.uint32(0x1000)  # half a tf32 unit: ties carry away from zero
+    return (bits & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+@pytest.mark.parametrize("convert, rounding", [(1, "rna"), (0, "truncated")])
+def test_tf32_wmma_rounds_its_inputs(convert, rounding):
+    gemm = CpuKernelModule(KERNELS / "wmma_tf32.cu", {"gemm_tf32": ["ptr"] * 3 + ["int"] * 4})
+    rng = np.random.default_rng(11)
+    m, n, k = 16, 32, 24
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    a[0, :3] = [1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, -(1 + 2.0 ** -11)]  # ties: away from zero under rna
+    c = np.zeros((m, n), np.float32)
+    gemm.launch("gemm_tf32", grid=(m // 16) * (n // 16), block=32, args=[a, b, c, m, n, k, convert])
+    ta, tb = _tf32(a, rounding), _tf32(b, rounding)
+    expected = np.zeros((m, n), np.float32)
+    for kk in range(k):
+        expected += ta[:, kk, None] * tb[None, kk, :]  # exact tf32 products, fp32 sums, k ascending
+    np.testing.assert_array_equal(c, expected)
+    assert not np.array_equal(c, a @ b)  # the inputs did lose precision
