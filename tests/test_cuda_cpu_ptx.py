@@ -1,5 +1,5 @@
 """Tensor-core emulation on the CUDA-on-CPU runner: inline PTX (checked against the PTX ISA's own
-tables) and tf32 wmma.
+tables), tf32 wmma and cooperative_groups.
 
 The kernels (tests/cuda_cpu_kernels/ptx.cu) only move raw per-lane registers in and out; which
 matrix element each lane's register holds is written here, from the ISA's fragment-layout tables
@@ -181,3 +181,27 @@ def test_tf32_wmma_rounds_its_inputs(convert, rounding):
         expected += ta[:, kk, None] * tb[None, kk, :]  # exact tf32 products, fp32 sums, k ascending
     np.testing.assert_array_equal(c, expected)
     assert not np.array_equal(c, a @ b)  # the inputs did lose precision
+
+
+# ---- cooperative_groups ----------------------------------------------------------------------------------
+
+
+def test_cooperative_groups_block_sync_and_tile_collectives():
+    groups = CpuKernelModule(KERNELS / "coop_groups.cu", {"groups": ["ptr"] * 3})
+    x = np.random.default_rng(2).standard_normal(64).astype(np.float32)
+    out, info = np.zeros(4 * 64, np.float32), np.zeros(2 * 64, np.uint32)
+    groups.launch("groups", grid=1, block=64, args=[x, out, info])
+    out = out.reshape(64, 4)
+    expected_total = np.float32(0)
+    for value in x:
+        expected_total += value  # the kernel sums in thread order
+    assert (out[:, 0] == expected_total).all()
+    for t in range(64):
+        warp, tile = x[t // 32 * 32:t // 32 * 32 + 32], x[t // 8 * 8:t // 8 * 8 + 8]
+        assert out[t, 1] == pytest.approx(warp.astype(np.float64).sum(), abs=1e-5)
+        assert out[t, 2] == tile.max()
+        below = x[t + 1] if t % 8 != 7 else x[t]  # shfl_down past the tile's end keeps the own value
+        assert out[t, 3] == below + 1000 * (t % 8)
+        assert info[2 * t] == (t // 8) | ((t // 32) << 8) | (8 << 16)
+        assert info[2 * t + 1] == sum(1 << i for i in range(8) if tile[i] > 0)
+    assert len(set(out[:32, 1])) == 1  # the butterfly gives every lane of the tile the same sum

@@ -48,12 +48,16 @@ SUPPORTED = (
     "the lanes of a warp), cp.async.ca/.cg.shared.global (src-size zero fill) with commit_group/wait_group/"
     "wait_all (copies land at the wait), ex2.approx{.ftz}.f32, shfl.sync.up/down/bfly/idx.b32; "
     "__cvta_generic_to_shared",
+    "cooperative_groups: this_thread_block() (sync, thread_rank, size, ...), tiled_partition<N> for N a power of two "
+    "up to 32 (sync, thread_rank, meta_group_rank/size, shfl, shfl_xor/up/down, ballot/any/all), cg::reduce with "
+    "plus/less/greater/bit_and/bit_or/bit_xor (a butterfly over the tile)",
 )
 
 #: Refused with a clear build error.
 UNSUPPORTED = (
     "any other inline assembly (the build error names the instruction), asm labels, __managed__ memory",
-    "cooperative_groups, cuda_pipeline (use cp.async PTX), cuda_awbarrier, cuda_fp8",
+    "cooperative_groups' grid, multi-grid, cluster and coalesced groups and dynamic tiled_partition; "
+    "cuda_pipeline (use cp.async PTX), cuda_awbarrier, cuda_fp8",
     "wmma with integer or sub-byte types; atomics on __half/__nv_bfloat16",
     "texture and surface objects, dynamic parallelism, host runtime API calls inside the source",
 )
