@@ -205,3 +205,27 @@ def test_cooperative_groups_block_sync_and_tile_collectives():
         assert info[2 * t] == (t // 8) | ((t // 32) << 8) | (8 << 16)
         assert info[2 * t + 1] == sum(1 << i for i in range(8) if tile[i] > 0)
     assert len(set(out[:32, 1])) == 1  # the butterfly gives every lane of the tile the same sum
+
+
+# ---- what the asm rewrite refuses, with the instruction and the line -----------------------------------
+
+
+@pytest.mark.parametrize("statement, message", [
+    ('asm("shfl.sync.bfly.b32 %0|p, %1, 1, 0x1f, -1;" : "=r"(y) : "r"(x));', r"`shfl\.sync\.bfly\.b32`: the predicate output"),
+    ('asm("{ .reg .pred p; setp.ne.b32 p, %0, 0; }" :: "r"(x));', r"`\{ \.reg \.pred p` cannot run on the CPU"),
+    ('asm("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, {%0,%1};"'
+     ' : "+r"(y), "+r"(z) : "r"(x), "r"(x), "r"(x), "r"(x), "r"(x), "r"(x));', r"only mma\.sync\.aligned\..*is emulated"),
+    ('asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));', None),
+    ('int r asm("r1");', r"asm label or an asm expression"),
+])
+def test_the_asm_rewrite_names_what_it_refuses(statement, message):
+    from fa_verify.cuda_cpu._build import SHIM_DIR
+    from fa_verify.cuda_cpu._ptx import rewrite_inline_asm
+
+    text = f'# 1 "/home/user/k.cu"\nvoid f() {{\n  {statement}\n}}\n'
+    if message is None:
+        out = rewrite_inline_asm(text, SHIM_DIR)
+        assert "asm" not in out and "ex2(" in out and out.count("\n") == text.count("\n")
+        return
+    with pytest.raises(KernelUnsupportedError, match=r"/home/user/k\.cu:2: .*" + message):
+        rewrite_inline_asm(text, SHIM_DIR)

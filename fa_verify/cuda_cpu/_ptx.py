@@ -32,6 +32,7 @@ _QUALIFIERS = re.compile(r"\s*(?:volatile|__volatile__|__volatile|inline|__inlin
 _OPERAND = re.compile(r'^\s*(?:\[\s*(\w+)\s*\]\s*)?"([^"]*)"\s*\((.*)\)\s*$', re.S)
 _REFERENCE = re.compile(r"%%|%\[(\w+)\]|%(\d+)")
 _MARK = re.compile(r"\x01(\d+)\x02")
+_WORD_BEFORE = re.compile(r"(\w+)\s*$")
 _INT_LITERAL = re.compile(r"^-?(?:0[xX][0-9a-fA-F]+|\d+)[uU]?$")
 _FLOAT_LITERAL = re.compile(r"^0[fF]([0-9a-fA-F]{8})$")
 _ADDRESS = re.compile(r"^\[\s*(\x01\d+\x02)\s*(?:\+\s*(-?(?:0[xX][0-9a-fA-F]+|\d+)))?\s*\]$")
@@ -61,6 +62,8 @@ class _Statement:
         mark = _MARK.fullmatch(token.strip())
         if mark is None:
             raise self.fail(instruction, f"expected an operand (%N) where `{token.strip()}` is")
+        if int(mark.group(1)) >= len(self.operands):
+            raise self.fail(instruction, f"operand %{mark.group(1)} does not exist ({len(self.operands)} operands)")
         return self.operands[int(mark.group(1))]
 
     def read32(self, token: str, instruction: str) -> str:
@@ -126,7 +129,16 @@ def rewrite_inline_asm(text: str, shim_dir: Path) -> str:
     return "".join(pieces)
 
 
+def _not_a_statement(where: str) -> KernelUnsupportedError:
+    return KernelUnsupportedError(
+        f"{where}: inline assembly outside a statement (an asm label or an asm expression) cannot run on the "
+        "CPU; the CUDA-on-CPU runner emulates asm statements with the PTX instructions it knows")
+
+
 def _rewrite_statement(text: str, masked: str, found: re.Match, where: str) -> tuple[int, str]:
+    before = _WORD_BEFORE.search(masked, max(0, found.start() - 64), found.start())
+    if before is not None and before.group(1) not in ("else", "do"):  # `int r asm("r1");`: a label
+        raise _not_a_statement(where)
     pos = found.end()
     while (qualifier := _QUALIFIERS.match(masked, pos)) is not None:
         pos = qualifier.end()
@@ -139,9 +151,7 @@ def _rewrite_statement(text: str, masked: str, found: re.Match, where: str) -> t
     while after < len(masked) and masked[after] in " \t":
         after += 1
     if masked[after : after + 1] != ";":
-        raise KernelUnsupportedError(
-            f"{where}: inline assembly outside a statement (an asm label or an asm expression) cannot run on the "
-            "CPU; the CUDA-on-CPU runner emulates asm statements with the PTX instructions it knows")
+        raise _not_a_statement(where)
     if "\n#" in masked[pos:close]:
         raise KernelUnsupportedError(f"{where}: an asm statement spans an #include or a line marker")
     sections = _split_top_level(masked, pos + 1, close, ":")
@@ -275,7 +285,9 @@ def _emit(statement: _Statement, opcode: str, args: list[str]) -> str:
                                            f"{statement.read32(args[1], opcode)}), {ftz}))", opcode)
     if head == "shfl" and len(parts) == 4 and parts[1] == "sync" and parts[3] == "b32" and len(args) == 5:
         modes = {"idx": 0, "up": 1, "down": 2, "bfly": 3}  # fa_cpu::WarpOp
-        if parts[2] in modes and "|" not in args[0]:
+        if "|" in args[0]:
+            raise statement.fail(opcode, "the predicate output (d|p) of shfl.sync is not emulated")
+        if parts[2] in modes:
             reads = ", ".join(statement.read32(a, opcode) for a in args[1:])
             return statement.write32(args[0], f"{NS}shfl({modes[parts[2]]}, {reads})", opcode)
     raise statement.fail(opcode, "this PTX instruction is not emulated by the CUDA-on-CPU runner (it emulates "

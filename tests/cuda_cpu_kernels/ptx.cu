@@ -99,7 +99,10 @@ extern "C" __global__ void cp_async_groups(const uint32_t* src, uint32_t* before
 extern "C" __global__ void ex2_and_shfl(const float* x, float* ex2, float* ex2_ftz, uint32_t* shuffled) {
     const int lane = threadIdx.x;
     float y, z;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x[lane]));
+    if (lane % 2)  // an asm statement is one statement: if/else around it still parses
+        asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x[lane]));
+    else
+        __asm__ __volatile__("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x[lane]));
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(z) : "f"(x[lane]));
     ex2[lane] = y;
     ex2_ftz[lane] = z;

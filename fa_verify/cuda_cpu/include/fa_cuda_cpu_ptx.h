@@ -5,9 +5,9 @@
 //
 // The warp-collective instructions (mma.sync, ldmatrix) exchange registers between lanes with the
 // exact fragment layouts of the PTX ISA: each lane publishes its operand registers in a per-warp
-// table, the warp meets (a __syncwarp of all 32 lanes), each lane computes only the registers it
-// owns from the others' entries, and the warp meets again before the table may be reused. A
-// kernel that fills a fragment in the wrong layout therefore gets wrong numbers here, as on a GPU.
+// table, the warp meets (a __syncwarp of all 32 lanes), and each lane computes only the registers
+// it owns from the others' entries. A kernel that fills a fragment in the wrong layout therefore
+// gets wrong numbers here, as on a GPU.
 //
 // cp.async copies are queued per thread and performed at the cp.async.wait_group/wait_all that
 // covers them, not before: a kernel that reads the destination without waiting reads what was
@@ -113,33 +113,49 @@ inline void set_f32(T& out, float v) {
 enum Collective : int { kMmaF16 = 1, kMmaBf16, kLdmatrix };
 
 struct LaneEntry {
+    std::uint64_t block = 0;  // g_block_serial and ...
+    unsigned int seq = 0;     // ... which collective of the lane's block this entry is for
     int op = 0;
     int shape = 0;
     std::uint32_t regs[6] = {};
     const unsigned char* row = nullptr;
 };
 
-inline LaneEntry* warp_table() {
-    static LaneEntry table[32][32];  // 1024 threads at most: 32 warps of 32 lanes
-    return table[g_current->warp];
+// The warp's table for this lane's next collective instruction. Consecutive collectives alternate
+// between two tables, so one meeting per instruction suffices: a lane can write a table again
+// only after the next instruction's meeting, which every lane reaches after reading this one.
+inline LaneEntry* next_table() {
+    static LaneEntry tables[2][32][32];  // 1024 threads at most: 32 warps of 32 lanes
+    static std::uint64_t block[1024];
+    static unsigned int count[1024];
+    const unsigned int thread = g_current->warp * 32 + g_current->lane;
+    if (block[thread] != g_block_serial) {  // a new block: its warps start at table 0
+        block[thread] = g_block_serial;
+        count[thread] = 0;
+    }
+    LaneEntry* table = tables[count[thread] & 1u][g_current->warp];
+    table[g_current->lane].block = g_block_serial;
+    table[g_current->lane].seq = ++count[thread];
+    return table;
 }
 
 // All 32 lanes must take part in a .sync.aligned instruction: with a lane exited or the others at
 // a different instruction the GPU's result is undefined, so the runner stops.
-inline void meet(const char* instruction, int op, int shape) {
+inline void meet(const LaneEntry* table, const char* instruction, int op, int shape) {
     static const char* const missing =
         "all 32 lanes of the warp must execute this .sync.aligned instruction, but some lanes have exited "
         "or do not exist (undefined behaviour on a GPU)";
     if (live_lanes() != 0xffffffffu) fail(instruction, missing);
     warp_op(kSyncWarp, 0xffffffffu, 0, 0, 0);
-    const LaneEntry* table = warp_table();
-    if (live_lanes() != 0xffffffffu) fail(instruction, missing);
-    for (int l = 0; l < 32; ++l)
+    const unsigned int seq = table[g_current->lane].seq;
+    for (int l = 0; l < 32; ++l) {
+        if (table[l].seq != seq || table[l].block != g_block_serial)
+            fail(instruction, missing);  // a lane exited while the others waited
         if (table[l].op != op || table[l].shape != shape)
             fail(instruction, "the lanes of the warp met at different warp-collective instructions "
                               "(.aligned requires every lane to execute the same one)");
+    }
 }
-inline void leave() { warp_op(kSyncWarp, 0xffffffffu, 0, 0, 0); }
 
 inline float element(std::uint32_t reg, int half, bool bf16) {
     const auto bits = static_cast<std::uint16_t>(half ? reg >> 16 : reg & 0xffffu);
@@ -159,14 +175,14 @@ template <int K>
 inline void mma(bool bf16, std::uint32_t d[4], const std::uint32_t* a, const std::uint32_t* b, const std::uint32_t c[4],
                 const char* instruction) {
     constexpr int kARegs = K / 4, kBRegs = K / 8;
-    LaneEntry* table = warp_table();
+    LaneEntry* table = next_table();
     const unsigned int lane = g_current->lane;
     LaneEntry& mine = table[lane];
     mine.op = bf16 ? kMmaBf16 : kMmaF16;
     mine.shape = K;
     for (int r = 0; r < kARegs; ++r) mine.regs[r] = a[r];
     for (int r = 0; r < kBRegs; ++r) mine.regs[kARegs + r] = b[r];
-    meet(instruction, mine.op, K);
+    meet(table, instruction, mine.op, K);
     const int g = static_cast<int>(lane / 4), t = static_cast<int>(lane % 4);
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
@@ -182,7 +198,6 @@ inline void mma(bool bf16, std::uint32_t d[4], const std::uint32_t* a, const std
         }
         d[i] = fp::float_bits(acc);
     }
-    leave();
 }
 
 // ---- ldmatrix.sync.aligned.m8n8.x{1,2,4}{.trans}{.shared}.b16 -------------------------------------
@@ -192,12 +207,12 @@ inline void mma(bool bf16, std::uint32_t d[4], const std::uint32_t* a, const std
 // elements (rows 2*(L%4), 2*(L%4)+1, column L/4).
 inline void ldmatrix(int matrices, bool trans, const unsigned char* row, std::uint32_t* out, const char* instruction) {
     // Lanes whose address the shape does not use may pass anything; the used ones are checked below.
-    LaneEntry* table = warp_table();
+    LaneEntry* table = next_table();
     const unsigned int lane = g_current->lane;
     table[lane].op = kLdmatrix;
     table[lane].shape = matrices * 2 + trans;
     table[lane].row = row;
-    meet(instruction, kLdmatrix, matrices * 2 + trans);
+    meet(table, instruction, kLdmatrix, matrices * 2 + trans);
     for (int l = 0; l < 8 * matrices; ++l)
         if (reinterpret_cast<std::uintptr_t>(table[l].row) % 16 != 0)
             fail(instruction, "a row address is not 16-byte aligned");
@@ -210,7 +225,6 @@ inline void ldmatrix(int matrices, bool trans, const unsigned char* row, std::ui
         }
         out[j] = static_cast<std::uint32_t>(e[0]) | (static_cast<std::uint32_t>(e[1]) << 16);
     }
-    leave();
 }
 
 // ---- cp.async ---------------------------------------------------------------------------------------
