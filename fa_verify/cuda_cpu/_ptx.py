@@ -23,10 +23,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from fa_verify.cuda_cpu._rewrite import user_lines
+from fa_verify.cuda_cpu._rewrite import STRING_OR_CHAR, user_lines
 from fa_verify.errors import KernelUnsupportedError
 
-_STRING_OR_CHAR = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')
 _ASM = re.compile(r"\b(?:asm|__asm__|__asm)\b")
 _QUALIFIERS = re.compile(r"\s*(?:volatile|__volatile__|__volatile|inline|__inline)\b")
 _OPERAND = re.compile(r'^\s*(?:\[\s*(\w+)\s*\]\s*)?"([^"]*)"\s*\((.*)\)\s*$', re.S)
@@ -37,7 +36,7 @@ _INT_LITERAL = re.compile(r"^-?(?:0[xX][0-9a-fA-F]+|\d+)[uU]?$")
 _FLOAT_LITERAL = re.compile(r"^0[fF]([0-9a-fA-F]{8})$")
 _ADDRESS = re.compile(r"^\[\s*(\x01\d+\x02)\s*(?:\+\s*(-?(?:0[xX][0-9a-fA-F]+|\d+)))?\s*\]$")
 
-NS = "::fa_cpu::ptx::"
+_NS = "::fa_cpu::ptx::"
 
 
 @dataclass(frozen=True)
@@ -78,9 +77,9 @@ class _Statement:
         if not op.read:
             raise self.fail(instruction, f"operand `{op.expression}` is written-only (\"={op.constraint}\") but read here")
         if "f" in op.constraint:
-            return f"::fa_cpu::fp::float_bits({NS}f32({op.expression}))"
+            return f"::fa_cpu::fp::float_bits({_NS}f32({op.expression}))"
         if "r" in op.constraint:
-            return f"{NS}b32({op.expression})"
+            return f"{_NS}b32({op.expression})"
         if op.constraint in ("n", "i"):
             return f"static_cast<::std::uint32_t>({op.expression})"
         raise self.fail(instruction, f"a 32-bit operand with constraint \"{op.constraint}\" (use \"r\", \"f\" or \"n\")")
@@ -90,9 +89,9 @@ class _Statement:
         if not op.output:
             raise self.fail(instruction, f"operand `{op.expression}` is an input but is written here")
         if "f" in op.constraint:
-            return f"{NS}set_f32({op.expression}, ::fa_cpu::fp::bits_float({bits}));"
+            return f"{_NS}set_f32({op.expression}, ::fa_cpu::fp::bits_float({bits}));"
         if "r" in op.constraint:
-            return f"{NS}set_b32({op.expression}, {bits});"
+            return f"{_NS}set_b32({op.expression}, {bits});"
         raise self.fail(instruction, f"a 32-bit output with constraint \"{op.constraint}\" (use \"=r\" or \"=f\")")
 
     def immediate(self, token: str, instruction: str) -> str:
@@ -109,13 +108,13 @@ class _Statement:
             raise self.fail(instruction, f"expected an address `[%N]` or `[%N+imm]` where `{token.strip()}` is")
         op = self.operand(found.group(1), instruction)
         if found.group(2):
-            return f"{NS}byte_offset({op.expression}, {found.group(2)})"
+            return f"{_NS}byte_offset({op.expression}, {found.group(2)})"
         return f"({op.expression})"
 
 
 def rewrite_inline_asm(text: str, shim_dir: Path) -> str:
     """Replace every asm statement in the user's code by C++ (see the module docstring)."""
-    masked = _STRING_OR_CHAR.sub(lambda m: m.group(0)[0] + "x" * (len(m.group(0)) - 2) + m.group(0)[-1], text)
+    masked = STRING_OR_CHAR.sub(lambda m: m.group(0)[0] + "x" * (len(m.group(0)) - 2) + m.group(0)[-1], text)
     pieces: list[str] = []
     done = 0
     for start, path, line, raw in user_lines(text, shim_dir):
@@ -156,7 +155,7 @@ def _rewrite_statement(text: str, masked: str, found: re.Match, where: str) -> t
         raise KernelUnsupportedError(f"{where}: an asm statement spans an #include or a line marker")
     sections = _split_top_level(masked, pos + 1, close, ":")
     template = "".join(codecs.decode(literal[1:-1], "unicode_escape")
-                       for literal in _STRING_OR_CHAR.findall(text[slice(*sections[0])]))
+                       for literal in STRING_OR_CHAR.findall(text[slice(*sections[0])]))
     parsed = []
     for index, output in ((1, True), (2, False)):
         if index < len(sections):
@@ -281,7 +280,7 @@ def _emit(statement: _Statement, opcode: str, args: list[str]) -> str:
         return _emit_cp_async(statement, opcode, parts, args, label)
     if head == "ex2" and parts[1:] in (["approx", "f32"], ["approx", "ftz", "f32"]) and len(args) == 2:
         ftz = "true" if "ftz" in parts else "false"
-        return statement.write32(args[0], f"::fa_cpu::fp::float_bits({NS}ex2(::fa_cpu::fp::bits_float("
+        return statement.write32(args[0], f"::fa_cpu::fp::float_bits({_NS}ex2(::fa_cpu::fp::bits_float("
                                            f"{statement.read32(args[1], opcode)}), {ftz}))", opcode)
     if head == "shfl" and len(parts) == 4 and parts[1] == "sync" and parts[3] == "b32" and len(args) == 5:
         modes = {"idx": 0, "up": 1, "down": 2, "bfly": 3}  # fa_cpu::WarpOp
@@ -289,7 +288,7 @@ def _emit(statement: _Statement, opcode: str, args: list[str]) -> str:
             raise statement.fail(opcode, "the predicate output (d|p) of shfl.sync is not emulated")
         if parts[2] in modes:
             reads = ", ".join(statement.read32(a, opcode) for a in args[1:])
-            return statement.write32(args[0], f"{NS}shfl({modes[parts[2]]}, {reads})", opcode)
+            return statement.write32(args[0], f"{_NS}shfl({modes[parts[2]]}, {reads})", opcode)
     raise statement.fail(opcode, "this PTX instruction is not emulated by the CUDA-on-CPU runner (it emulates "
                                  "mma.sync.aligned.m16n8k16/m16n8k8 .row.col.f32 with f16/bf16 inputs, "
                                  "ldmatrix.sync.aligned.m8n8 .b16, cp.async.ca/.cg with commit_group/wait_group/"
@@ -313,7 +312,7 @@ def _emit_mma(statement, opcode, parts, args, label) -> str:
     return ("{ const ::std::uint32_t __fa_ptx_a[] = {" + ", ".join(a) + "}; "
             "const ::std::uint32_t __fa_ptx_b[] = {" + ", ".join(b) + "}; "
             "const ::std::uint32_t __fa_ptx_c[] = {" + ", ".join(c) + "}; ::std::uint32_t __fa_ptx_d[4]; "
-            f"{NS}mma<{k}>({bf16}, __fa_ptx_d, __fa_ptx_a, __fa_ptx_b, __fa_ptx_c, {label}); {writes} }}")
+            f"{_NS}mma<{k}>({bf16}, __fa_ptx_d, __fa_ptx_a, __fa_ptx_b, __fa_ptx_c, {label}); {writes} }}")
 
 
 def _emit_ldmatrix(statement, opcode, parts, args, label) -> str:
@@ -328,24 +327,24 @@ def _emit_ldmatrix(statement, opcode, parts, args, label) -> str:
     shared = "true" if ("shared" in quals or "shared::cta" in quals) else "false"
     trans = "true" if "trans" in quals else "false"
     writes = " ".join(statement.write32(t, f"__fa_ptx_r[{i}]", opcode) for i, t in enumerate(regs))
-    return (f"{{ ::std::uint32_t __fa_ptx_r[{n}]; {NS}ldmatrix({n}, {trans}, {NS}address<{shared}>("
+    return (f"{{ ::std::uint32_t __fa_ptx_r[{n}]; {_NS}ldmatrix({n}, {trans}, {_NS}address<{shared}>("
             f"{statement.address(args[1], opcode)}), __fa_ptx_r, {label}); {writes} }}")
 
 
 def _emit_cp_async(statement, opcode, parts, args, label) -> str:
     if parts == ["cp", "async", "commit_group"] and not args:
-        return f"{NS}cp_async_commit_group();"
+        return f"{_NS}cp_async_commit_group();"
     if parts == ["cp", "async", "wait_all"] and not args:
-        return f"{NS}cp_async_wait_all();"
+        return f"{_NS}cp_async_wait_all();"
     if parts == ["cp", "async", "wait_group"] and len(args) == 1:
-        return f"{NS}cp_async_wait_group({statement.immediate(args[0], opcode)});"
+        return f"{_NS}cp_async_wait_group({statement.immediate(args[0], opcode)});"
     quals = [q for q in parts[2:] if not q.startswith("L2::")]
     if (len(quals) == 3 and quals[0] in ("ca", "cg") and quals[1] in ("shared", "shared::cta")
             and quals[2] == "global" and len(args) in (3, 4)):
         size = statement.immediate(args[2], opcode)
         src_size = statement.immediate(args[3], opcode) if len(args) == 4 else size
         cg = "true" if quals[0] == "cg" else "false"
-        return (f"{NS}cp_async({cg}, {statement.address(args[0], opcode)}, {statement.address(args[1], opcode)}, "
+        return (f"{_NS}cp_async({cg}, {statement.address(args[0], opcode)}, {statement.address(args[1], opcode)}, "
                 f"{size}, {src_size}, {label});")
     raise statement.fail(opcode, "only cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size}, "
                                  "cp.async.commit_group, cp.async.wait_group N and cp.async.wait_all are emulated")

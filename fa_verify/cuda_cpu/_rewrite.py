@@ -32,7 +32,7 @@ DYNAMIC_SHARED_SYMBOL = "fa_cpu_dynamic_smem"
 STATIC_SHARED_SECTION = "fa_cpu_shared"
 
 _LINE_MARKER = re.compile(r'^#\s*(\d+)\s+"((?:[^"\\]|\\.)*)"([\d ]*)$')
-_STRING_OR_CHAR = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')
+STRING_OR_CHAR = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')
 _UNSUPPORTED_WORDS = re.compile(r"\b(__managed__)\b")
 _EXTERN_SHARED = re.compile(r"\bextern\s+__shared__\b")
 _STATIC_SHARED = re.compile(r"\bstatic\s+__shared__\b|\b__shared__\s+static\b")
@@ -69,7 +69,7 @@ def check_supported(text: str, shim_dir: Path) -> None:
     """
     for _, path, line, raw in user_lines(text, shim_dir):
         if "__managed__" in raw:
-            found = _UNSUPPORTED_WORDS.search(_STRING_OR_CHAR.sub('""', raw))
+            found = _UNSUPPORTED_WORDS.search(STRING_OR_CHAR.sub('""', raw))
             if found:
                 raise KernelUnsupportedError(
                     f"{path}:{line}: `{found.group(1)}` memory is not supported by the CUDA-on-CPU runner"
