@@ -22,7 +22,7 @@ BF16 = ml_dtypes.bfloat16
 MMA = {f"mma_{t}_k{k}": ["ptr", "ptr"] for t in ("f16", "bf16") for k in (8, 16)}
 LDMATRIX = {f"ldmatrix_x{n}{t}": ["ptr"] * 3 for n in (1, 2, 4) for t in ("", "_trans")}
 ENTRIES = {**MMA, **LDMATRIX, "cp_async_groups": ["ptr"] * 4, "ex2_and_shfl": ["ptr"] * 4,
-           "mma_half_warp": ["ptr"]}
+           "mma_half_warp": ["ptr"], "cvt_pairs": ["ptr"] * 3}
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +143,25 @@ def test_ex2_approx_and_shfl_sync(ptx):
         assert list(shuffled[4 * lane:4 * lane + 4]) == expected, lane
 
 
+def test_cvt_packs_two_floats_rounded_to_nearest_even(ptx):
+    rng = np.random.default_rng(4)
+    x = np.concatenate([rng.standard_normal(48) * 10.0 ** rng.integers(-6, 6, 48),
+                        [1 + 2.0 ** -11, 1 + 2.0 ** -8, 65520.0, -1e-8, np.inf, np.nan, 0.0, -0.0,
+                         1 + 3 * 2.0 ** -11, 3e38, 1e-45, -2.5, 7.0, 1e5, -7e4, 0.1]]).astype(np.float32)
+    f16, bf16 = np.zeros(32, np.uint32), np.zeros(32, np.uint32)
+    ptx.launch("cvt_pairs", grid=1, block=32, args=[x, f16, bf16])
+    for packed, dtype in ((f16, np.float16), (bf16, BF16)):
+        with np.errstate(over="ignore"):  # 3e38 and 1e5 overflow fp16, as on the GPU
+            halves = x.astype(dtype).view(np.uint16).astype(np.uint32)  # numpy / ml_dtypes: nearest even
+        expected = (halves[0::2] << 16) | halves[1::2]
+        pair = 26  # x[52] = inf (upper half), x[53] = NaN (lower half)
+        assert np.isinf(x[2 * pair]) and np.isnan(x[2 * pair + 1])
+        others = np.arange(32) != pair
+        np.testing.assert_array_equal(packed[others], expected[others])
+        assert packed[pair] >> 16 == expected[pair] >> 16  # inf
+        assert np.isnan(np.array([packed[pair] & 0xFFFF], np.uint16).view(dtype)[0])  # a NaN, any payload
+
+
 def test_a_warp_collective_with_lanes_missing_traps(ptx):
     with pytest.raises(KernelCrashError, match=r"mma\.sync\.aligned\.m16n8k8.*ptx\.cu:\d+\).*all 32 lanes"):
         ptx.launch("mma_half_warp", grid=1, block=32, args=[np.zeros(32, np.uint32)])
@@ -211,10 +230,12 @@ def test_cooperative_groups_block_sync_and_tile_collectives():
 
 
 @pytest.mark.parametrize("statement, message", [
-    ('asm("shfl.sync.bfly.b32 %0|p, %1, 1, 0x1f, -1;" : "=r"(y) : "r"(x));', r"`shfl\.sync\.bfly\.b32`: the predicate output"),
+    ('asm("shfl.sync.bfly.b32 %0|p, %1, 1, 0x1f, -1;" : "=r"(y) : "r"(x));',
+     r"`shfl\.sync\.bfly\.b32`: the predicate output"),
     ('asm("{ .reg .pred p; setp.ne.b32 p, %0, 0; }" :: "r"(x));', r"`\{ \.reg \.pred p` cannot run on the CPU"),
     ('asm("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, {%0,%1};"'
-     ' : "+r"(y), "+r"(z) : "r"(x), "r"(x), "r"(x), "r"(x), "r"(x), "r"(x));', r"only mma\.sync\.aligned\..*is emulated"),
+     ' : "+r"(y), "+r"(z) : "r"(x), "r"(x), "r"(x), "r"(x), "r"(x), "r"(x));',
+     r"only mma\.sync\.aligned\..*is emulated"),
     ('asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));', None),
     ('int r asm("r1");', r"asm label or an asm expression"),
 ])

@@ -9,7 +9,8 @@ inputs, clobbers), substitutes the operands, and emits C++ for each instruction 
 * ``ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}{.shared{::cta}}.b16``;
 * ``cp.async.{ca,cg}.shared{::cta}.global{.L2::*B}`` with ``commit_group``, ``wait_group N``,
   ``wait_all``;
-* ``ex2.approx{.ftz}.f32``; ``shfl.sync.{up,down,bfly,idx}.b32`` (without a predicate output).
+* ``ex2.approx{.ftz}.f32``; ``cvt.rn.{f16x2,bf16x2}.f32``; ``shfl.sync.{up,down,bfly,idx}.b32``
+  (without a predicate output).
 
 Every input register is read into a temporary before any output is written, as the hardware's
 register file would; outputs are written back through the operands' own lvalues. The generated
@@ -75,14 +76,16 @@ class _Statement:
             return f"0x{literal.group(1)}u"
         op = self.operand(token, instruction)
         if not op.read:
-            raise self.fail(instruction, f"operand `{op.expression}` is written-only (\"={op.constraint}\") but read here")
+            raise self.fail(instruction,
+                            f"operand `{op.expression}` is written-only (\"={op.constraint}\") but read here")
         if "f" in op.constraint:
             return f"::fa_cpu::fp::float_bits({_NS}f32({op.expression}))"
         if "r" in op.constraint:
             return f"{_NS}b32({op.expression})"
         if op.constraint in ("n", "i"):
             return f"static_cast<::std::uint32_t>({op.expression})"
-        raise self.fail(instruction, f"a 32-bit operand with constraint \"{op.constraint}\" (use \"r\", \"f\" or \"n\")")
+        raise self.fail(instruction,
+                        f"a 32-bit operand with constraint \"{op.constraint}\" (use \"r\", \"f\" or \"n\")")
 
     def write32(self, token: str, bits: str, instruction: str) -> str:
         op = self.operand(token, instruction)
@@ -203,7 +206,8 @@ def _parse_operand(text: str, output: bool, where: str) -> tuple[str | None, Ope
     modifiers = set(constraint) & set("=+&")
     letters = "".join(c for c in constraint if c not in "=+&")
     if output != bool(modifiers & {"=", "+"}):
-        raise KernelUnsupportedError(f"{where}: asm operand \"{constraint}\" ({expression.strip()}) is in the wrong section")
+        raise KernelUnsupportedError(
+            f"{where}: asm operand \"{constraint}\" ({expression.strip()}) is in the wrong section")
     return name, Operand(letters, f"({expression.strip()})", output, not output or "+" in modifiers)
 
 
@@ -227,9 +231,9 @@ def _instructions(template: str, names: dict[str, int], where: str) -> list[tupl
             continue
         if instruction[0] in "{}@." or instruction.split()[0].endswith(":"):
             raise KernelUnsupportedError(
-                f"{where}: inline assembly `{_unmark(instruction)}` cannot run on the CPU: the CUDA-on-CPU runner emulates single "
-                "PTX instructions (mma.sync, ldmatrix, cp.async, ex2.approx, shfl.sync), not scopes, labels, "
-                "predicates or directives")
+                f"{where}: inline assembly `{_unmark(instruction)}` cannot run on the CPU: the CUDA-on-CPU runner "
+                "emulates single PTX instructions (mma.sync, ldmatrix, cp.async, ex2.approx, cvt, shfl.sync), "
+                "not scopes, labels, predicates or directives")
         opcode, _, rest = instruction.partition(" ")
         out.append((opcode, _split_operands(rest)))
     return out
@@ -282,6 +286,10 @@ def _emit(statement: _Statement, opcode: str, args: list[str]) -> str:
         ftz = "true" if "ftz" in parts else "false"
         return statement.write32(args[0], f"::fa_cpu::fp::float_bits({_NS}ex2(::fa_cpu::fp::bits_float("
                                            f"{statement.read32(args[1], opcode)}), {ftz}))", opcode)
+    if head == "cvt" and parts[1:] in (["rn", "f16x2", "f32"], ["rn", "bf16x2", "f32"]) and len(args) == 3:
+        bf16 = "true" if parts[2] == "bf16x2" else "false"
+        a, b = (f"::fa_cpu::fp::bits_float({statement.read32(t, opcode)})" for t in args[1:])
+        return statement.write32(args[0], f"{_NS}cvt_pack({bf16}, {a}, {b})", opcode)
     if head == "shfl" and len(parts) == 4 and parts[1] == "sync" and parts[3] == "b32" and len(args) == 5:
         modes = {"idx": 0, "up": 1, "down": 2, "bfly": 3}  # fa_cpu::WarpOp
         if "|" in args[0]:
@@ -292,7 +300,8 @@ def _emit(statement: _Statement, opcode: str, args: list[str]) -> str:
     raise statement.fail(opcode, "this PTX instruction is not emulated by the CUDA-on-CPU runner (it emulates "
                                  "mma.sync.aligned.m16n8k16/m16n8k8 .row.col.f32 with f16/bf16 inputs, "
                                  "ldmatrix.sync.aligned.m8n8 .b16, cp.async.ca/.cg with commit_group/wait_group/"
-                                 "wait_all, ex2.approx.f32 and shfl.sync .b32); use the CUDA C intrinsic instead")
+                                 "wait_all, ex2.approx.f32, cvt.rn.f16x2/bf16x2.f32 and shfl.sync .b32); use the "
+                                 "CUDA C intrinsic instead")
 
 
 def _emit_mma(statement, opcode, parts, args, label) -> str:

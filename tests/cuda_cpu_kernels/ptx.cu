@@ -124,3 +124,10 @@ extern "C" __global__ void mma_half_warp(uint32_t* out) {
                  : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3) : "r"(z), "f"(0.0f));
     out[threadIdx.x] = __float_as_uint(d0 + d1 + d2 + d3);
 }
+
+// cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32 d, a, b: a into the upper half, b into the lower.
+extern "C" __global__ void cvt_pairs(const float* x, uint32_t* f16, uint32_t* bf16) {
+    const int i = threadIdx.x;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(f16[i]) : "f"(x[2 * i]), "f"(x[2 * i + 1]));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(bf16[i]) : "f"(x[2 * i]), "f"(x[2 * i + 1]));
+}

@@ -302,6 +302,14 @@ inline float ex2(float x, bool ftz) {
     return y;
 }
 
+// ---- cvt.rn.{f16x2,bf16x2}.f32 d, a, b ------------------------------------------------------------------
+
+// a rounded (to nearest even) into the upper half of d, b into the lower half.
+inline std::uint32_t cvt_pack(bool bf16, float a, float b) {
+    const auto round = [bf16](float x) -> std::uint32_t { return bf16 ? fp::float_to_bf16(x) : fp::float_to_half(x); };
+    return (round(a) << 16) | round(b);
+}
+
 // ---- shfl.sync ----------------------------------------------------------------------------------------
 
 inline std::uint32_t shfl(int mode, std::uint32_t value, std::uint32_t b, std::uint32_t c, std::uint32_t mask) {
