@@ -58,11 +58,11 @@ inline unsigned char* address(const T& operand) {
     if constexpr (std::is_pointer<T>::value) {
         return static_cast<unsigned char*>(const_cast<void*>(static_cast<const volatile void*>(operand)));
     } else {
-        static_assert(std::is_integral<T>::value, "an address operand must be an integer or a pointer");
+        static_assert(std::is_integral<T>::value, "fa_verify CUDA-on-CPU: an address operand must be an integer or a pointer");
         if constexpr (Shared) {
             return static_cast<unsigned char*>(__cvta_shared_to_generic(static_cast<std::size_t>(operand)));
         } else {
-            static_assert(sizeof(T) == 8, "a generic address operand must be 64 bits (\"l\")");
+            static_assert(sizeof(T) == 8, "fa_verify CUDA-on-CPU: a generic address operand must be 64 bits (\"l\")");
             return reinterpret_cast<unsigned char*>(static_cast<std::uintptr_t>(operand));
         }
     }
@@ -81,30 +81,26 @@ inline T byte_offset(const T& operand, long long bytes) {
 
 template <class T>
 inline std::uint32_t b32(const T& v) {
-    if constexpr (std::is_floating_point<T>::value && sizeof(T) != 4) {
-        return fp::float_bits(static_cast<float>(v));
-    } else {
-        static_assert(sizeof(T) == 4 && std::is_trivially_copyable<T>::value,
-                      "a 32-bit register operand (\"r\") must be a 4-byte value");
-        std::uint32_t u;
-        std::memcpy(&u, &v, 4);
-        return u;
-    }
+    static_assert(sizeof(T) == 4 && std::is_trivially_copyable<T>::value,
+                  "fa_verify CUDA-on-CPU: a 32-bit register operand (\"r\") must be a 4-byte value");
+    std::uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return u;
 }
 template <class T>
 inline float f32(const T& v) {
-    static_assert(std::is_arithmetic<T>::value, "an \"f\" operand must be a floating-point value");
+    static_assert(std::is_arithmetic<T>::value, "fa_verify CUDA-on-CPU: an \"f\" operand must be a floating-point value");
     return static_cast<float>(v);
 }
 template <class T>
 inline void set_b32(T& out, std::uint32_t bits) {
     static_assert(sizeof(T) == 4 && std::is_trivially_copyable<T>::value,
-                  "a 32-bit register output (\"=r\") must be a 4-byte variable");
+                  "fa_verify CUDA-on-CPU: a 32-bit register output (\"=r\") must be a 4-byte variable");
     std::memcpy(&out, &bits, 4);
 }
 template <class T>
 inline void set_f32(T& out, float v) {
-    static_assert(std::is_arithmetic<T>::value, "an \"=f\" output must be a floating-point variable");
+    static_assert(std::is_arithmetic<T>::value, "fa_verify CUDA-on-CPU: an \"=f\" output must be a floating-point variable");
     out = static_cast<T>(v);
 }
 
