@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fa_verify.cuda_cpu import CpuKernelModule
-from fa_verify.errors import KernelCrashError, KernelUnsupportedError
+from fa_verify.errors import KernelCrashError, KernelRaceError, KernelUnsupportedError
 
 KERNELS = Path(__file__).parent / "cuda_cpu_kernels"
 BF16 = ml_dtypes.bfloat16
@@ -250,3 +250,14 @@ def test_the_asm_rewrite_names_what_it_refuses(statement, message):
         return
     with pytest.raises(KernelUnsupportedError, match=r"/home/user/k\.cu:2: .*" + message):
         rewrite_inline_asm(text, SHIM_DIR)
+
+
+def test_the_race_detector_sees_cp_async_and_ldmatrix():
+    """The copies are memcpy calls the race detector does not instrument: they announce their bytes."""
+    kernel = CpuKernelModule(KERNELS / "ptx_race.cu", {"copy_then_ldmatrix": ["ptr", "ptr", "int"]}, racecheck=True)
+    src = np.arange(64, dtype=np.uint16)
+    out = np.zeros(32, np.uint32)
+    kernel.launch("copy_then_ldmatrix", grid=1, block=64, args=[src, out, 1])
+    assert out[5] == _pack(src[(5 // 4) * 8 + 2], src[(5 // 4) * 8 + 3])
+    with pytest.raises(KernelRaceError, match=r"(?s)ptx_race\.cu:11.*ptx_race\.cu:17|ptx_race\.cu:17.*ptx_race\.cu:11"):
+        kernel.launch("copy_then_ldmatrix", grid=1, block=64, args=[src, out, 0])

@@ -29,8 +29,8 @@ from fa_verify.errors import KernelUnsupportedError
 
 _ASM = re.compile(r"\b(?:asm|__asm__|__asm)\b")
 _QUALIFIERS = re.compile(r"\s*(?:volatile|__volatile__|__volatile|inline|__inline)\b")
-_OPERAND = re.compile(r'^\s*(?:\[\s*(\w+)\s*\]\s*)?"([^"]*)"\s*\((.*)\)\s*$', re.S)
-_REFERENCE = re.compile(r"%%|%\[(\w+)\]|%(\d+)")
+_OPERAND = re.compile(r'^\s*"([^"]*)"\s*\((.*)\)\s*$', re.S)
+_REFERENCE = re.compile(r"%%|%(\d+)")
 _MARK = re.compile(r"\x01(\d+)\x02")
 _WORD_BEFORE = re.compile(r"(\w+)\s*$")
 _INT_LITERAL = re.compile(r"^-?(?:0[xX][0-9a-fA-F]+|\d+)[uU]?$")
@@ -164,9 +164,8 @@ def _rewrite_statement(text: str, masked: str, found: re.Match, where: str) -> t
         if index < len(sections):
             parsed += [_parse_operand(text[a:b], output, where)
                        for a, b in _split_top_level(masked, *sections[index], ",") if text[a:b].strip()]
-    names = {name: i for i, (name, _) in enumerate(parsed) if name}
-    statement = _Statement([op for _, op in parsed], where)
-    code = [_emit(statement, opcode, args) for opcode, args in _instructions(template, names, where)]
+    statement = _Statement(parsed, where)
+    code = [_emit(statement, opcode, args) for opcode, args in _instructions(template, where)]
     return close + 1, "do { " + " ".join(code) + " } while (0)"
 
 
@@ -198,32 +197,22 @@ def _split_top_level(masked: str, lo: int, hi: int, separator: str) -> list[tupl
     return spans
 
 
-def _parse_operand(text: str, output: bool, where: str) -> tuple[str | None, Operand]:
+def _parse_operand(text: str, output: bool, where: str) -> Operand:
     found = _OPERAND.match(text)
     if found is None:
         raise KernelUnsupportedError(f"{where}: cannot read the asm operand `{' '.join(text.split())}`")
-    name, constraint, expression = found.groups()
+    constraint, expression = found.groups()
     modifiers = set(constraint) & set("=+&")
     letters = "".join(c for c in constraint if c not in "=+&")
     if output != bool(modifiers & {"=", "+"}):
         raise KernelUnsupportedError(
             f"{where}: asm operand \"{constraint}\" ({expression.strip()}) is in the wrong section")
-    return name, Operand(letters, f"({expression.strip()})", output, not output or "+" in modifiers)
+    return Operand(letters, f"({expression.strip()})", output, not output or "+" in modifiers)
 
 
-def _instructions(template: str, names: dict[str, int], where: str) -> list[tuple[str, list[str]]]:
+def _instructions(template: str, where: str) -> list[tuple[str, list[str]]]:
     """The template's instructions as (opcode, operand tokens), operands marked \x01N\x02."""
-
-    def mark(found: re.Match) -> str:
-        if found.group(0) == "%%":
-            return "%"
-        if found.group(1) is not None:
-            if found.group(1) not in names:
-                raise KernelUnsupportedError(f"{where}: asm template names an unknown operand %[{found.group(1)}]")
-            return f"\x01{names[found.group(1)]}\x02"
-        return f"\x01{found.group(2)}\x02"
-
-    body = _REFERENCE.sub(mark, template)
+    body = _REFERENCE.sub(lambda found: "%" if found.group(0) == "%%" else f"\x01{found.group(1)}\x02", template)
     out = []
     for instruction in re.split(r"[;\n]", body):
         instruction = instruction.strip()
@@ -332,7 +321,7 @@ def _emit_ldmatrix(statement, opcode, parts, args, label) -> str:
     if len(num) != 1 or rest != ["sync", "aligned", "m8n8", "b16"] or len(args) != 2:
         raise statement.fail(opcode, "only ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}{.shared}.b16 is emulated")
     n = counts[num[0]]
-    regs = _vector(args[0], n, statement, opcode) if n > 1 or args[0].startswith("{") else [args[0]]
+    regs = _vector(args[0], n, statement, opcode)  # ptxas wants braces for .x1 too
     shared = "true" if ("shared" in quals or "shared::cta" in quals) else "false"
     trans = "true" if "trans" in quals else "false"
     writes = " ".join(statement.write32(t, f"__fa_ptx_r[{i}]", opcode) for i, t in enumerate(regs))

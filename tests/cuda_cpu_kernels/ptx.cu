@@ -30,10 +30,9 @@ __device__ void mma_lanes(const uint32_t* regs_in, uint32_t* d_out) {
                      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                      : "r"(r[0]), "r"(r[1]), "r"(r[2]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
     } else {
-        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%[d0],%[d1],%[d2],%[d3]}, {%[a0],%[a1]}, "
-                     "{%[b0]}, {%[d0],%[d1],%[d2],%[d3]};"
-                     : [d0] "+f"(c[0]), [d1] "+f"(c[1]), [d2] "+f"(c[2]), [d3] "+f"(c[3])
-                     : [a0] "r"(r[0]), [a1] "r"(r[1]), [b0] "r"(r[2]));
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(r[0]), "r"(r[1]), "r"(r[2]));
         for (int i = 0; i < 4; ++i) d[i] = c[i];
     }
     for (int i = 0; i < 4; ++i) d_out[threadIdx.x * 4 + i] = __float_as_uint(d[i]);
@@ -53,7 +52,7 @@ __device__ void ldmatrix_lanes(const uint16_t* table, const int* rows, uint32_t*
     const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(&smem[rows[threadIdx.x] * 8]));
     uint32_t r[4] = {0, 0, 0, 0};
     if constexpr (N == 1 && !TRANS) asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" : "=r"(r[0]) : "r"(addr));
-    if constexpr (N == 1 && TRANS) asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 %0, [%1];" : "=r"(r[0]) : "r"(addr));
+    if constexpr (N == 1 && TRANS) asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];" : "=r"(r[0]) : "r"(addr));
     if constexpr (N == 2 && !TRANS)
         asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
     if constexpr (N == 2 && TRANS)

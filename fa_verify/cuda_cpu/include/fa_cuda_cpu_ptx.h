@@ -9,8 +9,8 @@
 // it owns from the others' entries. A kernel that fills a fragment in the wrong layout therefore
 // gets wrong numbers here, as on a GPU.
 //
-// cp.async copies are queued per thread and performed at the cp.async.wait_group/wait_all that
-// covers them, not before: a kernel that reads the destination without waiting reads what was
+// cp.async copies are queued per thread and performed (and shown to the race detector, as the
+// issuing thread's accesses) at the cp.async.wait_group/wait_all that covers them, not before: a kernel that reads the destination without waiting reads what was
 // there (NaN at block start), as a GPU may. Copies a thread never waits for are dropped when its
 // block ends; no thread may read them on a GPU either.
 #pragma once
@@ -75,6 +75,27 @@ inline T byte_offset(const T& operand, long long bytes) {
         return reinterpret_cast<T>(reinterpret_cast<std::uintptr_t>(operand) + static_cast<std::uintptr_t>(bytes));
     else
         return static_cast<T>(operand + bytes);
+}
+
+// The race detector (race builds) sees the kernel's own loads and stores; the copies below are
+// memcpy calls it does not see, so they announce the bytes they read and write.
+#if FA_CPU_RACECHECK
+extern "C" FA_CPU_HIDDEN void __tsan_read_range(void* p, std::size_t n);
+extern "C" FA_CPU_HIDDEN void __tsan_write_range(void* p, std::size_t n);
+#endif
+inline void race_read(const void* p, std::size_t n) {
+#if FA_CPU_RACECHECK
+    __tsan_read_range(const_cast<void*>(p), n);
+#else
+    (void)p, (void)n;
+#endif
+}
+inline void race_write(void* p, std::size_t n) {
+#if FA_CPU_RACECHECK
+    __tsan_write_range(p, n);
+#else
+    (void)p, (void)n;
+#endif
 }
 
 // ---- operands ---------------------------------------------------------------------------------------
@@ -217,6 +238,7 @@ inline void ldmatrix(int matrices, bool trans, const unsigned char* row, std::ui
         for (int h = 0; h < 2; ++h) {
             const int r = trans ? 2 * static_cast<int>(lane % 4) + h : static_cast<int>(lane / 4);
             const int c = trans ? static_cast<int>(lane / 4) : 2 * static_cast<int>(lane % 4) + h;
+            race_read(table[8 * j + r].row + 2 * c, 2);
             std::memcpy(&e[h], table[8 * j + r].row + 2 * c, 2);
         }
         out[j] = static_cast<std::uint32_t>(e[0]) | (static_cast<std::uint32_t>(e[1]) << 16);
@@ -247,8 +269,11 @@ inline AsyncQueue& async_queue() {
     return q;
 }
 
-inline void perform(const std::vector<AsyncCopy>& group) {
+// Inlined into the kernel, so that the race detector names the kernel line of the wait.
+__attribute__((always_inline)) inline void perform(const std::vector<AsyncCopy>& group) {
     for (const AsyncCopy& c : group) {
+        race_read(c.src, static_cast<std::size_t>(c.src_bytes));
+        race_write(c.dst, static_cast<std::size_t>(c.bytes));
         std::memcpy(c.dst, c.src, static_cast<std::size_t>(c.src_bytes));
         std::memset(c.dst + c.src_bytes, 0, static_cast<std::size_t>(c.bytes - c.src_bytes));
     }
@@ -274,7 +299,7 @@ inline void cp_async_commit_group() {
 }
 
 // Waits until at most `pending` of the most recent committed groups are outstanding.
-inline void cp_async_wait_group(long long pending) {
+__attribute__((always_inline)) inline void cp_async_wait_group(long long pending) {
     AsyncQueue& q = async_queue();
     while (q.groups.size() > static_cast<std::size_t>(pending < 0 ? 0 : pending)) {
         perform(q.groups.front());
@@ -282,7 +307,7 @@ inline void cp_async_wait_group(long long pending) {
     }
 }
 
-inline void cp_async_wait_all() {
+__attribute__((always_inline)) inline void cp_async_wait_all() {
     cp_async_commit_group();
     cp_async_wait_group(0);
 }
