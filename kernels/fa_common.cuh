@@ -15,7 +15,8 @@
 // The sources compile with nvcc and, through fa_verify's CUDA-on-CPU runner, with g++ and a
 // force-included shim: they use only threadIdx/blockIdx/blockDim/gridDim, __shared__ memory,
 // __syncthreads, full-warp shuffles reached by every thread of the block, the fp16/bf16
-// conversions below, fp32 math functions and nvcuda::wmma (never its fragment layout).
+// conversions below, fp32 math functions, nvcuda::wmma (never its fragment layout) and, in
+// mma_ptx.cu, inline PTX that relies on the PTX ISA's fragment layouts.
 
 #pragma once
 

@@ -370,7 +370,7 @@ def test_registry():
     names = [backend.name for backend in builtin_backends()]
     assert names[:5] == ["numpy-tiled", "naive-same-precision", "naive-fp32", "torch-sdpa-math",
                          "torch-sdpa-flash-cpu"]
-    kernels = {f"{family}-{runner}" for family in ("fa2", "wmma", "naive-cuda", "naive16-cuda")
+    kernels = {f"{family}-{runner}" for family in ("fa2", "wmma", "mma-ptx", "naive-cuda", "naive16-cuda")
                for runner in ("cpu", "pycuda")}
     assert set(names[5:]) == kernels
     assert isinstance(get_backend("naive-fp32"), NaiveBackend)

@@ -21,7 +21,6 @@ from fa_verify.errors import (
     KernelDeadlockError,
     KernelSanitizerError,
     KernelTimeoutError,
-    KernelUnsupportedError,
 )
 from pathlib import Path
 
@@ -443,11 +442,6 @@ def test_trap_names_the_thread(faults):
 
 
 # ---- build diagnostics and cache ----------------------------------------------------------------------
-
-
-def test_inline_assembly_fails_the_build_naming_the_line():
-    with pytest.raises(KernelUnsupportedError, match=r"unsupported_asm\.cu:4: inline assembly \(`asm`\)"):
-        CpuKernelModule(KERNELS / "unsupported_asm.cu", {"lane_id": ["ptr"]})
 
 
 def test_an_intrinsic_the_shim_lacks_is_named():

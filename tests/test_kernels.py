@@ -125,7 +125,7 @@ def test_supports_and_precision():
     assert fa2.precision("bf16") == PrecisionModel.flash("bf16")
     assert get_family("naive16").precision("fp16").score_accumulation == "fp16"
     assert get_family("naive").precision("bf16") == PrecisionModel.fp32_accumulate("bf16")
-    with pytest.raises(InvalidArgumentError, match="kernel families: fa2, wmma, naive, naive16"):
+    with pytest.raises(InvalidArgumentError, match="kernel families: fa2, wmma, mma_ptx, naive, naive16"):
         get_family("fa3")
 
 

@@ -3,7 +3,7 @@
 Runners: "pycuda" (a GPU, through a restartable PyCUDA worker process on the device
 $FA_VERIFY_CUDA_DEVICE names) and "cpu" (the same
 source compiled by g++ through fa_verify's CUDA-on-CPU runner). Backend names are
-"<label>-<runner>": fa2-pycuda, fa2-cpu, wmma-pycuda, wmma-cpu, naive-cuda-pycuda,
+"<label>-<runner>": fa2-pycuda, fa2-cpu, wmma-pycuda, wmma-cpu, mma-ptx-pycuda, mma-ptx-cpu, naive-cuda-pycuda,
 naive-cuda-cpu, naive16-cuda-pycuda, naive16-cuda-cpu. The launch (entry, grid, block, dynamic shared memory) and the precision model
 come from the kernel catalogue, fa_verify.kernels.catalogue.
 """

@@ -20,6 +20,8 @@ _BUILTINS = (
     lambda: PyCudaKernelBackend("fa2"),
     lambda: CpuKernelBackend("wmma"),
     lambda: PyCudaKernelBackend("wmma"),
+    lambda: CpuKernelBackend("mma_ptx"),
+    lambda: PyCudaKernelBackend("mma_ptx"),
     lambda: CpuKernelBackend("naive"),
     lambda: PyCudaKernelBackend("naive"),
     lambda: CpuKernelBackend("naive16"),

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
                     "reference on the same problems (B=1, H=2, causal), and prints the time per "
                     "example and the ratio, to plan a Hypothesis budget. Exit 0: done; 2: usage or "
                     "setup error (a kernel that does not build or run).")
-    runner.add_argument("--kernel", action="append", choices=("fa2", "wmma", "naive", "naive16"),
+    runner.add_argument("--kernel", action="append", choices=("fa2", "wmma", "mma_ptx", "naive", "naive16"),
                         help="kernel family (repeatable; default fa2 and wmma)")
     runner.add_argument("--sizes", type=positive_int, nargs="+", default=[64, 256, 1024], metavar="N",
                         help="sequence lengths (default: 64 256 1024)")

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
                     "killed and no false positive; 1: a mutant survived the suite or a correct kernel "
                     "failed it; 2: usage or setup error.")
     cmd.add_argument("--family", action="append", metavar="FAMILY",
-                     help="only mutants of this kernel family (repeatable: fa2, wmma, naive, naive16)")
+                     help="only mutants of this kernel family (repeatable: fa2, wmma, mma_ptx, naive, naive16)")
     cmd.add_argument("--mutant", action="append", metavar="NAME", help="only this mutant (repeatable)")
     cmd.add_argument("--seeds", type=int_at_least(0), default=20, metavar="N",
                      help="Hypothesis seeds for the suite on the unmutated kernels (default 20; 0 skips "

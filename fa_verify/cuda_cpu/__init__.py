@@ -18,11 +18,11 @@ builds as it is with ``set_aside_host_code=True``; `fa_verify check kernel.cu --
 KernelRaceError, with both accesses' file:line, for conflicting accesses to shared or global memory
 that no __syncthreads, __syncwarp or atomics order.
 
-Modules: _build (compile + cache), _rewrite (__shared__ and unsupported constructs),
-_host_code (a published file's host code set aside), _shared_limits (the 48 KiB default and the
-arch's maximum), _trampolines (typed launchers), _diagnostics (build-error hints), _module
-(CpuKernelModule), _process (the worker's parent side), _worker / _exec (the worker's side), _race
-(the race detector's reports).
+Modules: _build (compile + cache), _ptx (inline PTX into calls of include/fa_cuda_cpu_ptx.h),
+_rewrite (__shared__ and unsupported constructs), _host_code (a published file's host code set
+aside), _shared_limits (the 48 KiB default and the arch's maximum), _trampolines (typed
+launchers), _diagnostics (build-error hints), _module (CpuKernelModule), _process (the worker's
+parent side), _worker / _exec (the worker's side), _race (the race detector's reports).
 """
 
 from fa_verify.cuda_cpu._build import SHIM_DIR, BuildResult, build, default_cache_dir
@@ -42,19 +42,31 @@ SUPPORTED = (
     "cuda_fp16.h / cuda_bf16.h: __half, __half2, __nv_bfloat16, __nv_bfloat162, conversions (_rn/_rz/_rd/_ru, "
     "bit-exact, NaN -> 0x7FFF), operators, __hadd/__hmul/__hfma/__hmax/..., hexp/hlog/hsqrt/...",
     "mma.h: nvcuda::wmma fragments m16n16k16/m32n8k16/m8n32k16, __half/__nv_bfloat16 inputs, float/__half "
-    "accumulators, fill_fragment, load_matrix_sync, mma_sync, store_matrix_sync (whole tile per thread)",
+    "accumulators, and m16n16k8 precision::tf32 inputs with float accumulators (wmma::__float_to_tf32 rounds "
+    "as cvt.rna; mma_sync reads the inputs' 19 high bits), fill_fragment, load_matrix_sync, mma_sync, "
+    "store_matrix_sync (whole tile per thread)",
     "libm float/double math (expf, exp2f, logf, fmaxf, rsqrtf, ...); __expf, __logf, __powf, __fdividef "
     "as the GPU's approximation formulas; min/max overloads; __float_as_int and friends; __popc, __clz, __ffs, __brev",
     "atomicAdd/Sub/Exch/Min/Max/And/Or/Xor/Inc/Dec/CAS on int, unsigned, unsigned long long (and float/double add)",
     "__ldg/__ldcg/__ldcs/... and __stcg/__stcs/... (plain memory), printf, assert, __trap, clock64 (a counter)",
     "math_constants.h (CUDART_*), cuda_runtime.h (no host API)",
+    "inline PTX (asm statements): mma.sync.aligned.m16n8k16/m16n8k8.row.col.f32.{f16,bf16}.{f16,bf16}.f32, "
+    "ldmatrix.sync.aligned.m8n8.x1/.x2/.x4{.trans}{.shared}.b16 (the ISA's fragment layouts, exchanged between "
+    "the lanes of a warp), cp.async.ca/.cg.shared.global (src-size zero fill) with commit_group/wait_group/"
+    "wait_all (copies land at the wait), ex2.approx{.ftz}.f32, cvt.rn.f16x2/bf16x2.f32, "
+    "shfl.sync.up/down/bfly/idx.b32; "
+    "__cvta_generic_to_shared",
+    "cooperative_groups: this_thread_block() (sync, thread_rank, size, ...), tiled_partition<N> for N a power of two "
+    "up to 32 (sync, thread_rank, meta_group_rank/size, shfl, shfl_xor/up/down, ballot/any/all), cg::reduce with "
+    "plus/less/greater/bit_and/bit_or/bit_xor (a butterfly over the tile)",
 )
 
 #: Refused with a clear build error.
 UNSUPPORTED = (
-    "inline assembly (asm / PTX), __managed__ memory",
-    "cooperative_groups, cuda_pipeline / cp.async, cuda_awbarrier, cuda_fp8",
-    "wmma with tf32, integer or sub-byte types; atomics on __half/__nv_bfloat16",
+    "any other inline assembly (the build error names the instruction), asm labels, __managed__ memory",
+    "cooperative_groups' grid, multi-grid, cluster and coalesced groups and dynamic tiled_partition; "
+    "cuda_pipeline (use cp.async PTX), cuda_awbarrier, cuda_fp8",
+    "wmma with integer or sub-byte types; atomics on __half/__nv_bfloat16",
     "texture and surface objects, dynamic parallelism, host runtime API calls inside the source",
 )
 

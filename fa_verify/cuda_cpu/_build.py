@@ -1,6 +1,7 @@
 """Builds a CUDA C source into a shared library for the CPU runner, with a content-addressed cache.
 
-Steps: preprocess the ``.cu`` with g++ and the force-included shim; refuse what cannot be emulated
+Steps: preprocess the ``.cu`` with g++ and the force-included shim; turn inline PTX into calls of
+the shim (``_ptx``); refuse what cannot be emulated
 and rewrite ``__shared__`` (``_rewrite``); append the launch trampolines (``_trampolines``);
 compile the unit and link it with the fiber runtime into ``module.so``.
 
@@ -27,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fa_verify.cuda_cpu import _diagnostics, _rewrite, _trampolines
+from fa_verify.cuda_cpu import _diagnostics, _ptx, _rewrite, _trampolines
 from fa_verify.errors import BackendUnavailableError, InvalidArgumentError, KernelBuildError
 
 SHIM_DIR = Path(__file__).resolve().parent / "include"
@@ -100,7 +101,7 @@ def _shim_digest() -> str:
     # Everything that shapes the compiled unit: shim headers, runtime, this builder, the rewrite.
     here = Path(__file__).parent
     files = sorted(SHIM_DIR.iterdir()) + sorted(RUNTIME_SOURCE.parent.iterdir()) + [
-        Path(__file__), here / "_rewrite.py", here / "_trampolines.py"]
+        Path(__file__), here / "_rewrite.py", here / "_ptx.py", here / "_trampolines.py"]
     return _sha256("".join(f.name + _sha256(f.read_bytes()) for f in files if f.is_file()))
 
 
@@ -156,6 +157,7 @@ def build(
     with tempfile.TemporaryDirectory(prefix="build-", dir=cache) as work_dir:
         work = Path(work_dir)
         preprocessed, depends = _preprocess(cxx, source, flags, macro_flags, include_flags, work, entries)
+        preprocessed = _ptx.rewrite_inline_asm(preprocessed, SHIM_DIR)
         _rewrite.check_supported(preprocessed, SHIM_DIR)
         unit = _rewrite.rewrite_shared(preprocessed)
         unit += _trampolines.generate(entries, str(source))

@@ -36,8 +36,7 @@ DYNAMIC_SHARED_SYMBOL = "fa_cpu_dynamic_smem"
 REGISTER_SHARED = "::fa_cpu::register_shared"
 
 _LINE_MARKER = re.compile(r'^#\s*(\d+)\s+"((?:[^"\\]|\\.)*)"([\d ]*)$')
-_STRING_OR_CHAR = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')
-_ASM = re.compile(r"\b(asm|__asm__|__asm)\b")
+STRING_OR_CHAR = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')
 _UNSUPPORTED_WORDS = re.compile(r"\b(__managed__)\b")
 _EXTERN_SHARED = re.compile(r"\bextern\s+__shared__\b")
 _STATIC_SHARED = re.compile(r"\bstatic\s+__shared__\b|\b__shared__\s+static\b")
@@ -47,15 +46,16 @@ _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 _UNKNOWN_BOUND_ARRAY = re.compile(r"([A-Za-z_]\w*)\s*\[\s*\]\s*(__attribute__\s*\(\(.*\)\))?\s*$", re.S)
 
 
-def check_supported(text: str, shim_dir: Path) -> None:
-    """Raise KernelUnsupportedError for inline assembly (or __managed__) in the user's code.
+def user_lines(text: str, shim_dir: Path):
+    """Yield (offset, path, line, raw) for each line of preprocessed `text` from the kernel author's files.
 
     System headers and the shim may use ``__asm__`` (glibc does); only lines whose line marker
     names another file are the kernel author's.
     """
     shim_prefix = str(shim_dir.resolve())
-    path, line, user = "<unknown>", 0, False
+    path, line, user, offset = "<unknown>", 0, False, 0
     for raw in text.split("\n"):
+        start, offset = offset, offset + len(raw) + 1
         marker = _LINE_MARKER.match(raw)
         if marker:
             line = int(marker.group(1))
@@ -63,21 +63,23 @@ def check_supported(text: str, shim_dir: Path) -> None:
             flags = marker.group(3).split()
             user = not ("3" in flags or path.startswith("<") or path.startswith(shim_prefix))
             continue
-        if user and ("asm" in raw or "__managed__" in raw):
-            code = _STRING_OR_CHAR.sub('""', raw)
-            found = _ASM.search(code)
-            if found:
-                raise KernelUnsupportedError(
-                    f"{path}:{line}: inline assembly (`{found.group(1)}`) cannot run on the CPU: the "
-                    "CUDA-on-CPU runner emulates CUDA C, not PTX or SASS; use the CUDA C intrinsic "
-                    "(e.g. __shfl_xor_sync, nvcuda::wmma) instead"
-                )
-            found = _UNSUPPORTED_WORDS.search(code)
+        if user:
+            yield start, path, line, raw
+        line += 1
+
+
+def check_supported(text: str, shim_dir: Path) -> None:
+    """Raise KernelUnsupportedError for ``__managed__`` memory in the user's code.
+
+    (Inline assembly was rewritten or refused before, by ``_ptx.rewrite_inline_asm``.)
+    """
+    for _, path, line, raw in user_lines(text, shim_dir):
+        if "__managed__" in raw:
+            found = _UNSUPPORTED_WORDS.search(STRING_OR_CHAR.sub('""', raw))
             if found:
                 raise KernelUnsupportedError(
                     f"{path}:{line}: `{found.group(1)}` memory is not supported by the CUDA-on-CPU runner"
                 )
-        line += 1
 
 
 def rewrite_shared(text: str) -> str:

@@ -216,6 +216,12 @@ def _wmma_smem(d: int, dtype: str, c: TileConfig) -> tuple[int, ...]:
             4 * c.block_m * (d + 4), 4 * c.block_m)
 
 
+def _mma_ptx_smem(d: int, dtype: str, c: TileConfig) -> tuple[int, ...]:
+    t = _ITEMSIZE[dtype]
+    ld = d + 8
+    return (t * c.block_m * ld, t * c.block_n * ld, t * c.block_n * ld)
+
+
 def _no_smem(d: int, dtype: str, c: TileConfig) -> tuple[int, ...]:
     return ()
 
@@ -246,6 +252,18 @@ WMMA = KernelFamily(
     notes="tensor-core sums may not round as IEEE fp32 additions; judged by the FA2 model",
     min_arch=80, min_arch_reason="bf16 wmma fragments")
 
+MMA_PTX = KernelFamily(
+    name="mma_ptx", label="mma-ptx", source="mma_ptx.cu",
+    description="FlashAttention-2 style on tensor cores in inline PTX (cp.async, ldmatrix, "
+                "mma.sync.m16n8k16 with fp32 accumulation, ex2.approx, shfl.sync): S, P and O in "
+                "registers in the ISA's fragment layouts, one warp per 16 query rows",
+    dtypes=("fp16", "bf16"),
+    configs={16: TileConfig(64, 32, 128), 32: TileConfig(64, 32, 128), 64: TileConfig(64, 32, 128),
+             96: TileConfig(64, 32, 128), 128: TileConfig(64, 32, 128), 256: TileConfig(32, 16, 64)},
+    precision_model=PrecisionModel.flash, smem_regions=_mma_ptx_smem,
+    notes="tensor-core sums may not round as IEEE fp32 additions; exp is ex2.approx; judged by the FA2 model",
+    min_arch=80, min_arch_reason="mma.sync.m16n8k16 with bf16, cp.async")
+
 NAIVE = KernelFamily(
     name="naive", label="naive-cuda", source="naive.cu",
     description="standard attention materialising S and P in global memory in fp32 (fp32 dot "
@@ -267,7 +285,7 @@ NAIVE16 = KernelFamily(
           "rule judges it")
 
 #: Every kernel family, by name.
-FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (FA2, WMMA, NAIVE, NAIVE16)}
+FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (FA2, WMMA, MMA_PTX, NAIVE, NAIVE16)}
 
 
 def _fa2_key_tile(block_n: int) -> KernelFamily:

@@ -9,7 +9,8 @@
 //
 // Not here on purpose: `__shared__` is rewritten by the builder after preprocessing (a macro
 // cannot give `__shared__ float a[8];` static storage and keep `extern __shared__ T s[];` valid),
-// and inline assembly is rejected by the builder with a message naming the line.
+// and inline assembly is rewritten by the builder into calls of fa_cuda_cpu_ptx.h (the PTX
+// instructions it emulates) or rejected with a message naming the instruction and the line.
 #pragma once
 
 #include <math.h>
@@ -144,6 +145,9 @@ inline int __any_sync(unsigned int mask, int predicate) { return __ballot_sync(m
 inline int __all_sync(unsigned int mask, int predicate) {
     return __ballot_sync(mask, predicate) == (mask & ::fa_cpu::live_lanes());
 }
+
+// Inline PTX, rewritten by the builder into calls of this header's functions.
+#include "fa_cuda_cpu_ptx.h"
 
 // ---- bit casts and integer intrinsics ------------------------------------------------------------------
 

@@ -36,6 +36,9 @@ extern FA_CPU_HIDDEN ThreadHead* g_current;
 extern FA_CPU_HIDDEN uint3 g_block_idx;
 extern FA_CPU_HIDDEN dim3 g_block_dim;
 extern FA_CPU_HIDDEN dim3 g_grid_dim;
+// Counts the blocks this module has run: per-thread state kept by the shim (cp.async queues)
+// belongs to one block and is discarded when this changes.
+extern FA_CPU_HIDDEN std::uint64_t g_block_serial;
 
 // Warp operations. They all go through one rendezvous of the lanes named in the mask; `b` and
 // `c` are PTX shfl's operands (source lane / delta / xor mask, and the clamp/segment word).

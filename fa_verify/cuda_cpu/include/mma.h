@@ -1,5 +1,5 @@
 // mma.h for the CUDA-on-CPU runner: nvcuda::wmma with fp16/bf16 inputs and fp32 (or fp16)
-// accumulators.
+// accumulators, and tf32 inputs (m16n16k8, float fragments) with fp32 accumulators.
 //
 // On the GPU a fragment is spread over the 32 lanes of a warp in an unspecified layout. Here every
 // emulated thread holds the whole tile, row-major: load, mma and store need no exchange between
@@ -7,7 +7,12 @@
 // Kernels may therefore touch fragment elements only through `num_elements` and `x[i]` with the
 // same operation on every element, which is also all that CUDA guarantees.
 //
-// mma_sync multiplies exactly (an fp16 or bf16 product fits in fp32) and accumulates in fp32,
+// tf32: fragments hold floats as loaded; wmma::__float_to_tf32 rounds one to tf32 (10-bit mantissa,
+// round to nearest with ties away from zero, as cvt.rna.tf32.f32), and mma_sync reads only the 19
+// high bits of each input (sign, exponent, 10 mantissa bits), so a kernel that skips the
+// conversion multiplies truncated inputs, the model of what the tensor cores do with them.
+//
+// mma_sync multiplies exactly (an fp16, bf16 or tf32 product fits in fp32) and accumulates in fp32,
 // k ascending, starting from C; the lanes after the first reuse its result (see MmaMemo). The GPU's requirements are checked, since violating them is
 // undefined behaviour there: 256-bit aligned tile pointers and a leading dimension that is a
 // multiple of 16 bytes.
@@ -47,12 +52,25 @@ template <int M, int N, int K> struct tile<matrix_a, M, N, K> { static constexpr
 template <int M, int N, int K> struct tile<matrix_b, M, N, K> { static constexpr int rows = K, cols = N; };
 template <int M, int N, int K> struct tile<accumulator, M, N, K> { static constexpr int rows = M, cols = N; };
 
-template <class T> struct is_input : std::integral_constant<bool, std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value> {};
+template <class T> struct is_input : std::integral_constant<bool, std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value || std::is_same<T, precision::tf32>::value> {};
+// What a fragment stores for its element type: tf32 fragments hold floats.
+template <class T> struct storage { using type = T; };
+template <> struct storage<precision::tf32> { using type = float; };
+template <class Use, int M, int N, int K, class T>
+struct valid_shape : std::integral_constant<bool, (M == 16 && N == 16 && K == 8)
+    ? (std::is_same<T, precision::tf32>::value || (std::is_same<Use, accumulator>::value && std::is_same<T, float>::value))
+    : ((M == 16 && N == 16 && K == 16) || (M == 32 && N == 8 && K == 16) || (M == 8 && N == 32 && K == 16)) &&
+          !std::is_same<T, precision::tf32>::value> {};
 template <class T> struct is_accumulator : std::integral_constant<bool, std::is_same<T, float>::value || std::is_same<T, __half>::value> {};
 
 inline float widen(float v) { return v; }
 inline float widen(__half v) { return __half2float(v); }
 inline float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+// A tf32 input as the tensor cores read it: the low 13 mantissa bits dropped (NaN kept NaN).
+inline float tf32_input(float v) {
+    if (v != v) return v;
+    return ::fa_cpu::fp::bits_float(::fa_cpu::fp::float_bits(v) & 0xffffe000u);
+}
 
 template <class T>
 inline void check_pointer(const T* p, unsigned ldm, const char* what) {
@@ -63,19 +81,20 @@ inline void check_pointer(const T* p, unsigned ldm, const char* what) {
 
 template <class Use, int M, int N, int K, class T, class Layout = void>
 class fragment {
-    static_assert((M == 16 && N == 16 && K == 16) || (M == 32 && N == 8 && K == 16) || (M == 8 && N == 32 && K == 16),
-                  "fa_verify CUDA-on-CPU: wmma shapes m16n16k16, m32n8k16 and m8n32k16 only");
+    static_assert(detail::valid_shape<Use, M, N, K, T>::value,
+                  "fa_verify CUDA-on-CPU: wmma shapes m16n16k16, m32n8k16 and m8n32k16 (fp16/bf16 inputs) and "
+                  "m16n16k8 (tf32 inputs, float accumulator) only");
     static_assert(std::is_same<Use, accumulator>::value ? detail::is_accumulator<T>::value : detail::is_input<T>::value,
-                  "fa_verify CUDA-on-CPU: wmma inputs must be __half or __nv_bfloat16 and accumulators float or "
-                  "__half (tf32, integer and sub-byte wmma are not emulated)");
+                  "fa_verify CUDA-on-CPU: wmma inputs must be __half, __nv_bfloat16 or precision::tf32 and "
+                  "accumulators float or __half (integer and sub-byte wmma are not emulated)");
 
   public:
-    using element_type = T;
-    using storage_element_type = T;
+    using element_type = typename detail::storage<T>::type;
+    using storage_element_type = element_type;
     static constexpr int num_rows = detail::tile<Use, M, N, K>::rows;
     static constexpr int num_cols = detail::tile<Use, M, N, K>::cols;
     static constexpr int num_elements = num_rows * num_cols;
-    T x[num_elements];  // the whole tile, row-major
+    element_type x[num_elements];  // the whole tile, row-major
 };
 
 template <class Use, int M, int N, int K, class T, class Layout>
@@ -97,7 +116,8 @@ inline void load(Frag& f, const T* p, unsigned ldm, bool row_major) {
 
 // matrix_a / matrix_b with the layout in the type.
 template <class Use, int M, int N, int K, class T, class Layout>
-inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned ldm) {
+inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f,
+                             const typename fragment<Use, M, N, K, T, Layout>::element_type* p, unsigned ldm) {
     static_assert(!std::is_same<Use, accumulator>::value && !std::is_void<Layout>::value,
                   "wmma::load_matrix_sync: an accumulator (or a fragment without layout) needs a layout_t argument");
     detail::load(f, p, ldm, std::is_same<Layout, row_major>::value);
@@ -105,7 +125,9 @@ inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, u
 
 // Accumulators (and matrix fragments declared without a layout) with the layout at run time.
 template <class Use, int M, int N, int K, class T, class Layout>
-inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned ldm, layout_t layout) {
+inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f,
+                             const typename fragment<Use, M, N, K, T, Layout>::element_type* p, unsigned ldm,
+                             layout_t layout) {
     detail::load(f, p, ldm, layout == mem_row_major);
 }
 
@@ -161,12 +183,17 @@ struct MmaMemo {
     }
 };
 
-template <class FA, class FB, class FC>
+template <bool Tf32, class FA, class FB, class FC>
 inline void multiply(FC& d, const FA& a, const FB& b, const FC& c) {
     constexpr int M = FA::num_rows, K = FA::num_cols, N = FB::num_cols;
     float fa[M * K], fb[K * N], acc[M * N];
-    for (int i = 0; i < M * K; ++i) fa[i] = widen(a.x[i]);
-    for (int i = 0; i < K * N; ++i) fb[i] = widen(b.x[i]);
+    if constexpr (Tf32) {
+        for (int i = 0; i < M * K; ++i) fa[i] = tf32_input(a.x[i]);
+        for (int i = 0; i < K * N; ++i) fb[i] = tf32_input(b.x[i]);
+    } else {
+        for (int i = 0; i < M * K; ++i) fa[i] = widen(a.x[i]);
+        for (int i = 0; i < K * N; ++i) fb[i] = widen(b.x[i]);
+    }
     for (int i = 0; i < M * N; ++i) acc[i] = widen(c.x[i]);
     for (int i = 0; i < M; ++i)
         for (int k = 0; k < K; ++k) {
@@ -193,10 +220,17 @@ inline void mma_sync(fragment<accumulator, M, N, K, Tc>& d, const fragment<matri
     entry.a = a;
     entry.b = b;
     entry.c = c;
-    detail::multiply(entry.d, a, b, c);
+    detail::multiply<std::is_same<Tab, precision::tf32>::value>(entry.d, a, b, c);
     entry.hash = hash;
     entry.valid = true;
     d = entry.d;
+}
+
+// cvt.rna.tf32.f32: round to the nearest tf32 (10-bit mantissa), ties away from zero; the result
+// is a float whose low 13 bits are zero. Infinities and NaN pass unchanged.
+inline float __float_to_tf32(float x) {
+    if (!std::isfinite(x)) return x;
+    return ::fa_cpu::fp::bits_float((::fa_cpu::fp::float_bits(x) + 0x1000u) & 0xffffe000u);
 }
 
 }  // namespace wmma

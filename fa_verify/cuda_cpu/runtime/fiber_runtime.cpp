@@ -41,6 +41,7 @@ ThreadHead* g_current = nullptr;
 uint3 g_block_idx = {0, 0, 0};
 dim3 g_block_dim;
 dim3 g_grid_dim;
+std::uint64_t g_block_serial = 0;
 }  // namespace fa_cpu
 
 // Every `extern __shared__` array of the kernel refers to this buffer, so all of them alias the
@@ -407,6 +408,7 @@ void run_block(const LaunchConfig& cfg, std::uint64_t block_linear) {
     const unsigned int n = static_cast<unsigned int>(cfg.block[0] * cfg.block[1] * cfg.block[2]);
 
     Block& b = g_block;
+    ++g_block_serial;
     b.live = static_cast<int>(n);
     b.arrived = 0;
     b.generation = 0;
