@@ -1,7 +1,7 @@
 """The report's data layer: plain dataclasses built from records, rendered elsewhere.
 
-Everything a page, summary.json or summary.md shows is computed here (and in `fa3`, `curves`
-and `cases`), once, so that the three agree and the templates only format. A cell's "p99" is
+Everything a page, summary.json or summary.md shows is computed here (and in `fa3`, `curves`,
+`distributions` and `cases`), once, so that the three agree and the templates only format. A cell's "p99" is
 the largest per-run p99 (percentiles do not pool; with one run per cell it is that run's).
 A cell's headline is "× rounded" (`aggregate.vs_rounded`), the one figure comparable across
 backends; the overview lists backends most accurate first by it (`ranked`).
@@ -18,6 +18,7 @@ from fa_verify.report.buckets import Bucket, bucket_of, column_of
 from fa_verify.report.cases import Case, worst_case, worst_cases
 from fa_verify.report.curves import curves
 from fa_verify.report.deviations import deviation_of
+from fa_verify.report.distributions import distributions
 from fa_verify.report.fa3 import Fa3Table, fa3_table
 from fa_verify.report.histogram import merge
 from fa_verify.report.run_info import RunInfo
@@ -254,6 +255,8 @@ class ReportData:
     sections: list
     fa3: Fa3Table | None
     curves: list
+    #: per dtype, each backend's error distribution and share of exactly rounded elements
+    distributions: list
     failures: list
     deviations: list
     worst_passing: list
@@ -290,7 +293,7 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
                       first=stamps[0] if stamps else None, last=stamps[-1] if stamps else None),
         columns=columns,
         sections=ranked(backend_section(name, by_backend[name], columns, repro_dir) for name in by_backend),
-        fa3=fa3_table(records), curves=curves(records),
+        fa3=fa3_table(records), curves=curves(records), distributions=distributions(records),
         failures=failures, deviations=deviations(records), worst_passing=passing, skips=skip_groups(run), run=run,
         environment=(run.environment if run is not None and run.environment else environment or {}),
         environment_of_run=bool(run is not None and run.environment), notes=notes)
