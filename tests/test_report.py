@@ -38,6 +38,7 @@ from fa_verify.report.plots import backend_colours
 from fa_verify.report.render import render_html
 from fa_verify.report.run_info import RunInfo
 from fa_verify.report.runner import run_sweep
+from fa_verify.report.yardsticks import EXACTLY_ROUNDED_KEY, LARGEST_BOUND_KEY, ROUNDED_HISTOGRAM_KEY
 from fa_verify.results import ResultsStore, ResultsWarning
 from fa_verify.sweeps import SWEEPS, Sweep, grid
 
@@ -305,8 +306,7 @@ def test_a_screenshot_shows_the_headline_cells_and_labelled_figures(tmp_path):
     curves, histograms = page.figure_text["curves"], page.figure_text["histograms"]
     for dtype in ("fp16", "fp32"):
         assert f"{dtype}: error against sequence length (Nq = Nk, D = 16, MHA, normal inputs)" in curves
-        assert f"{dtype}: normalised error distribution per backend (grey: the exactly rounded " \
-               "reference on the same problems)" in histograms
+        assert f"{dtype}: normalised error per backend; grey: the exactly rounded reference" in histograms
     for label in ("sequence length N", "max normalised error", "numpy models · full",
                   "numpy models · causal", "exactly rounded reference (floor)"):
         assert label in curves, label
@@ -376,8 +376,11 @@ def test_runner_records_every_point_with_comparisons_and_histograms(tmp_path):
         assert r.source == "report" and r.sweep == "tiny" and r.passed
         assert set(r.comparisons) == {"exactly-rounded", "naive-same-precision"}
         elements = r.out_errors["ulp"]["count"]
-        h = r.histograms["ulp"]
-        assert h["zero"] + h["under"] + sum(h["bins"]) + h["over"] == elements
+        for h in (r.histograms["ulp"], r.extra[ROUNDED_HISTOGRAM_KEY]):
+            assert h["zero"] + h["under"] + sum(h["bins"]) + h["over"] == elements
+        exact = r.extra[EXACTLY_ROUNDED_KEY]
+        assert exact["of"] == elements and 0 < exact["count"] <= elements
+        assert r.extra[LARGEST_BOUND_KEY] > r.out_errors["normalised"]["max"]
         assert set(r.seconds) == {"run", "check", "reference"}
     assert RunInfo.load(tmp_path).backends == ["numpy-tiled", "naive-fp32"]
     # --resume: nothing is left to do

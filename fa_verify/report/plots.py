@@ -44,10 +44,12 @@ def _styled(fn):
 
 
 def _grid(rows: int, cols: int, width: float, height: float, legend_rows: int = 0):
-    """A figure of rows x cols panels sharing both axes, room below for a legend."""
+    """A figure of rows x cols panels sharing both axes, room below for a legend; never
+    narrower than its title and legend need (a lone panel is widened)."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width * cols, height * rows + 0.22 * legend_rows), layout="constrained")
+    fig = Figure(figsize=(max(width * cols, 6.5), height * rows + 0.22 * legend_rows),
+                 layout="constrained")
     return fig, fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
 
 
@@ -68,7 +70,8 @@ def curve_svg(curve, colours: dict) -> str:
     modes = sorted({s.causal for s in curve.series})
     groups = list(curve.groups.items())
     entries = sum(map(len, curve.groups.values())) + 3
-    fig, axes = _grid(len(modes), len(groups), 3.6, 2.9, -(-entries // 4))
+    columns = min(4, len(groups) + 1)  # a legend no wider than the panels
+    fig, axes = _grid(len(modes), len(groups), 3.6, 2.9, -(-entries // columns) + 1)
     # the errors set the y range; a bound far above them (up to ~1 where a model's scores are
     # in 16 bits) would squeeze them into a sliver, so such bands are cut and their top written
     errors = [e for s in curve.series for _, e in s.points]
@@ -103,9 +106,10 @@ def curve_svg(curve, colours: dict) -> str:
                 ax.set_ylabel("max normalised error")
     if clipped:
         axes[0][0].set_ylim(max(min(errors), 1e-17) / 1.5, top)  # the panels share it
-    handles["error-model bound: largest element (dash-dot), shaded down to the floor"] = _band_key()
+    if any(s.bound for s in curve.series):
+        handles["error-model bound, largest element\n(dash-dot; shaded down to the floor)"] = _band_key()
     fig.suptitle(f"{curve.dtype}: error against sequence length ({curve.shape_family})")
-    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=4,
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=columns,
                fontsize=7, frameon=False)
     return _svg(fig)
 
@@ -155,25 +159,20 @@ def histograms_svg(dtype: str, panels: list, colours: dict) -> str:
     cols = min(4, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = _grid(rows, cols, 2.6, 1.9)
-    centres = np.sqrt(EDGES[:-1] * EDGES[1:])
-    used = np.zeros(len(centres), dtype=bool)
+    shares = [{key: _shares(h) for key, h in p.histograms.items() if h} for p in panels]
+    present = [s[s > 0] for panel in shares for s in panel.values()]
+    lowest = min((s.min() for s in present if s.size), default=1.0) / 2  # the log axis' bottom
     for i, ax in enumerate(axes.flat):
         if i >= len(panels):
             ax.set_axis_off()
             continue
-        panel = panels[i]
-        for key in ("rounded", "backend"):
-            h = panel.histograms.get(key)
-            if not h:
-                continue
-            total = h["zero"] + h["under"] + sum(h["bins"]) + h["over"]
-            share = np.asarray(h["bins"], dtype=float) / max(total, 1)
-            used |= share > 0
-            share = np.where(share > 0, share, np.nan)
-            if key == "rounded":
-                ax.fill_between(centres, share, step="mid", lw=0, color="0.6", alpha=0.45)
-            else:
-                ax.step(centres, share, where="mid", color=colours[panel.backend], lw=1.2)
+        panel, share = panels[i], shares[i]
+        if "rounded" in share:
+            ax.stairs(np.maximum(share["rounded"], lowest), EDGES, baseline=lowest, fill=True,
+                      color="0.6", alpha=0.45, lw=0)
+        if "backend" in share:
+            ax.stairs(np.maximum(share["backend"], lowest), EDGES, baseline=lowest,
+                      color=colours[panel.backend], lw=1.2)
         exact = ("exactly rounded: not recorded" if panel.exactly_rounded is None
                  else f"{100 * panel.exactly_rounded:.1f}% exactly rounded")
         ax.set_title(f"{panel.backend}\n{exact}", fontsize=8)
@@ -185,11 +184,18 @@ def histograms_svg(dtype: str, panels: list, colours: dict) -> str:
     ax = axes.flat[0]
     ax.set_xscale("log")
     ax.set_yscale("log")
-    if used.any():
+    used = np.any([s > 0 for panel in shares for s in panel.values()], axis=0)
+    if np.any(used):
         ax.set_xlim(EDGES[np.argmax(used)], EDGES[len(used) - np.argmax(used[::-1])])
-    fig.suptitle(f"{dtype}: normalised error distribution per backend "
-                 "(grey: the exactly rounded reference on the same problems)")
+    ax.set_ylim(bottom=lowest)
+    fig.suptitle(f"{dtype}: normalised error per backend; grey: the exactly rounded reference")
     return _svg(fig)
+
+
+def _shares(h: dict) -> np.ndarray:
+    """A histogram's bin counts as shares of all its elements (zeros and beyond-range included)."""
+    total = h["zero"] + h["under"] + sum(h["bins"]) + h["over"]
+    return np.asarray(h["bins"], dtype=float) / max(total, 1)
 
 
 def sparkline(hist: dict | None, view: str, width: int = 96, height: int = 22) -> list:
