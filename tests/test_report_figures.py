@@ -1,4 +1,4 @@
-"""The report's figures and the Markdown summary, on small synthetic record sets (no sweep).
+"""The report's figures, overview rank and Markdown summary, on small synthetic record sets.
 
 Gold file: tests/gold/report/synthetic_summary.md is what `_records()` below renders to.
 After an intended change to summary.md, regenerate it with
@@ -164,3 +164,17 @@ def test_histograms_state_each_backends_own_share_of_exactly_rounded_elements():
     for backend, share in shares.items():
         assert f"{100 * share:.1f}% exactly rounded" in svg, backend
     assert "error / row scale" in svg and "share of elements" in svg
+
+
+def test_the_rank_compares_backends_on_the_columns_they_all_ran():
+    # a 16-bit-only FA2-style kernel against a correctly rounding one that also runs fp32, where
+    # every kernel is ~10x the rounded reference: on its own columns the first would rank first
+    records = [_record("wmma-cpu", dtype, False, 16, 1.25e-4) for dtype in ("fp16", "bf16")]
+    records += [_record("naive-fp32", dtype, False, 16, rmse)
+                for dtype, rmse in (("fp16", 1e-4), ("bf16", 1e-4), ("fp32", 1.2e-3))]
+    data = build(records, environment={})
+    assert [c.label for c in data.ranked_on] == ["fp16 · full", "bf16 · full"]
+    assert [(s.name, round(s.vs_rounded, 6)) for s in data.sections] == [("naive-fp32", 1.0), ("wmma-cpu", 1.25)]
+    # with no column common to all, each backend is ranked on its own
+    alone = build(records[2:] + [_record("wmma-cpu", "fp32", True, 16, 2e-4)], environment={})
+    assert len(alone.ranked_on) == len(alone.columns) == 4

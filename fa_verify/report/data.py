@@ -148,8 +148,9 @@ class BackendSection:
     bound_ratio: float | None
     #: one Cell over all the backend's runs per column of the whole report (None: no runs)
     overview: list
-    #: what the overview ranks by: the geometric mean of the overview cells' × rounded
-    vs_rounded: float | None
+    #: what the overview ranks by: the geometric mean of the overview cells' × rounded over
+    #: the ranking columns (`ranking_columns`; set by `build`)
+    vs_rounded: float | None = None
 
     @property
     def status(self) -> str:
@@ -176,14 +177,29 @@ def backend_section(name: str, records, report_columns, repro_dir=None) -> Backe
                    for r in sorted(records, key=lambda r: column_of(r.problem))},
         columns=columns, rows=rows,
         bound_ratio=largest(r.bound_ratio for r in records if has_finite_bound(r)),
-        overview=overview, vs_rounded=geometric_mean(c.vs_rounded for c in overview if c))
+        overview=overview)
 
 
-def ranked(sections) -> list:
-    """Most accurate first: by × rounded (the geometric mean over the columns the backend ran,
-    so that each dtype × causal column weighs alike), then by name; backends without the
-    figure (no sweep records) last."""
-    return sorted(sections, key=lambda s: (s.vs_rounded is None, s.vs_rounded or 0.0, s.name))
+def ranking_columns(sections, columns) -> list:
+    """The columns in which every backend with a × rounded figure has one, so that the rank
+    compares all of them on the same dtypes and causal modes (a backend without fp32 ranked on
+    its 16-bit columns alone would beat every fp32-capable one: in fp32 every kernel is ~10x
+    the rounded reference, in fp16 ~1); all columns when none is common to all."""
+    scored = [s for s in sections if any(c and c.vs_rounded is not None for c in s.overview)]
+    common = [c for i, c in enumerate(columns)
+              if all(s.overview[i] and s.overview[i].vs_rounded is not None for s in scored)]
+    return common or list(columns)
+
+
+def ranked(sections, columns) -> tuple[list, list]:
+    """(the sections most accurate first, the ranking columns): by × rounded, the geometric
+    mean over the ranking columns (each dtype × causal column weighs alike), then by name;
+    backends without the figure (no sweep records) last. Sets each section's vs_rounded."""
+    on = ranking_columns(sections, columns)
+    for s in sections:
+        s.vs_rounded = geometric_mean(cell.vs_rounded for column, cell in zip(columns, s.overview)
+                                      if cell and column in on)
+    return sorted(sections, key=lambda s: (s.vs_rounded is None, s.vs_rounded or 0.0, s.name)), on
 
 
 @dataclass
@@ -253,6 +269,8 @@ class ReportData:
     totals: Totals
     columns: list
     sections: list
+    #: the columns the overview's rank averages over (`ranking_columns`)
+    ranked_on: list
     fa3: Fa3Table | None
     curves: list
     #: per dtype, each backend's error distribution and share of exactly rounded elements
@@ -281,6 +299,8 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
     stamps = sorted(r.timestamp for r in records)
     columns = sorted({column_of(r.problem) for r in records})
     failures, passing = worst_cases([r for r in records if not deviation_of(r)], repro_dir)
+    sections, ranked_on = ranked([backend_section(name, by_backend[name], columns, repro_dir)
+                                  for name in by_backend], columns)
     notes = []
     if run is not None and run.interrupted:
         notes.append("The run was interrupted: this report shows the runs recorded before it stopped.")
@@ -291,8 +311,7 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
                       backends=len(by_backend), sources=dict(sorted(sources.items())),
                       sweeps=sorted({r.sweep for r in records if r.sweep}),
                       first=stamps[0] if stamps else None, last=stamps[-1] if stamps else None),
-        columns=columns,
-        sections=ranked(backend_section(name, by_backend[name], columns, repro_dir) for name in by_backend),
+        columns=columns, sections=sections, ranked_on=ranked_on,
         fa3=fa3_table(records), curves=curves(records), distributions=distributions(records),
         failures=failures, deviations=deviations(records), worst_passing=passing, skips=skip_groups(run), run=run,
         environment=(run.environment if run is not None and run.environment else environment or {}),

@@ -20,7 +20,7 @@ import numpy as np
 from fa_verify.report.families import FAMILIES, family_of
 from fa_verify.report.histogram import EDGES
 
-#: x ranges (decades) the histograms show, per error view; counts beyond go to the edge bars.
+#: x ranges (decades) the cell sparklines show, per error view; counts beyond go to the edge bars.
 VIEW_RANGES = {"ulp": (-2.0, 4.0), "normalised": (-10.0, 0.0)}
 _SVG_RC = {"svg.fonttype": "none", "svg.hashsalt": "fa_verify", "font.size": 9}
 

@@ -26,7 +26,9 @@ from fa_verify.report.buckets import Bucket, Column
 #: backend family ("groups"), and each backend series carries "bound" (N, the largest element
 #: of its normalised error-model bound); comparison series are "floor" (exactly rounded) or
 #: "comparison"; new "distributions": per dtype and backend, "exactly_rounded", the share of
-#: output elements equal to the reference rounded to the output dtype.
+#: output elements equal to the reference rounded to the output dtype; backends' "vs_rounded"
+#: (the rank) averages over "ranked_on", the columns every ranked backend has runs in (was:
+#: each backend's own columns).
 SUMMARY_VERSION = 5
 
 
