@@ -1,10 +1,11 @@
 """The report's data layer: plain dataclasses built from records, rendered elsewhere.
 
 Everything a page, summary.json or summary.md shows is computed here (and in `fa3`, `curves`,
-`distributions` and `cases`), once, so that the three agree and the templates only format. A cell's "p99" is
-the largest per-run p99 (percentiles do not pool; with one run per cell it is that run's).
-A cell's headline is "× rounded" (`aggregate.vs_rounded`), the one figure comparable across
-backends; the overview lists backends most accurate first by it (`ranked`).
+`distributions` and `cases`), once, so that the three agree and the templates only format.
+A cell's "p99" is the largest per-run p99 (percentiles do not pool; with one run per cell it
+is that run's). A cell's headline is "× rounded" (`aggregate.vs_rounded`), the one figure
+comparable across backends; the overview lists backends most accurate first by it, over the
+columns they all ran (`ranked`).
 """
 
 from __future__ import annotations
