@@ -3,8 +3,9 @@
 The shape family (Nq = Nk, MHA, one head dim and distribution) is the one with the most
 distinct N among the records, so that the curve shows N's effect and nothing else. Each
 backend's series carries the largest element of its error-model bound
-(`yardsticks.largest_bound`); the exactly rounded reference on the same inputs is the floor. Naive same-precision attention is
-drawn as a comparison only when it is not itself among the backends (it would appear twice).
+(`yardsticks.largest_bound`); the exactly rounded reference on the same inputs is the floor.
+Naive same-precision attention is drawn as a comparison only when it is not itself among the
+backends (it would appear twice).
 Nothing here knows a sweep: any records with several N of one family give curves.
 """
 

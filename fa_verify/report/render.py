@@ -13,7 +13,14 @@ import math
 import jinja2
 from markupsafe import Markup
 
-from fa_verify.report.plots import HEADROOM, VIEW_RANGES, backend_colours, curve_svg, histograms_svg, sparkline
+from fa_verify.report.plots import (
+    HEADROOM,
+    VIEW_RANGES,
+    backend_colours,
+    curve_svg,
+    histograms_svg,
+    sparkline,
+)
 from fa_verify.report.ulp import NOT_TINY_EXPONENT
 
 
