@@ -61,6 +61,11 @@ def grid(shapes, *, dtypes=DTYPES, causal=CAUSAL, distributions=("normal",), see
                  for s, d, c, dist, seed in product(shapes, dtypes, causal, distributions, seeds))
 
 
+#: The quick sweep's error-vs-N lengths: half octaves up to 256, where runs are cheap, then
+#: octaves (each doubling of N quadruples a run's work); nine lengths, 1024 the largest.
+QUICK_LENGTHS = (16, 32, 64, 96, 128, 192, 256, 512, 1024)
+
+
 def _seq_curve(lengths, head_dim=64, heads=4) -> list[tuple]:
     """The error-vs-N family: MHA, Nq = Nk."""
     return [(1, heads, heads, n, n, head_dim) for n in lengths]
@@ -78,9 +83,10 @@ FA3_PAPER_RMSE = {
 
 SWEEPS = {
     "quick": Sweep(
-        "quick", "every dtype and causal mode at N = 64, 256, 1024 (D = 64, MHA), GQA at D = 128 "
-        "and MQA with Nq > Nk (fully masked rows when causal); normal inputs, one seed",
-        grid(_seq_curve((64, 256, 1024)) + [(1, 8, 2, 256, 256, 128), (1, 4, 1, 100, 64, 96)]),
+        "quick", f"every dtype and causal mode at {len(QUICK_LENGTHS)} sequence lengths N = "
+        f"{', '.join(map(str, QUICK_LENGTHS))} (D = 64, MHA), GQA at D = 128 and MQA with Nq > Nk "
+        "(fully masked rows when causal); normal inputs, one seed",
+        grid(_seq_curve(QUICK_LENGTHS) + [(1, 8, 2, 256, 256, 128), (1, 4, 1, 100, 64, 96)]),
         budget_s=25.0,
         published=("fa3", "golden")),
     "default": Sweep(

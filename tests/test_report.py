@@ -34,9 +34,11 @@ from fa_verify.report.buckets import bucket_of, column_of
 from fa_verify.report.data import build, has_finite_bound
 from fa_verify.report.deviations import KEY as DEVIATION_KEY
 from fa_verify.report.histogram import EDGES, histogram, merge
+from fa_verify.report.plots import backend_colours
 from fa_verify.report.render import render_html
 from fa_verify.report.run_info import RunInfo
 from fa_verify.report.runner import run_sweep
+from fa_verify.report.yardsticks import EXACTLY_ROUNDED_KEY, LARGEST_BOUND_KEY, ROUNDED_HISTOGRAM_KEY
 from fa_verify.results import ResultsStore, ResultsWarning
 from fa_verify.sweeps import SWEEPS, Sweep, grid
 
@@ -115,7 +117,7 @@ def test_rendered_numbers_equal_the_stored_metrics(gold_records, rendered):
 def test_summary_json_is_strict_and_matches_the_records(gold_records, rendered):
     text = (rendered / "summary.json").read_text()
     summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
-    assert summary["format_version"] == 4
+    assert summary["format_version"] == 5
     assert summary["totals"]["records"] == len(gold_records)
     declared = [r for r in gold_records if r.extra.get("declared_deviation")]
     assert len(declared) == 3 and {r.backend for r in declared} == {"torch-sdpa-flash-cpu"}
@@ -196,7 +198,9 @@ def test_a_partial_store_renders(gold_records, tmp_path):
 _BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 
-def test_page_loads_in_headless_chromium_without_errors(rendered, tmp_path):
+def _browse(page: Path, tmp_path, height: int) -> tuple:
+    """(the screenshot of `page` in headless Chromium, 1400 px wide, as a PIL image; the DOM
+    after loading it). Fails on console errors; skips without a browser."""
     browser = next((shutil.which(b) for b in _BROWSERS if shutil.which(b)), None)
     if browser is None:
         pytest.skip("no chromium binary on PATH: install it with "
@@ -204,22 +208,113 @@ def test_page_loads_in_headless_chromium_without_errors(rendered, tmp_path):
     shot = tmp_path / "report.png"
     flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
              "--enable-logging=stderr", "--v=0", f"--user-data-dir={tmp_path / 'profile'}"]
-    url = (rendered / "index.html").as_uri()
-    result = subprocess.run([*flags, "--window-size=1400,2400", f"--screenshot={shot}", url],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run([*flags, f"--window-size=1400,{height}", f"--screenshot={shot}", "--dump-dom",
+                             page.as_uri()], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     console = [line for line in result.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert not console, console
     from PIL import Image  # matplotlib's dependency
 
     with Image.open(shot) as image:
-        assert image.size == (1400, 2400)
-        colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
-    assert colours is None or len(colours) > 50, "the screenshot is blank"
-    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
-    assert "FlashAttention-3 Table 3" in dom and dom.count('class="cell ') >= 20
+        image.load()
     if os.environ.get("FA_VERIFY_SCREENSHOT_DIR"):  # for CI artifacts and for looking at it
-        shutil.copy(shot, Path(os.environ["FA_VERIFY_SCREENSHOT_DIR"]) / "report.png")
+        shutil.copy(shot, Path(os.environ["FA_VERIFY_SCREENSHOT_DIR"]) / f"{page.parent.name}.png")
+    dom = result.stdout
+    return image, dom
+
+
+def _not_blank(image) -> None:
+    grey = np.asarray(image.convert("L"), dtype=float)
+    assert grey.std() > 10, f"the screenshot is blank (grey level std {grey.std():.1f})"
+    colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
+    assert colours is None or len(colours) > 50, "the screenshot has almost no colours"
+
+
+def test_page_loads_in_headless_chromium_without_errors(rendered, tmp_path):
+    image, dom = _browse(rendered / "index.html", tmp_path, 2400)
+    assert image.size == (1400, 2400)
+    _not_blank(image)
+    assert "FlashAttention-3 Table 3" in dom and dom.count('class="cell ') >= 20
+
+
+class _Page(HTMLParser):
+    """From a dumped DOM: the overview's cells (text, × rounded data-v) by data-overview key,
+    and the <text> of the SVG figures under the curves and histograms headings."""
+
+    def __init__(self):
+        super().__init__()
+        self.overview, self.figure_text = {}, {"curves": [], "histograms": []}
+        self._cell = self._section = None
+        self._in_text = self._headline = False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "h2":
+            self._section = attrs.get("id")
+        elif tag == "td" and "data-overview" in attrs:
+            self._cell = {"text": "", "vs_rounded": None}
+            self.overview[attrs["data-overview"]] = self._cell
+        elif tag == "b" and self._cell is not None and "headline" in (attrs.get("class") or ""):
+            self._headline = True
+        elif tag == "span" and self._headline and "data-v" in attrs:
+            self._cell["vs_rounded"] = attrs["data-v"]
+        self._in_text = tag == "text" and self._section in self.figure_text
+
+    def handle_endtag(self, tag):
+        if tag == "td":
+            self._cell = None
+        elif tag == "b":
+            self._headline = False
+        self._in_text = False
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell["text"] += data
+        if self._in_text:
+            self.figure_text[self._section].append(data.strip())
+
+
+#: Two lengths of one MHA family in two dtypes: the smallest sweep with curves.
+FIGURES = Sweep("figures", "two lengths", grid([(1, 2, 2, 16, 16, 16), (1, 2, 2, 32, 32, 16)],
+                                               dtypes=("fp16", "fp32")), budget_s=60.0)
+
+
+def test_a_screenshot_shows_the_headline_cells_and_labelled_figures(tmp_path):
+    store = ResultsStore(tmp_path / "results.jsonl")
+    run_sweep(FIGURES, [get_backend("numpy-tiled"), NaiveBackend("fp32")], store)
+    out = tmp_path / "figures"
+    write_report(store.read(), out, generated=GENERATED)
+    summary = json.loads((out / "summary.json").read_text())
+    image, dom = _browse(out / "index.html", tmp_path, 7000)
+    _not_blank(image)
+    # the figures were drawn: each backend's colour is on screen (tables and text have none)
+    pixels = np.asarray(image.convert("RGB"), dtype=int)
+    for backend, colour in backend_colours(["numpy-tiled", "naive-fp32"]).items():
+        near = np.abs(pixels - np.round(np.array(colour) * 255)).sum(axis=-1) < 40
+        assert near.sum() > 100, f"{backend}'s colour is missing from the screenshot"
+    page = _Page()
+    page.feed(dom)
+    # the headline cells: × rounded and pass/fail as summary.json has them
+    expected = {f"{s['name']}|{column}": cell for s in summary["sections"]
+                for column, cell in zip(summary["columns"], s["overview"]) if cell}
+    assert set(page.overview) == set(expected) and len(expected) == 8
+    for key, cell in expected.items():
+        assert page.overview[key]["vs_rounded"] == repr(float(cell["vs_rounded"])), key
+        text = " ".join(page.overview[key]["text"].split())
+        assert text.startswith(f"{cell['runs']} pass · × rounded "), key
+    # the figures and their labels
+    curves, histograms = page.figure_text["curves"], page.figure_text["histograms"]
+    for dtype in ("fp16", "fp32"):
+        assert f"{dtype}: error against sequence length (Nq = Nk, D = 16, MHA, normal inputs)" in curves
+        assert f"{dtype}: normalised error per backend; grey: the exactly rounded reference" in histograms
+    for label in ("sequence length N", "max normalised error", "numpy models · full",
+                  "numpy models · causal", "exactly rounded reference (floor)"):
+        assert label in curves, label
+    assert "error / row scale" in histograms and "share of elements" in histograms
+    shares = [f"{100 * d['exactly_rounded']:.1f}% exactly rounded"
+              for dist in summary["distributions"] for d in dist["panels"]]
+    assert len(shares) == 4 and all(share in histograms for share in shares)
+    assert "100.0% exactly rounded" not in shares[:1]  # numpy-tiled rounds P to fp16: not all exact
 
 
 # --- the ranking ---------------------------------------------------------------------------
@@ -281,8 +376,11 @@ def test_runner_records_every_point_with_comparisons_and_histograms(tmp_path):
         assert r.source == "report" and r.sweep == "tiny" and r.passed
         assert set(r.comparisons) == {"exactly-rounded", "naive-same-precision"}
         elements = r.out_errors["ulp"]["count"]
-        h = r.histograms["ulp"]
-        assert h["zero"] + h["under"] + sum(h["bins"]) + h["over"] == elements
+        for h in (r.histograms["ulp"], r.extra[ROUNDED_HISTOGRAM_KEY]):
+            assert h["zero"] + h["under"] + sum(h["bins"]) + h["over"] == elements
+        exact = r.extra[EXACTLY_ROUNDED_KEY]
+        assert exact["of"] == elements and 0 < exact["count"] <= elements
+        assert r.extra[LARGEST_BOUND_KEY] > r.out_errors["normalised"]["max"]
         assert set(r.seconds) == {"run", "check", "reference"}
     assert RunInfo.load(tmp_path).backends == ["numpy-tiled", "naive-fp32"]
     # --resume: nothing is left to do

@@ -1,10 +1,11 @@
 """The report's data layer: plain dataclasses built from records, rendered elsewhere.
 
-Everything a page, summary.json or summary.md shows is computed here (and in `fa3`, `curves`
-and `cases`), once, so that the three agree and the templates only format. A cell's "p99" is
-the largest per-run p99 (percentiles do not pool; with one run per cell it is that run's).
-A cell's headline is "× rounded" (`aggregate.vs_rounded`), the one figure comparable across
-backends; the overview lists backends most accurate first by it (`ranked`).
+Everything a page, summary.json or summary.md shows is computed here (and in `fa3`, `curves`,
+`distributions` and `cases`), once, so that the three agree and the templates only format.
+A cell's "p99" is the largest per-run p99 (percentiles do not pool; with one run per cell it
+is that run's). A cell's headline is "× rounded" (`aggregate.vs_rounded`), the one figure
+comparable across backends; the overview lists backends most accurate first by it, over the
+columns they all ran (`ranked`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fa_verify.report.buckets import Bucket, bucket_of, column_of
 from fa_verify.report.cases import Case, worst_case, worst_cases
 from fa_verify.report.curves import curves
 from fa_verify.report.deviations import deviation_of
+from fa_verify.report.distributions import distributions
 from fa_verify.report.fa3 import Fa3Table, fa3_table
 from fa_verify.report.histogram import merge
 from fa_verify.report.run_info import RunInfo
@@ -147,8 +149,9 @@ class BackendSection:
     bound_ratio: float | None
     #: one Cell over all the backend's runs per column of the whole report (None: no runs)
     overview: list
-    #: what the overview ranks by: the geometric mean of the overview cells' × rounded
-    vs_rounded: float | None
+    #: what the overview ranks by: the geometric mean of the overview cells' × rounded over
+    #: the ranking columns (`ranking_columns`; set by `build`)
+    vs_rounded: float | None = None
 
     @property
     def status(self) -> str:
@@ -175,14 +178,29 @@ def backend_section(name: str, records, report_columns, repro_dir=None) -> Backe
                    for r in sorted(records, key=lambda r: column_of(r.problem))},
         columns=columns, rows=rows,
         bound_ratio=largest(r.bound_ratio for r in records if has_finite_bound(r)),
-        overview=overview, vs_rounded=geometric_mean(c.vs_rounded for c in overview if c))
+        overview=overview)
 
 
-def ranked(sections) -> list:
-    """Most accurate first: by × rounded (the geometric mean over the columns the backend ran,
-    so that each dtype × causal column weighs alike), then by name; backends without the
-    figure (no sweep records) last."""
-    return sorted(sections, key=lambda s: (s.vs_rounded is None, s.vs_rounded or 0.0, s.name))
+def ranking_columns(sections, columns) -> list:
+    """The columns in which every backend with a × rounded figure has one, so that the rank
+    compares all of them on the same dtypes and causal modes (a backend without fp32 ranked on
+    its 16-bit columns alone would beat every fp32-capable one: in fp32 every kernel is ~10x
+    the rounded reference, in fp16 ~1); all columns when none is common to all."""
+    scored = [s for s in sections if any(c and c.vs_rounded is not None for c in s.overview)]
+    common = [c for i, c in enumerate(columns)
+              if all(s.overview[i] and s.overview[i].vs_rounded is not None for s in scored)]
+    return common or list(columns)
+
+
+def ranked(sections, columns) -> tuple[list, list]:
+    """(the sections most accurate first, the ranking columns): by × rounded, the geometric
+    mean over the ranking columns (each dtype × causal column weighs alike), then by name;
+    backends without the figure (no sweep records) last. Sets each section's vs_rounded."""
+    on = ranking_columns(sections, columns)
+    for s in sections:
+        s.vs_rounded = geometric_mean(cell.vs_rounded for column, cell in zip(columns, s.overview)
+                                      if cell and column in on)
+    return sorted(sections, key=lambda s: (s.vs_rounded is None, s.vs_rounded or 0.0, s.name)), on
 
 
 @dataclass
@@ -252,8 +270,12 @@ class ReportData:
     totals: Totals
     columns: list
     sections: list
+    #: the columns the overview's rank averages over (`ranking_columns`)
+    ranked_on: list
     fa3: Fa3Table | None
     curves: list
+    #: per dtype, each backend's error distribution and share of exactly rounded elements
+    distributions: list
     failures: list
     deviations: list
     worst_passing: list
@@ -278,6 +300,8 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
     stamps = sorted(r.timestamp for r in records)
     columns = sorted({column_of(r.problem) for r in records})
     failures, passing = worst_cases([r for r in records if not deviation_of(r)], repro_dir)
+    sections, ranked_on = ranked([backend_section(name, by_backend[name], columns, repro_dir)
+                                  for name in by_backend], columns)
     notes = []
     if run is not None and run.interrupted:
         notes.append("The run was interrupted: this report shows the runs recorded before it stopped.")
@@ -288,9 +312,8 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
                       backends=len(by_backend), sources=dict(sorted(sources.items())),
                       sweeps=sorted({r.sweep for r in records if r.sweep}),
                       first=stamps[0] if stamps else None, last=stamps[-1] if stamps else None),
-        columns=columns,
-        sections=ranked(backend_section(name, by_backend[name], columns, repro_dir) for name in by_backend),
-        fa3=fa3_table(records), curves=curves(records),
+        columns=columns, sections=sections, ranked_on=ranked_on,
+        fa3=fa3_table(records), curves=curves(records), distributions=distributions(records),
         failures=failures, deviations=deviations(records), worst_passing=passing, skips=skip_groups(run), run=run,
         environment=(run.environment if run is not None and run.environment else environment or {}),
         environment_of_run=bool(run is not None and run.environment), notes=notes)

@@ -1,5 +1,9 @@
 """Figures as inline SVG: error-vs-N curves and error histograms, plus cell sparklines.
 
+Both figures are small multiples (a panel per backend family, a panel per backend), take
+the report's data classes (`curves`, `distributions`) and nothing of a sweep, and colour each
+backend alike in every figure (`backend_colours`).
+
 matplotlib is used through `Figure` objects (no pyplot global state, no display needed) and
 writes SVG with text as <text> (small, selectable) and a fixed hash salt and no date, so the
 same data gives the same bytes. Sparklines are too small for matplotlib to be worth its
@@ -13,9 +17,10 @@ import io
 
 import numpy as np
 
+from fa_verify.report.families import FAMILIES, family_of
 from fa_verify.report.histogram import EDGES
 
-#: x ranges (decades) the histograms show, per error view; counts beyond go to the edge bars.
+#: x ranges (decades) the cell sparklines show, per error view; counts beyond go to the edge bars.
 VIEW_RANGES = {"ulp": (-2.0, 4.0), "normalised": (-10.0, 0.0)}
 _SVG_RC = {"svg.fonttype": "none", "svg.hashsalt": "fa_verify", "font.size": 9}
 
@@ -38,67 +43,159 @@ def _styled(fn):
     return wrapper
 
 
-def _figure(panels: int, width: float = 4.2, height: float = 3.0):
+def _grid(rows: int, cols: int, width: float, height: float, legend_rows: int = 0):
+    """A figure of rows x cols panels sharing both axes, room below for a legend; never
+    narrower than its title and legend need (a lone panel is widened)."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width * panels, height), layout="constrained")
-    return fig, fig.subplots(1, panels, squeeze=False)[0]
+    fig = Figure(figsize=(max(width * cols, 6.5), height * rows + 0.22 * legend_rows),
+                 layout="constrained")
+    return fig, fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
 
 
-@_styled
-def curve_svg(curve) -> str:
-    """Max normalised error vs N, one panel per causal mode; comparisons dashed."""
-    fig, axes = _figure(2)
-    colours = _colours(sorted({s.label for s in curve.series if s.kind == "backend"}))
-    for ax, causal in zip(axes, (False, True)):
-        for s in (s for s in curve.series if s.causal == causal):
-            n, err = zip(*s.points)
-            err = np.maximum(err, 1e-17)  # an exact result would vanish from a log axis
-            if s.kind == "comparison":
-                ax.plot(n, err, "--", color="0.35" if "rounded" in s.label else "0.6", lw=1.4,
-                        label=s.label)
-            else:
-                ax.plot(n, err, "o-", color=colours[s.label], lw=1.2, ms=3, label=s.label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
-        ax.set_ylabel("max normalised error")
-        ax.set_title(f"{curve.dtype}, {'causal' if causal else 'full'}")
-        ax.grid(True, which="major", alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=7, frameon=False)
-    return _svg(fig)
-
-
-@_styled
-def histogram_svg(title: str, histograms: dict, view: str) -> str:
-    """Step histograms (share of elements per bin, log-log) of several named histograms."""
-    fig, (ax,) = _figure(1, width=6.0, height=3.2)
-    colours = _colours(sorted(histograms))
-    centres = np.sqrt(EDGES[:-1] * EDGES[1:])
-    for name in sorted(histograms):
-        h = histograms[name]
-        total = h["zero"] + h["under"] + sum(h["bins"]) + h["over"]
-        share = np.asarray(h["bins"], dtype=float) / max(total, 1)
-        ax.step(centres, np.where(share > 0, share, np.nan), where="mid", color=colours[name],
-                lw=1.2, label=f"{name} ({100 * h['zero'] / max(total, 1):.0f}% exact)")
-    low, high = VIEW_RANGES[view]
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(10.0 ** low, 10.0 ** high)
-    ax.set_xlabel("ULPs of the output dtype" if view == "ulp" else "error / row scale")
-    ax.set_ylabel("share of elements")
-    ax.set_title(title)
-    ax.grid(True, which="major", alpha=0.3)
-    fig.legend(loc="outside right upper", fontsize=7, frameon=False)
-    return _svg(fig)
-
-
-def _colours(names) -> dict:
+def backend_colours(backends) -> dict:
+    """One colour per backend, by family then name, the same in every figure of a report."""
     import matplotlib
 
-    cmap = matplotlib.colormaps["tab10"]
-    return {name: cmap(i % 10) for i, name in enumerate(names)}
+    names = sorted(set(backends), key=lambda b: (FAMILIES.index(family_of(b)), b))
+    palette = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["Dark2"].colors)
+    return {name: palette[i % len(palette)] for i, name in enumerate(names)}
+
+
+@_styled
+def curve_svg(curve, colours: dict) -> str:
+    """Max normalised error vs N, log-log: a panel per backend family (columns) and causal
+    mode (rows); the exactly rounded floor, and per backend the region its error-model bound
+    allows, shaded from the floor up to the bound's largest element."""
+    modes = sorted({s.causal for s in curve.series})
+    groups = list(curve.groups.items())
+    entries = sum(map(len, curve.groups.values())) + 3
+    columns = min(4, len(groups) + 1)  # a legend no wider than the panels
+    fig, axes = _grid(len(modes), len(groups), 3.6, 2.9, -(-entries // columns) + 1)
+    # the errors set the y range; a bound far above them (up to ~1 where a model's scores are
+    # in 16 bits) would squeeze them into a sliver, so such bands are cut and their top written
+    errors = [e for s in curve.series for _, e in s.points]
+    top, clipped, handles = HEADROOM * max(errors), False, {}
+    for row, causal in enumerate(modes):
+        mode = [s for s in curve.series if s.causal == causal]
+        for col, (family, backends) in enumerate(groups):
+            ax = axes[row][col]
+            shown = [s for b in backends for s in mode if s.label == b]
+            floor = dict(next((s.points for s in mode if s.kind == "floor"), []))
+            clipped |= _bounds(ax, shown, floor, colours, top)
+            for i, s in enumerate(shown):
+                n, err = zip(*s.points)
+                # alternate filled and larger hollow markers: identical curves stay visible
+                handles[s.label], = ax.plot(n, np.maximum(err, 1e-17), color=colours[s.label],
+                                            lw=1.2 if i % 2 == 0 else 0.8,
+                                            marker=_MARKERS[i % len(_MARKERS)],
+                                            ms=3.5 if i % 2 == 0 else 5.5,
+                                            mfc=colours[s.label] if i % 2 == 0 else "none")
+            for s in mode:
+                if s.kind != "backend":
+                    n, err = zip(*s.points)
+                    handles[_COMPARISON_LABELS[s.kind]], = ax.plot(
+                        n, err, **(_FLOOR if s.kind == "floor" else _COMPARISON))
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{family} · {'causal' if causal else 'full'}")
+            ax.grid(True, which="major", alpha=0.3)
+            if row == len(modes) - 1:
+                ax.set_xlabel("sequence length N")
+            if col == 0:
+                ax.set_ylabel("max normalised error")
+    if clipped:
+        axes[0][0].set_ylim(max(min(errors), 1e-17) / 1.5, top)  # the panels share it
+    if any(s.bound for s in curve.series):
+        handles["error-model bound, largest element\n(dash-dot; shaded down to the floor)"] = _band_key()
+    fig.suptitle(f"{curve.dtype}: error against sequence length ({curve.shape_family})")
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=columns,
+               fontsize=7, frameon=False)
+    return _svg(fig)
+
+
+def _bounds(ax, series, floor: dict, colours: dict, top: float) -> bool:
+    """Shade each distinct bound of `series` from the floor up, once for the backends that
+    share it (one precision model), in the first one's colour; name those cut above `top`.
+    Whether any was cut."""
+    shared = {}
+    for s in series:
+        if s.bound:
+            shared.setdefault(tuple(s.bound), []).append(s.label)
+    cut = 0
+    for bound, labels in shared.items():
+        colour = colours[labels[0]]
+        n, largest = zip(*bound)
+        ax.fill_between(n, [floor.get(x, b) for x, b in bound], largest, color=colour, alpha=0.1, lw=0)
+        ax.plot(n, largest, color=colour, lw=0.9, ls="-.")
+        if max(largest) > top:
+            ax.text(0.02, 0.97 - 0.16 * cut, f"bound up to {max(largest):.2g} ↑\n{', '.join(labels)}",
+                    transform=ax.transAxes, color=colour, fontsize=6.5, va="top", in_layout=False)
+            cut += 1
+    return bool(cut)
+
+
+_MARKERS = "osD^vP"
+#: the y axis reaches this many times the largest error drawn (bounds beyond are cut)
+HEADROOM = 30.0
+_FLOOR = {"color": "black", "ls": "--", "lw": 1.3}
+_COMPARISON = {"color": "0.55", "ls": ":", "lw": 1.4}
+_COMPARISON_LABELS = {"floor": "exactly rounded reference (floor)",
+                      "comparison": "naive same-precision attention"}
+
+
+def _band_key():
+    from matplotlib.patches import Patch
+
+    return Patch(facecolor="0.85", edgecolor="0.4", ls="-.", lw=0.9)
+
+
+@_styled
+def histograms_svg(dtype: str, panels: list, colours: dict) -> str:
+    """Small multiples, a panel per backend: its normalised error histogram (share of
+    elements per bin, log-log) over the exactly rounded reference's on the same problems
+    (grey), titled with its share of exactly rounded elements. The x range is the bins that
+    hold elements, so each dtype's errors fill the panels."""
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = _grid(rows, cols, 2.6, 1.9)
+    shares = [{key: _shares(h) for key, h in p.histograms.items() if h} for p in panels]
+    present = [s[s > 0] for panel in shares for s in panel.values()]
+    lowest = min((s.min() for s in present if s.size), default=1.0) / 2  # the log axis' bottom
+    for i, ax in enumerate(axes.flat):
+        if i >= len(panels):
+            ax.set_axis_off()
+            continue
+        panel, share = panels[i], shares[i]
+        if "rounded" in share:
+            ax.stairs(np.maximum(share["rounded"], lowest), EDGES, baseline=lowest, fill=True,
+                      color="0.6", alpha=0.45, lw=0)
+        if "backend" in share:
+            ax.stairs(np.maximum(share["backend"], lowest), EDGES, baseline=lowest,
+                      color=colours[panel.backend], lw=1.2)
+        exact = ("exactly rounded: not recorded" if panel.exactly_rounded is None
+                 else f"{100 * panel.exactly_rounded:.1f}% exactly rounded")
+        ax.set_title(f"{panel.backend}\n{exact}", fontsize=8)
+        ax.grid(True, which="major", alpha=0.3)
+        if i + cols >= len(panels):  # no panel below it
+            ax.set_xlabel("error / row scale")
+        if i % cols == 0:
+            ax.set_ylabel("share of elements")
+    ax = axes.flat[0]
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    used = np.any([s > 0 for panel in shares for s in panel.values()], axis=0)
+    if np.any(used):
+        ax.set_xlim(EDGES[np.argmax(used)], EDGES[len(used) - np.argmax(used[::-1])])
+    ax.set_ylim(bottom=lowest)
+    fig.suptitle(f"{dtype}: normalised error per backend; grey: the exactly rounded reference")
+    return _svg(fig)
+
+
+def _shares(h: dict) -> np.ndarray:
+    """A histogram's bin counts as shares of all its elements (zeros and beyond-range included)."""
+    total = h["zero"] + h["under"] + sum(h["bins"]) + h["over"]
+    return np.asarray(h["bins"], dtype=float) / max(total, 1)
 
 
 def sparkline(hist: dict | None, view: str, width: int = 96, height: int = 22) -> list:

@@ -13,8 +13,14 @@ import math
 import jinja2
 from markupsafe import Markup
 
-from fa_verify.report.histogram import merge
-from fa_verify.report.plots import VIEW_RANGES, curve_svg, histogram_svg, sparkline
+from fa_verify.report.plots import (
+    HEADROOM,
+    VIEW_RANGES,
+    backend_colours,
+    curve_svg,
+    histograms_svg,
+    sparkline,
+)
 from fa_verify.report.ulp import NOT_TINY_EXPONENT
 
 
@@ -56,26 +62,16 @@ def environment() -> jinja2.Environment:
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters.update(fmt=fmt, fmt_times=fmt_times, rawnum=rawnum, md=md)
     env.globals.update(sparkline=sparkline, view_range=_view_range,
-                       not_tiny=f"2^{NOT_TINY_EXPONENT}")
+                       not_tiny=f"2^{NOT_TINY_EXPONENT}", curve_headroom=f"{HEADROOM:g}")
     return env
 
 
 def figures(data) -> dict:
-    """The SVG figures of the page: error-vs-N curves and per-dtype histograms."""
-    curves = [(c.dtype, c.family, Markup(curve_svg(c))) for c in data.curves]
-    histograms = []
-    for dtype in dict.fromkeys(c.dtype for c in data.columns):  # in column order, once each
-        per_backend = {}
-        for section in data.sections:
-            merged = merge(cell.histograms and cell.histograms["normalised"]
-                           for row in section.rows for column, cell in zip(section.columns, row.cells)
-                           if cell is not None and column.dtype == dtype)
-            if merged:
-                per_backend[section.name] = merged
-        if per_backend:
-            title = f"{dtype}, normalised error"
-            histograms.append((title, Markup(histogram_svg(title, per_backend, "normalised"))))
-    return {"curves": curves, "histograms": histograms}
+    """The SVG figures of the page: error-vs-N curves and histograms, per dtype."""
+    colours = backend_colours(s.name for s in data.sections)
+    return {"curves": [(c, Markup(curve_svg(c, colours))) for c in data.curves],
+            "histograms": [(d, Markup(histograms_svg(d.dtype, d.panels, colours)))
+                           for d in data.distributions]}
 
 
 def render_html(data, published=None) -> str:

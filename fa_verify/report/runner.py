@@ -29,6 +29,13 @@ from fa_verify.report.histogram import histogram
 from fa_verify.report.progress import Progress
 from fa_verify.report.run_info import RunInfo, Skip
 from fa_verify.report.ulp import KEY as ULP_KEY, ulp_not_tiny
+from fa_verify.report.yardsticks import (
+    EXACTLY_ROUNDED_KEY,
+    LARGEST_BOUND_KEY,
+    ROUNDED_HISTOGRAM_KEY,
+    exactly_rounded,
+    largest_bound,
+)
 from fa_verify.results import (
     EXACTLY_ROUNDED,
     NAIVE_SAME_PRECISION,
@@ -50,6 +57,8 @@ class Comparators:
     naive_out: object
     #: out error stats of the exactly rounded reference and of naive same-precision attention
     comparisons: dict
+    #: normalised error histogram of the exactly rounded reference (yardsticks)
+    rounded_histogram: dict
     seconds: float
     _bounds: dict = field(default_factory=dict)
 
@@ -74,16 +83,21 @@ class Comparators:
         start = time.perf_counter()
         ref = reference(problem)
         naive_out, _ = naive_attention(problem, PrecisionModel.same_precision(problem.dtype))
+        rounded = _errors(round_to(ref.out, problem.dtype), ref, problem.dtype)
         comparisons = {
-            EXACTLY_ROUNDED: _stats(round_to(ref.out, problem.dtype), ref, problem.dtype),
-            NAIVE_SAME_PRECISION: _stats(naive_out, ref, problem.dtype),
+            EXACTLY_ROUNDED: _stats(rounded),
+            NAIVE_SAME_PRECISION: _stats(_errors(naive_out, ref, problem.dtype)),
         }
-        return cls(problem, ref, naive_out, comparisons, time.perf_counter() - start)
+        return cls(problem, ref, naive_out, comparisons, histogram(rounded.normalised),
+                   time.perf_counter() - start)
 
 
-def _stats(out, ref, dtype) -> dict:
-    stats = OutputErrors.compute(out, ref.out, ref.row_scale, dtype).stats()
-    return {view: s.as_dict() for view, s in stats.items()}
+def _errors(out, ref, dtype) -> OutputErrors:
+    return OutputErrors.compute(out, ref.out, ref.row_scale, dtype)
+
+
+def _stats(errors) -> dict:
+    return {view: s.as_dict() for view, s in errors.stats().items()}
 
 
 def compare(backend, problem, shared: Comparators, sweep: str):
@@ -108,9 +122,12 @@ def compare(backend, problem, shared: Comparators, sweep: str):
                                                                out, lse, judge)
     histograms, extra = None, {}
     if verdict.summary is not None:  # the output has the problem's shape
-        errors = OutputErrors.compute(out, ref.out, ref.row_scale, precision.output)
+        errors = _errors(out, ref, precision.output)
         histograms = {"normalised": histogram(errors.normalised), "ulp": histogram(errors.ulp)}
         extra[ULP_KEY] = ulp_not_tiny(errors, ref.out)
+        extra[EXACTLY_ROUNDED_KEY] = exactly_rounded(out, ref.out, precision.output)
+        extra[ROUNDED_HISTOGRAM_KEY] = shared.rounded_histogram
+        extra[LARGEST_BOUND_KEY] = largest_bound(shared.bound(precision).out, ref.row_scale)
         extra[FAILURE_KEY] = worst_element(verdict, ref, out, lse)
     if deviation:
         extra[DEVIATION_KEY] = deviation

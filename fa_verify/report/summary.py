@@ -22,7 +22,14 @@ from fa_verify.report.buckets import Bucket, Column
 #: "element" and "property"; backends are listed most accurate first (by vs_rounded).
 #: 4: cells' "baseline_ratio" became "ensemble_ratio" (the verdict's ensemble rule replaced
 #: the naive-baseline rule).
-SUMMARY_VERSION = 4
+#: 5: "curves" name their shape family "shape_family" (was "family"), group their backends by
+#: backend family ("groups"), and each backend series carries "bound" (N, the largest element
+#: of its normalised error-model bound); comparison series are "floor" (exactly rounded) or
+#: "comparison"; new "distributions": per dtype and backend, "exactly_rounded", the share of
+#: output elements equal to the reference rounded to the output dtype; backends' "vs_rounded"
+#: (the rank) averages over "ranked_on", the columns every ranked backend has runs in (was:
+#: each backend's own columns).
+SUMMARY_VERSION = 5
 
 
 def _plain(value):

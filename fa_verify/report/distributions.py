@@ -1,0 +1,57 @@
+"""Error distributions per dtype and backend: what the histogram small multiples draw.
+
+Each backend's normalised error histogram over all its runs of the dtype, beside the exactly
+rounded reference's on the same problems (the floor: no kernel's distribution can lie left of
+it everywhere), and the share of its output elements that are exactly rounded.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from fa_verify.dtypes import DTYPE_NAMES
+from fa_verify.report.families import FAMILIES, family_of
+from fa_verify.report.histogram import merge
+from fa_verify.report.yardsticks import exactly_rounded_share, merged_rounded_histogram
+
+
+@dataclass
+class Distribution:
+    backend: str
+    family: str
+    runs: int
+    #: share of the output elements equal to the reference rounded to the output dtype
+    #: (None: the records predate that count)
+    exactly_rounded: float | None
+    #: {"backend": its normalised error histogram, "rounded": the exactly rounded
+    #: reference's on the same problems, None where not recorded}
+    histograms: dict
+
+
+@dataclass
+class DtypeDistributions:
+    dtype: str
+    #: one per backend, by family then name
+    panels: list
+
+
+def distributions(records) -> list[DtypeDistributions]:
+    """Per dtype (in DTYPE_NAMES order), one Distribution per backend with stored histograms."""
+    groups = defaultdict(list)
+    for r in records:
+        if r.histograms and r.histograms.get("normalised"):
+            groups[r.problem.dtype, r.backend].append(r)
+    result = []
+    for dtype in sorted({d for d, _ in groups}, key=DTYPE_NAMES.index):
+        backends = sorted((b for d, b in groups if d == dtype),
+                          key=lambda b: (FAMILIES.index(family_of(b)), b))
+        result.append(DtypeDistributions(dtype, [_distribution(b, groups[dtype, b]) for b in backends]))
+    return result
+
+
+def _distribution(backend, runs) -> Distribution:
+    return Distribution(
+        backend, family_of(backend), len(runs), exactly_rounded_share(runs),
+        {"backend": merge(r.histograms["normalised"] for r in runs),
+         "rounded": merged_rounded_histogram(runs)})

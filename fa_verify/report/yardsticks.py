@@ -1,0 +1,51 @@
+"""What the report's figures measure a run against, stored with each sweep record.
+
+- `exactly_rounded`: how many output elements equal the certified reference rounded to the
+  output dtype (the best any kernel can do, element by element). An error of exactly 0
+  against the float64 reference is not that: it happens almost only where both are 0 (fully
+  masked rows), which is why every backend's histogram once read "1% exact".
+- the rounded reference's normalised error histogram on the same inputs (`histogram`, under
+  ROUNDED_HISTOGRAM_KEY): the floor each backend's histogram is drawn against.
+- `largest_bound`: the largest finite element of the error-model bound of the backend's
+  precision model, normalised by the row scale like the curves' errors: the top of the band
+  the error-vs-N curves shade (from the rounded reference's floor up to it, the region where
+  a kernel's largest error may lie).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fa_verify.dtypes import round_to
+from fa_verify.report.histogram import merge
+
+#: Keys of Record.extra.
+EXACTLY_ROUNDED_KEY = "exactly_rounded"
+ROUNDED_HISTOGRAM_KEY = "rounded_histogram"
+LARGEST_BOUND_KEY = "largest_bound"
+
+
+def exactly_rounded(out, ref_out, dtype) -> dict:
+    """{"count": elements of `out` equal to `ref_out` rounded to `dtype`, "of": all elements}."""
+    got = np.asarray(out).astype(np.float64)
+    rounded = round_to(ref_out, dtype).astype(np.float64)
+    return {"count": int(np.count_nonzero(got == rounded)), "of": int(got.size)}
+
+
+def largest_bound(bound_out, row_scale) -> float | None:
+    """The largest bound / row scale over the elements with a finite bound in a row that
+    attends a key; None where there are none."""
+    finite = np.isfinite(bound_out) & (row_scale > 0)
+    return float((bound_out[finite] / row_scale[finite]).max()) if finite.any() else None
+
+
+def exactly_rounded_share(records) -> float | None:
+    """The share of the records' output elements that are exactly rounded (None: not recorded)."""
+    counts = [r.extra[EXACTLY_ROUNDED_KEY] for r in records if r.extra.get(EXACTLY_ROUNDED_KEY)]
+    total = sum(c["of"] for c in counts)
+    return sum(c["count"] for c in counts) / total if total else None
+
+
+def merged_rounded_histogram(records) -> dict | None:
+    """The rounded reference's histograms of the records' problems, summed (None: not recorded)."""
+    return merge(r.extra.get(ROUNDED_HISTOGRAM_KEY) for r in records)
