@@ -7,6 +7,7 @@
 Backends live in `fa_verify.backends`, Hypothesis strategies in `fa_verify.strategies`.
 """
 
+from fa_verify.conventions import Conventions
 from fa_verify.error_model import Bound, error_bound
 from fa_verify.errors import (
     AttentionMismatch,
@@ -31,6 +32,7 @@ __all__ = [
     "BackendOutputError",
     "BackendUnavailableError",
     "Bound",
+    "Conventions",
     "ErrorStats",
     "ErrorSummary",
     "FaVerifyError",

@@ -46,8 +46,14 @@ Every error source perturbs p, the row sum or the output; each is a named term:
 
 LSE = m + log(l): score, softmax and rescale errors enter as sum_j p_ij eps_ij; rounded P
 (when summed) as u_P sum_j max(p_ij, tiny_P); the row sum as gamma(u_pv); the log and the
-addition as u_s (2 LOG_ULPS max(1, log l_i) + 2 M_i + |LSE_i|); the fp32 store as
-u_fp32 |LSE_i|; and the reference's bound.
+addition as u_s (2 LOG_ULPS max(1, log l_i) + 2 M_i + |LSE_i|); the store as u_lse |LSE_i|
+(fp32, or the dtype `precision.lse` declares; a base-2 LSE's rounding is the same relative
+error); and the reference's bound.
+
+Flush-to-zero (`precision.ftz`, a declared convention): subnormal q and k entries flushed move a
+score by at most scale tiny_in (sum_d |q_id| + sum_d |k_jd| + D tiny_in), added to the absolute
+score error; flushed V entries move an output by at most tiny_in, a flushed output by at most
+tiny_out: the term flush_to_zero (zero without the convention).
 
 Worst case vs probabilistic ("accumulation" argument). gamma_n = n u / (1 - n u) holds for
 any summation order and any data, but real sums of n terms have errors near sqrt(n) u
@@ -106,7 +112,7 @@ _SLACK = 1 + 1e-9
 _CHUNK_ENTRIES = 1 << 20
 
 OUT_TERMS = ("scores", "softmax", "online_rescale", "p_rounding", "accumulation",
-             "second_order", "output_rounding", "reference")
+             "second_order", "output_rounding", "reference", "flush_to_zero")
 LSE_TERMS = ("scores", "softmax", "online_rescale", "p_rounding", "row_sum", "log",
              "second_order", "lse_rounding", "reference")
 
@@ -226,11 +232,14 @@ class _Units:
         if u_s > u_in:  # q and k rounded to the score dtype first: relative u_s each
             g_d += 2 * u_s
         tiny_s = float(finfo(precision.score_accumulation).smallest_normal)
+        t_abs = (D * problem.scale_value + 1) * tiny_s
+        if precision.ftz:
+            t_abs += problem.scale_value * flushed_score_error(problem)
         return cls(u_s=u_s, u_p=u_p, u_pv=u_pv, tiny_s=tiny_s,
                    tiny_pv=float(finfo(precision.pv_accumulation).smallest_normal),
                    tiny_p=float(finfo(precision.p_rounding).smallest_normal), p_rounds=p_rounds,
                    eps_exp=eps_exp, eps_exp_p=eps_exp_p, g_d=g_d,
-                   t_abs=(D * problem.scale_value + 1) * tiny_s,
+                   t_abs=t_abs,
                    scale=problem.scale_value, accumulation=accumulation, lam=lam)
 
 
@@ -276,18 +285,33 @@ def error_bound(problem: AttentionProblem, precision: PrecisionModel, reference:
     out_terms["output_rounding"] = np.where(
         live[..., None], 0.5 * ulp(abs_o + pre_rounding, precision.output), 0.0)
     out_terms["reference"] = np.where(live[..., None], reference.out_bound, 0.0)
+    if precision.ftz:
+        out_terms["flush_to_zero"] = np.where(live[..., None] & np.ones(problem.out_shape, bool),
+                                              flushed_output_error(precision), 0.0)
 
     lse_first = sum(lse_terms[n] for n in ("scores", "softmax", "online_rescale", "p_rounding",
                                            "row_sum", "log"))
     lse_terms["second_order"] = _scaled(lse_first, lse_terms["second_order"])
     ref_lse = np.where(live, reference.lse, 0.0)
-    lse_terms["lse_rounding"] = np.where(live, unit_roundoff("fp32") * (np.abs(ref_lse) + lse_first), 0.0)
+    lse_terms["lse_rounding"] = np.where(live, unit_roundoff(precision.lse) * (np.abs(ref_lse) + lse_first), 0.0)
     lse_terms["reference"] = np.where(live, reference.lse_bound, 0.0)
 
     out = sum(out_terms.values()) * _SLACK
     lse = sum(lse_terms.values()) * _SLACK
     return Bound(out=out, lse=lse, out_terms=out_terms, lse_terms=lse_terms,
                  precision=precision, accumulation=accumulation)
+
+
+def flushed_score_error(problem) -> float:
+    """Largest |q.k| change from flushing subnormal q and k entries to zero (unscaled)."""
+    tiny = float(finfo(problem.dtype).smallest_normal)
+    q, (k, _) = problem.q64(), problem.kv64()
+    return tiny * (np.abs(q).sum(axis=-1).max() + np.abs(k).sum(axis=-1).max() + problem.head_dim * tiny)
+
+
+def flushed_output_error(precision) -> float:
+    """Largest output change from flushing subnormal V entries and the output itself to zero."""
+    return float(finfo(precision.input).smallest_normal) + float(finfo(precision.output).smallest_normal)
 
 
 @dataclass(frozen=True)

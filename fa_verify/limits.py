@@ -163,7 +163,7 @@ def _list(value) -> list:
     return items
 
 
-def _yes_no(value) -> bool:
+def yes_no(value) -> bool:
     if isinstance(value, bool):
         return value
     return _YES_NO[str(value).lower()]
@@ -191,11 +191,11 @@ LIMIT_OPTIONS = {
     "seq-multiple": ("seq_multiple", _positive, "64", "Nq and Nk must be multiples of this (the kernel's tile)"),
     "seq-min": ("seq_min", _positive, "16", "smallest Nq and Nk supported"),
     "seq-max": ("seq_max", _positive, "4096", "largest Nq and Nk supported"),
-    "equal-seq": ("equal_seq", _yes_no, "yes", "Nq = Nk only (yes/no)"),
+    "equal-seq": ("equal_seq", yes_no, "yes", "Nq = Nk only (yes/no)"),
     "heads": ("heads", _head_layouts, "mha,gqa", "head layouts supported: mha, gqa, mqa (comma-separated)"),
     "causal": ("causal", lambda v: CAUSAL_CHOICES[str(v).lower()], "yes", "causal only (yes), non-causal only "
                "(no) or both"),
-    "lse": ("lse", _yes_no, "no", "whether the target returns an LSE (default: probed)"),
+    "lse": ("lse", yes_no, "no", "whether the target returns an LSE (default: probed)"),
 }
 
 
@@ -203,27 +203,34 @@ def parse_limits(values: dict, prefix: str = "--", base: Limits | None = None) -
     """Limits from option values (strings as typed, or TOML values), keyed by LIMIT_OPTIONS names
     (underscores allowed); None values are ignored. `prefix` names the options in errors
     ('--', '--fa-', 'limits.' for the API, '' for TOML keys). Raises InvalidArgumentError."""
-    fields = {}
-    for key, value in values.items():
-        option = str(key).replace("_", "-")
-        if option not in LIMIT_OPTIONS:
-            raise InvalidArgumentError(
-                f"{prefix}{option} is not a limit; limits: {', '.join(prefix + o for o in LIMIT_OPTIONS)}")
-        if value is None:
-            continue
-        field, read, example, _ = LIMIT_OPTIONS[option]
-        try:
-            fields[field] = read(value)
-        except (ValueError, KeyError, TypeError, InvalidArgumentError):
-            raise InvalidArgumentError(
-                f"{prefix}{option}={value!r} is not valid: {LIMIT_OPTIONS[option][3]}; e.g. "
-                f"{prefix}{option}{' ' if prefix.startswith('-') else '='}{example}") from None
-    limits = replace(base or Limits(), **fields)
+    limits = replace(base or Limits(), **read_options(values, LIMIT_OPTIONS, prefix, "limit"))
     if limits.seq_max is not None and limits.seq_lo > limits.seq_max:
         raise InvalidArgumentError(
             f"{prefix}seq-min={limits.seq_min}, {prefix}seq-multiple={limits.seq_multiple} and "
             f"{prefix}seq-max={limits.seq_max} allow no sequence length; raise {prefix}seq-max")
     return limits
+
+
+def read_options(values: dict, options: dict, prefix: str, kind: str) -> dict:
+    """Dataclass fields from option values keyed by the names of `options` (name -> (field, read,
+    example, what it declares); underscores allowed; None values ignored), with errors that name
+    the option (`prefix`), what it declares and an example. Limits and conventions share it."""
+    fields = {}
+    for key, value in values.items():
+        option = str(key).replace("_", "-")
+        if option not in options:
+            raise InvalidArgumentError(
+                f"{prefix}{option} is not a {kind}; {kind}s: {', '.join(prefix + o for o in options)}")
+        if value is None:
+            continue
+        field, read, example, what = options[option]
+        try:
+            fields[field] = read(value)
+        except (ValueError, KeyError, TypeError, InvalidArgumentError):
+            raise InvalidArgumentError(
+                f"{prefix}{option}={value!r} is not valid: {what}; e.g. "
+                f"{prefix}{option}{' ' if prefix.startswith('-') else '='}{example}") from None
+    return fields
 
 
 def read_limits_file(path) -> dict:
@@ -245,18 +252,22 @@ def limit_arguments(skip=()) -> dict:
     if "equal-seq" in arguments:  # a bare --equal-seq says yes
         arguments["equal-seq"].update(nargs="?", const="yes")
     arguments["limits"] = dict(default=None, metavar="FILE",
-                               help="declared limits from a TOML file, keys as these options "
-                                    "(head-dims = [64, 128], seq-multiple = 64, equal-seq = true, ...); "
-                                    "options given on the command line win")
+                               help="declared limits and conventions from a TOML file, keys as these "
+                                    "options (head-dims = [64, 128], seq-multiple = 64, equal-seq = true, "
+                                    "lse-base = 2, ...); options given on the command line win")
     return arguments
 
 
 def limits_from_options(values: dict, limits_file=None, prefix: str = "--") -> Limits:
     """Limits from a TOML file (if given) overridden by the option values given (None: not given)."""
+    from fa_verify.conventions import is_convention
+
     base = Limits()
     if limits_file is not None:
         try:
-            base = parse_limits(read_limits_file(limits_file), prefix="")
+            # The file declares conventions too (fa_verify.conventions reads those keys).
+            declared = {k: v for k, v in read_limits_file(limits_file).items() if not is_convention(k)}
+            base = parse_limits(declared, prefix="")
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{prefix}limits {limits_file}: {exc}") from None
     return parse_limits(values, prefix, base)

@@ -22,11 +22,15 @@ class PrecisionModel:
     p_rounding: str = "fp32"
     #: dtype in which P·V and the row sum are accumulated.
     pv_accumulation: str = "fp32"
-    #: dtype of the output O (LSE is always float32).
+    #: dtype of the output O.
     output: str | None = None
+    #: dtype the LSE is stored in (fa_verify's convention: fp32; `fa_verify.conventions` lse-dtype).
+    lse: str = "fp32"
+    #: subnormal inputs and outputs flushed to zero (`fa_verify.conventions` ftz).
+    ftz: bool = False
 
     def __post_init__(self):
-        for field in ("input", "score_accumulation", "p_rounding", "pv_accumulation"):
+        for field in ("input", "score_accumulation", "p_rounding", "pv_accumulation", "lse"):
             object.__setattr__(self, field, dtype_name(getattr(self, field)))
         object.__setattr__(self, "output", dtype_name(self.output or self.input))
         if self.input == "fp64":
@@ -76,5 +80,6 @@ class PrecisionModel:
         return asdict(self)
 
     def describe(self) -> str:
+        conventions = (f" lse={self.lse}" if self.lse != "fp32" else "") + (" ftz" if self.ftz else "")
         return (f"in={self.input} score={self.score_accumulation} p={self.p_rounding} "
-                f"pv={self.pv_accumulation} out={self.output}")
+                f"pv={self.pv_accumulation} out={self.output}{conventions}")

@@ -18,6 +18,8 @@ Options:
   --fa-dtype, --fa-head-dims, --fa-seq-multiple, --fa-seq-min, --fa-seq-max, --fa-equal-seq,
   --fa-heads, --fa-causal, --fa-lse, --fa-limits FILE
                       the declared limits of MODULE:FUNC backends, as `fa_verify check`'s options
+  --fa-lse-base, --fa-lse-dtype, --fa-masked-rows, --fa-ftz, --fa-scale-precision
+                      the declared conventions of MODULE:FUNC backends (`fa_verify.conventions`)
 Fixtures:
   fa_backend   parametrises a test over the selected backends
   fa_search    fa_search(target, property) searches one property on a target (a Backend or a
@@ -38,6 +40,7 @@ _SEED_DRAWN = pytest.StashKey[bool]()
 
 def pytest_addoption(parser):
     from fa_verify.cli.check_cmd import SEED_HELP, SHARED_OPTIONS, add_isolation_options, parse_seed
+    from fa_verify.conventions import convention_arguments
     from fa_verify.limits import limit_arguments
 
     group = parser.getgroup("fa_verify", "fa_verify: attention kernel properties")
@@ -49,7 +52,7 @@ def pytest_addoption(parser):
     group.addoption("--fa-seed", type=parse_seed, default=None, metavar="N|random",
                     help=SEED_HELP.replace("--seed", "--fa-seed") + " (default: the profile's)")
     add_isolation_options(group.addoption, prefix="fa-")
-    for name, kwargs in limit_arguments().items():
+    for name, kwargs in {**limit_arguments(), **convention_arguments()}.items():
         group.addoption(f"--fa-{name}", **kwargs)
 
 
@@ -92,18 +95,24 @@ def _backends(config) -> list:
     if _BACKENDS not in config.stash:
         from fa_verify.backends import CallableBackend, builtin_backends, get_backend, load_callable
         from fa_verify.errors import FaVerifyError
-        from fa_verify.limits import limit_arguments, limits_from_options
+        from fa_verify.conventions import convention_arguments, conventions_from_options
+        from fa_verify.limits import limit_arguments, limits_from_options, read_limits_file
 
         names = config.getoption("fa_backend")
-        declared = {name: config.getoption(f"fa_{name.replace('-', '_')}") for name in limit_arguments()}
+        declared = {name: config.getoption(f"fa_{name.replace('-', '_')}")
+                    for name in (*limit_arguments(), *convention_arguments())}
         try:
-            limits = limits_from_options({n: v for n, v in declared.items() if n != "limits"}, declared["limits"],
-                                         "--fa-")
+            limits = limits_from_options({n: declared[n] for n in limit_arguments() if n != "limits"},
+                                         declared["limits"], "--fa-")
+            from_file = None if declared["limits"] is None else read_limits_file(declared["limits"])
+            conventions = conventions_from_options({n: declared[n] for n in convention_arguments()}, from_file,
+                                                   "--fa-")
         except FaVerifyError as exc:
             raise pytest.UsageError(str(exc)) from None
         if any(v is not None for v in declared.values()) and not any(":" in n for n in names or ()):
-            raise pytest.UsageError("--fa-dtype, --fa-head-dims, ... --fa-limits declare the limits of MODULE:FUNC "
-                                    "backends only; name one with --fa-backend MODULE:FUNC")
+            raise pytest.UsageError("--fa-dtype, --fa-head-dims, ... --fa-limits and --fa-lse-base, ... declare the "
+                                    "limits and conventions of MODULE:FUNC backends only; name one with "
+                                    "--fa-backend MODULE:FUNC")
         try:
             if names is None:
                 backends = [b for b in builtin_backends() if b.availability().available]
@@ -113,7 +122,8 @@ def _backends(config) -> list:
                 given = {name: config.getoption(f"fa_{name}") for name in ISOLATION_DEFAULTS}
                 isolation = {name: default if given[name] is None else given[name]
                              for name, default in ISOLATION_DEFAULTS.items()}
-                backends = [CallableBackend(load_callable(n), name=n, limits=limits, **isolation) if ":" in n
+                backends = [CallableBackend(load_callable(n), name=n, limits=limits, conventions=conventions,
+                                            **isolation) if ":" in n
                             else get_backend(n) for n in names]
         except FaVerifyError as exc:
             raise pytest.UsageError(f"--fa-backend: {exc}") from None

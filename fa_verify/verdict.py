@@ -50,7 +50,7 @@ import numpy as np
 
 from fa_verify.causes import got_expected, tiny_scale_note
 from fa_verify.dtypes import finfo, unit_roundoff
-from fa_verify.error_model import DEFAULT_LAMBDA, Bound, error_bound
+from fa_verify.error_model import DEFAULT_LAMBDA, Bound, error_bound, flushed_output_error
 from fa_verify.honest_ensemble import EnsembleErrors, ensemble_errors
 from fa_verify.errors import AttentionMismatch, InvalidArgumentError
 from fa_verify.metrics import ErrorSummary, OutputErrors, lse_errors, measure
@@ -392,6 +392,8 @@ def _ensemble_rule(errors: OutputErrors, problem, precision, reference, bound, f
     # Below the normal range, relative resolution is lost: every accumulated rounding may
     # cost a subnormal spacing, whatever the row scale, so the floor also has an absolute part.
     absolute_floor = (problem.nk + 2) * float(finfo(precision.pv_accumulation).smallest_subnormal)
+    if precision.ftz:  # declared flush-to-zero: what flushing V and the output may cost (no member flushes)
+        absolute_floor += flushed_output_error(precision)
     row_scale = np.broadcast_to(reference.row_scale, problem.out_shape)
     allowed = (factor * ensemble.max_error + floor) * row_scale + absolute_floor
     ratios = _ratio(errors.abs, allowed)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fa_verify.backends.buffers import InputSnapshot
+from fa_verify.conventions import Conventions
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import (
     BackendOutputError,
@@ -44,6 +45,8 @@ class Convention:
     Data only: what differs, the verdict rule and the property that see it, and the value the
     backend returns instead. A run that fails only because of declared conventions is reported
     as a declared deviation, not as a failure (`fa_verify report --fail-on deviation` counts it).
+    The conventions a target's author declares (`fa_verify.conventions.Conventions`,
+    `Backend.judged_under`) are judged under instead: the run passes, and says under what.
     """
 
     #: short identifier, e.g. "masked-row-lse-zero"
@@ -74,6 +77,8 @@ class Backend(ABC):
     #: The variants it implements (keys of fa_verify.problem.FEATURES); problems using others
     #: are not supported.
     features: tuple = ()
+    #: The conventions it is judged under (declared by its author; `run` converts its outputs).
+    judged_under: Conventions = Conventions()
 
     @abstractmethod
     def precision(self, dtype) -> PrecisionModel:
@@ -89,7 +94,9 @@ class Backend(ABC):
         return unsupported_features(self.name, problem, self.features) or self.limits.check(problem)
 
     def run(self, problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray | None]:
-        """out [B,H,Nq,D] in the precision model's output dtype, and LSE float32 [B,H,Nq] or None.
+        """out [B,H,Nq,D] in the precision model's output dtype, and LSE [B,H,Nq] or None, in
+        fa_verify's conventions (the target's declared ones, `judged_under`, converted: a base-2
+        LSE comes back in base e as float64).
 
         Raises BackendOutputError if the run changed a bit of q, k or v."""
         availability = self.availability()
@@ -102,8 +109,9 @@ class Backend(ABC):
         inputs = InputSnapshot.of(q=problem.q, k=problem.k, v=problem.v)
         out, lse = self._run(problem)
         inputs.check(self.name, problem.q, problem.k, problem.v)
-        check_output(self.name, problem, out, lse, self.precision(problem.dtype).output)
-        return out, lse
+        precision = self.precision(problem.dtype)
+        check_output(self.name, problem, out, lse, precision.output, lse_dtype=precision.lse)
+        return self.judged_under.normalise(problem, out, lse, precision)
 
     @abstractmethod
     def _run(self, problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray | None]:
@@ -114,11 +122,12 @@ class Backend(ABC):
 
 
 def check_output(name: str, problem: AttentionProblem, out, lse, out_dtype,
-                 layout: str = "bhsd") -> None:
+                 layout: str = "bhsd", lse_dtype="fp32") -> None:
     """Raise BackendOutputError unless out / lse have the shapes and dtypes the protocol fixes.
 
     `layout` only changes the expected shape of `out` ("bshd": [B, Nq, H, D]); LSE is always
-    [B, H, Nq] float32. Values are not checked: NaN or wrong numbers are findings, not misuse.
+    [B, H, Nq], float32 unless a convention declares `lse_dtype`. Values are not checked: NaN or
+    wrong numbers are findings, not misuse.
     """
     B, H, Nq, D = problem.out_shape
     out_shape = (B, Nq, H, D) if layout == "bshd" else (B, H, Nq, D)
@@ -136,10 +145,12 @@ def check_output(name: str, problem: AttentionProblem, out, lse, out_dtype,
     if not isinstance(lse, np.ndarray):
         raise BackendOutputError(
             f"backend {name!r} returned lse of type {type(lse).__name__}; expected a numpy array or None")
-    if lse.shape != (B, H, Nq) or lse.dtype != np.float32:
+    if lse.shape != (B, H, Nq) or lse.dtype != numpy_dtype(lse_dtype):
+        in_input_dtype = lse.dtype == numpy_dtype(problem.dtype) != numpy_dtype(lse_dtype)
         raise BackendOutputError(
             f"backend {name!r} returned lse with shape={lse.shape} dtype={_dtype_label(lse.dtype)}; "
-            f"expected shape={(B, H, Nq)} ([B,H,Nq]) dtype=fp32 for {problem.describe()}")
+            f"expected shape={(B, H, Nq)} ([B,H,Nq]) dtype={dtype_name(lse_dtype)} for {problem.describe()}"
+            + (" (an LSE in the input dtype is declared with --lse-dtype input)" if in_input_dtype else ""))
 
 
 def _dtype_label(dtype: np.dtype) -> str:

@@ -47,6 +47,8 @@ import numpy as np
 from fa_verify.backends.base import AVAILABLE, Backend, check_output, parse_precision
 from fa_verify.backends.buffers import GuardedOutput, InputSnapshot, check_written
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
+from fa_verify.conventions import Conventions
+from fa_verify.conventions import of as conventions_of
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import BackendOutputError, InvalidArgumentError, KernelCrashError, KernelTimeoutError
 from fa_verify.isolation import (
@@ -81,13 +83,17 @@ class CallableBackend(Backend):
     `limits` (a `Limits`, or a dict of limit options for `parse_limits`) declares the problems
     it supports: only those are drawn. `features` (None: every variant whose keyword the
     signature names) lists the variants to exercise (keys of fa_verify.problem.FEATURES).
+    `conventions` (a `Conventions`, or a dict of convention options such as {"lse_base": "2",
+    "ftz": True}) declares where its outputs differ from fa_verify's conventions on purpose: it
+    is judged under them (`fa_verify.conventions`).
     """
 
     def __init__(self, fn, name: str | None = None, layout: str = "bhsd", array: str = "numpy",
                  causal_alignment: str = "bottom-right", dtypes=None,
                  precision: str | PrecisionModel | None = None, isolate: bool = False,
                  timeout: float = DEFAULT_TIMEOUT, memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT,
-                 limits: Limits | dict | None = None, features=None):
+                 limits: Limits | dict | None = None, features=None,
+                 conventions: Conventions | dict | None = None):
         if not callable(fn):
             raise InvalidArgumentError(f"fn={fn!r} is not callable")
         for arg, value, allowed in (("layout", layout, LAYOUTS), ("array", array, ARRAYS),
@@ -103,6 +109,7 @@ class CallableBackend(Backend):
             raise InvalidArgumentError(
                 f"precision={precision!r} must be a preset or spec string, a PrecisionModel or None")
         self.limits = limits if isinstance(limits, Limits) else parse_limits(limits or {}, prefix="limits.")
+        self.judged_under = conventions_of(conventions)
         dtypes = self.limits.dtypes if dtypes is None else dtypes
         self.dtypes = tuple(dtype_name(d) for d in (DTYPE_NAMES if dtypes is None else dtypes))
         if not self.dtypes or not set(self.dtypes) <= set(DTYPE_NAMES):
@@ -125,13 +132,14 @@ class CallableBackend(Backend):
         self._worker = None
         if isolate:
             options = dict(name=self.name, layout=layout, array=array, causal_alignment=causal_alignment,
-                           dtypes=self.dtypes, precision=precision, features=self.features)
+                           dtypes=self.dtypes, precision=precision, features=self.features,
+                           conventions=self.judged_under)
             self._worker = CallableWorker(_reference(fn, name), options, float(timeout), memory_limit)
 
     def precision(self, dtype) -> PrecisionModel:
-        if isinstance(self._precision, PrecisionModel):
-            return self._precision
-        return parse_precision(self._precision, dtype)
+        """The claimed model, with the LSE dtype and flushing the conventions declare."""
+        model = self._precision if isinstance(self._precision, PrecisionModel) else parse_precision(self._precision, dtype)
+        return self.judged_under.precision(model)
 
     def availability(self):
         return torch_availability() if self.array == "torch" else AVAILABLE
@@ -172,7 +180,8 @@ class CallableBackend(Backend):
             out, lse = buffers[0].view.copy(), buffers[1].view.copy() if len(buffers) > 1 else None
         else:
             out, lse = self._returned(result)
-        check_output(self.name, problem, out, lse, self.precision(problem.dtype).output, self.layout)
+        precision = self.precision(problem.dtype)
+        check_output(self.name, problem, out, lse, precision.output, self.layout, precision.lse)
         if self.layout == "bshd":
             out = np.ascontiguousarray(out.transpose(0, 2, 1, 3))
         return out, lse
@@ -205,7 +214,8 @@ class CallableBackend(Backend):
         """Guarded out= (and lse=) buffers for the out= form; none for a function that returns."""
         B, H, Nq, D = problem.out_shape
         shapes = {"out": (B, Nq, H, D) if self.layout == "bshd" else (B, H, Nq, D), "lse": (B, H, Nq)}
-        dtypes = {"out": numpy_dtype(self.precision(problem.dtype).output), "lse": np.float32}
+        precision = self.precision(problem.dtype)
+        dtypes = {"out": numpy_dtype(precision.output), "lse": numpy_dtype(precision.lse)}
         return [GuardedOutput.allocate(name, shapes[name], dtypes[name]) for name in self.fills]
 
     def _from_array(self, x, what: str):
@@ -301,6 +311,8 @@ class CallableWorker:
                     if kind != "ok":
                         raise InvalidArgumentError(f"the worker process cannot load {self.spec}: {payload[2]}")
                 kind, payload = self.process.call(("run", problem, pad), self.timeout)
+                if kind == "out of memory":  # the worker exits after this reply: the next call starts afresh
+                    self.process.stop()
             except WorkerTimedOut as late:
                 raise _located(KernelTimeoutError(
                     f"{name} did not return within {self.timeout:g} s (killed; the next example starts a fresh "

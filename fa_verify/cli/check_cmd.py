@@ -10,6 +10,7 @@ import secrets
 import sys
 
 from fa_verify.cli.arguments import positive_int, writable_file, writable_folder
+from fa_verify.conventions import convention_arguments, conventions_from_options
 from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 from fa_verify.limits import CAUSAL_CHOICES, limit_arguments, limits_from_options
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
@@ -132,6 +133,8 @@ def add_parser(sub) -> None:
     add_isolation_options(callable_opts.add_argument)
     for name, kwargs in limit_arguments(skip=SELECTION_LIMITS).items():
         callable_opts.add_argument(f"--{name}", **kwargs)
+    for name, kwargs in convention_arguments().items():
+        callable_opts.add_argument(f"--{name}", **kwargs)
     callable_opts.add_argument("--precision", default=None,
                                help="precision model: a preset (flash, fp32-accumulate, input-scores, "
                                     "same-precision) or 'score=fp32,p=bf16,pv=fp32,out=bf16'; "
@@ -151,15 +154,16 @@ def _targets(args):
     if ":" in args.target:
         sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
         fn = load_callable(args.target)
-        return [CallableBackend(fn, name=args.target, limits=_limits(args), **_callable_options(args))]
+        return [CallableBackend(fn, name=args.target, limits=_limits(args), conventions=_conventions(args),
+                                **_callable_options(args))]
     given = [f"--{'no-isolate' if name == 'isolate' else name.replace('_', '-')}"
-             for name in (*CALLABLE_DEFAULTS, *limit_arguments(skip=SELECTION_LIMITS))
+             for name in (*CALLABLE_DEFAULTS, *limit_arguments(skip=SELECTION_LIMITS), *convention_arguments())
              if getattr(args, name.replace("-", "_")) is not None]
     if given:
         raise InvalidArgumentError(
             f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to MODULE:FUNC targets only; "
-            f"{args.target!r} names built-in backends, whose layout, arrays, precision, isolation and limits are "
-            "their own "
+            f"{args.target!r} names built-in backends, whose layout, arrays, precision, isolation, conventions and "
+            "limits are their own "
             f"(see 'fa_verify backends'): drop {' and '.join(given)}, or check your function as MODULE:FUNC")
     if args.target == "all":
         return [b for b in builtin_backends() if b.availability().available]
@@ -206,10 +210,34 @@ def _limits(args):
     return limits_from_options(values, args.limits)
 
 
+def _conventions(args):
+    """The callable's declared conventions: those of --limits FILE, then the options given."""
+    from fa_verify.errors import InvalidArgumentError
+    from fa_verify.limits import read_limits_file
+
+    values = {name: getattr(args, name.replace("-", "_")) for name in convention_arguments()}
+    declared = None
+    if args.limits is not None:
+        try:
+            declared = read_limits_file(args.limits)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"--limits {args.limits}: {exc}") from None
+    return conventions_from_options(values, declared)
+
+
 def _callable_options(args) -> dict:
     """CallableBackend's keyword arguments from the options given, defaults for the others."""
     return {name: default if getattr(args, name) is None else getattr(args, name)
             for name, default in CALLABLE_DEFAULTS.items()}
+
+
+def _judged_under(backend) -> str:
+    """The conventions and, for a callable, the precision preset it is judged under, in words."""
+    precision = getattr(backend, "_precision", None)
+    named = f"precision {precision}" if isinstance(precision, str) and precision != "flash" else ""
+    if not backend.judged_under.declared:
+        return ", ".join(filter(None, [named, "fa_verify's conventions"]))
+    return ", ".join(filter(None, [named, backend.judged_under.describe()]))
 
 
 def _print_property(outcome, file=None) -> None:
@@ -249,12 +277,14 @@ def _run(args) -> int:
         if not args.json:
             print(backend.name)
             print(f"  limits: {backend.limits.describe()}")
+            print(f"  judged under: {_judged_under(backend)}")
         # With --json, stdout holds only the document: progress goes to stderr as it comes.
         progress = functools.partial(_print_property, file=sys.stderr if args.json else sys.stdout)
         outcome = check_backend(backend, selection, properties=args.properties, on_result=record,
                                 progress=progress, repro_dir=args.repro_dir or default_folder())
         outcomes.append(outcome)
-        documents.append({**outcome.as_dict(), "limits": backend.limits.as_dict()})
+        documents.append({**outcome.as_dict(), "limits": backend.limits.as_dict(),
+                          "conventions": backend.judged_under.as_dict(), "judged_under": _judged_under(backend)})
         if not args.json:
             counts = outcome.counts()
             print(f"{_verdict(outcome)} {backend.name}: {counts['passed']} passed, "

@@ -8,6 +8,7 @@ is uninformative.
 
 from __future__ import annotations
 
+from fa_verify.conventions import lse_hint
 from fa_verify.error_model import error_bound
 from fa_verify.honest_ensemble import ensemble_errors
 from fa_verify.null_model import guard, null_outputs
@@ -53,6 +54,7 @@ def check_lse_agreement(backend, problem) -> PropertyResult:
                            lambda null: exceeding(null.lse, ref.lse, bound.lse)[0] is None, judged=("lse",))
         return passed("lse_agreement", problem, worst_ratio=worst, verdicts=[verdict], guard=null_guard)
     masked = "" if mismatch.want > float("-inf") else " (a fully masked row: LSE must be -inf)"
+    hint = lse_hint(lse, ref.lse)
     detail = (f"{mismatch.describe('LSE')}{masked}; dominant term of the bound there: "
-              f"{bound.dominant_lse_term(mismatch.index)}")
+              f"{bound.dominant_lse_term(mismatch.index)}" + (f"\n{hint}" if hint else ""))
     return failed("lse_agreement", problem, detail, worst, [verdict])

@@ -19,20 +19,21 @@ LOOSER_PRESETS = {"input-scores": "q·k and the softmax in the input dtype, P·V
 
 
 class _JudgedUnder(Backend):
-    """`inner` as it is, judged under the precision preset `preset`."""
+    """`inner` as it is, judged under the precision preset `preset` (and its conventions)."""
 
     def __init__(self, inner: Backend, preset: str):
         self.inner, self.preset = inner, preset
         self.name, self.dtypes, self.limits = inner.name, inner.dtypes, inner.limits
+        self.judged_under = inner.judged_under
 
     def precision(self, dtype) -> PrecisionModel:
-        return PrecisionModel.parse(self.preset, dtype)
+        return self.judged_under.precision(PrecisionModel.parse(self.preset, dtype))
 
     def supports(self, problem):
         return self.inner.supports(problem)
 
-    def _run(self, problem):
-        return self.inner.run(problem)
+    def _run(self, problem):  # as returned: `run` checks it and applies the conventions once
+        return self.inner._run(problem)
 
 
 def precision_hint(backend: Backend, prop, problem, seed: int, result) -> str:
@@ -43,7 +44,8 @@ def precision_hint(backend: Backend, prop, problem, seed: int, result) -> str:
         return ""
     current = backend.precision(problem.dtype)
     presets = list(LOOSER_PRESETS)
-    tighter = [p for p in presets if PrecisionModel.parse(p, problem.dtype) == current]
+    tighter = [p for p in presets
+               if backend.judged_under.precision(PrecisionModel.parse(p, problem.dtype)) == current]
     tried = presets[presets.index(tighter[0]) + 1:] if tighter else presets
     for preset in tried:
         try:

@@ -113,7 +113,7 @@ def callable_options(backend, dtype: str) -> dict:
             "precision": precision_spec(backend.precision(dtype)),
             # merge_law's and fully_masked_rows' derived problems follow the declared limits
             "limits": backend.limits.as_dict(),
-            "features": list(backend.features)}
+            "features": list(backend.features), "conventions": backend.judged_under.as_dict()}
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,17 @@
 the target can run (its dtypes, head dims and causal alignments are probed once), runs the
 check on each, and returns a `PropertyOutcome`: passed, failed with the minimal counterexample
 Hypothesis shrank to (and, given a folder, a reproducer script written there: `reproduce`), or
-not applicable (with the reason). It is the
+not applicable (with the reason). It searches on after a first failure (Hypothesis'
+report_multiple_bugs, one exception type per kind of failure: `failure_kind`), so failures of
+other rules, dtypes or causal modes are shrunk and reported apart (`other_failures`). It is the
 engine of `fa_verify check`, of the pytest plugin's `fa_search` fixture, and so of properties/.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -31,6 +35,9 @@ from fa_verify.properties.registry import Property, get_property
 from fa_verify.properties.reproduce import NotReproducible, Target, write_reproducer
 from fa_verify.properties.selection import Selection
 from fa_verify.properties.shape_budget import budget_note, property_seeds
+
+if sys.version_info < (3, 11):  # Hypothesis depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 
 @dataclass
@@ -62,6 +69,11 @@ class PropertyOutcome:
     #: passed too); informative is None for properties the guard does not apply to
     informative: int | None = None
     uninformative: int = 0
+    #: the target's declared conventions it was judged under, in words ("" for fa_verify's)
+    judged_under: str = ""
+    #: failures of other kinds (another rule, dtype or causal mode) than `failure`'s, each as
+    #: (problem, property seed, result), found by searching on after the first
+    other_failures: list = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -88,14 +100,15 @@ class PropertyOutcome:
                     f"{self.seconds:.1f}s{ratio}{notes}")
         if self.failure is None:
             return f"{self.property}: FAILED, {self.examples} examples{self.informative_count()}: {self.reason}"
-        tags = dict(self.problem.tags) if self.problem is not None else {}
-        seed = f", property seed {self.seed}" if self.seed is not None else ""
-        return (f"{self.property}: FAILED after {self.examples_to_failure} examples ({self.seconds:.1f}s)\n"
-                f"  minimal counterexample: {self.failure.problem} distribution={tags.get('distribution')} "
-                f"seed={tags.get('seed')}{seed}\n"
-                + "\n".join(f"  {line}" for line in self.failure.detail.splitlines())
+        kinds = f"; {1 + len(self.other_failures)} distinct failures" if self.other_failures else ""
+        others = "".join(f"\n  also failed ({_kind_words(*failure_kind(p, r))}):\n"
+                         + _counterexample(p, r, s) for p, s, r in self.other_failures)
+        return (f"{self.property}: FAILED after {self.examples_to_failure} examples ({self.seconds:.1f}s){kinds}\n"
+                + (f"  judged under: {self.judged_under}\n" if self.judged_under else "")
+                + _counterexample(self.problem, self.failure, self.seed)
                 + (f"\n  reproduce: {self.reproducer}" if self.reproducer else "")
-                + (f"\n  no reproducer: {self.no_reproducer}" if self.no_reproducer else ""))
+                + (f"\n  no reproducer: {self.no_reproducer}" if self.no_reproducer else "")
+                + others)
 
     def as_dict(self) -> dict:
         return {"property": self.property, "backend": self.backend, "status": self.status,
@@ -105,7 +118,54 @@ class PropertyOutcome:
                 "reproducer": self.reproducer or None, "reproducer_files": self.reproducer_files,
                 "no_reproducer": self.no_reproducer or None, "worst_ratio": self.worst_ratio,
                 "notes": list(self.notes), "informative": self.informative,
-                "uninformative": self.uninformative}
+                "uninformative": self.uninformative, "judged_under": self.judged_under or None,
+                "other_failures": [r.message() for _, _, r in self.other_failures]}
+
+
+def _counterexample(problem, result: PropertyResult, seed) -> str:
+    """A failing example: the problem, its tags and seeds, and what failed (indented lines)."""
+    tags = dict(problem.tags) if problem is not None else {}
+    seed = f", property seed {seed}" if seed is not None else ""
+    return (f"  minimal counterexample: {result.problem} distribution={tags.get('distribution')} "
+            f"seed={tags.get('seed')}{seed}\n" + "\n".join(f"  {line}" for line in result.detail.splitlines()))
+
+
+def failure_kind(problem, result: PropertyResult) -> tuple:
+    """What tells two failures apart: the verdict rule that failed (else the property), the dtype
+    and the causal mode; a target that raised: the exception's type alone (a crash is one
+    failure whatever the problem, and searching on through crashes and hangs costs time)."""
+    if result.detail.startswith(TARGET_RAISED):
+        return f"raised {result.detail[len(TARGET_RAISED):].split(':')[0].strip()}", None, None
+    rule = next((v.rule for v in result.verdicts if not v.passed), result.name)
+    return rule, problem.dtype, problem.causal
+
+
+def _kind_words(rule, dtype, causal) -> str:
+    return rule if dtype is None else f"{rule}, {dtype}, {'causal' if causal else 'non-causal'}"
+
+
+@functools.cache
+def _failure_type(kind: tuple) -> type:
+    """A PropertyFailure subclass per failure kind: Hypothesis tells failures apart by their
+    exception's type and place, so with report_multiple_bugs it shrinks and reports each kind."""
+    return type("PropertyFailure", (PropertyFailure,), {"kind": kind})
+
+
+def _raised(exc: BaseException) -> tuple[set, set | None]:
+    """The failure kinds in what Hypothesis (or an edge case) raised, and those of them whose
+    failure did not repeat on replay (Flaky); None for the latter: a Flaky error that names no
+    kind (every failure is then reported as not repeated)."""
+    kinds, repeated_not, flaky = set(), set(), isinstance(exc, Flaky)
+    stack = [(exc, flaky)]
+    while stack:
+        error, in_flaky = stack.pop()
+        if isinstance(error, BaseExceptionGroup):
+            stack.extend((e, in_flaky or isinstance(error, Flaky)) for e in error.exceptions)
+        elif isinstance(error, PropertyFailure):
+            kinds.add(getattr(error, "kind", None))
+            if in_flaky:
+                repeated_not.add(getattr(error, "kind", None))
+    return kinds, None if flaky and not repeated_not else repeated_not
 
 
 class _Namespaced(ExampleDatabase):
@@ -142,6 +202,9 @@ class _Abort(Exception):
     """Stops Hypothesis after a setup error, which is re-raised as itself."""
 
 
+#: Examples drawn after a failing edge case, for failures of other kinds (Hypothesis bounds its own
+#: search on after a failure it found: to twice the calls it took, at least 10, at most 10 s).
+CONTINUED_EXAMPLES = 10
 #: How the detail of a failure begins when the target raised (crashed, timed out) instead of
 #: returning: records tell such failures from wrong numbers by it.
 TARGET_RAISED = "the target raised"
@@ -192,13 +255,18 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
     """
     backend, prop = as_backend(backend), get_property(prop)
     outcome = PropertyOutcome(property=prop.name, backend=backend.name)
+    if backend.judged_under.declared:
+        outcome.judged_under = backend.judged_under.describe()
     start = time.perf_counter()
     strategy = (prop.target_reason and prop.target_reason(backend)) or problem_strategy(
         prop, capabilities(backend), selection)
     if isinstance(strategy, str):
         outcome.status, outcome.reason = NOT_APPLICABLE, strategy
         return outcome
-    reasons, notes, ratios, last, setup_error = collections.Counter(), set(), [], [], []
+    # Without shrinking the search is for speed (Hypothesis then stops at its first failure too).
+    distinct = selection.distinct_failures and selection.shrink
+    reasons, notes, ratios, setup_error = collections.Counter(), set(), [], []
+    found = {}  # failure kind -> (problem, seed, result) of its last failing example: the minimal one
     max_examples = selection.max_examples
     if prop.max_examples is not None and prop.max_examples < max_examples:
         max_examples = prop.max_examples
@@ -207,6 +275,7 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
 
     def judge(problem, seed=0) -> bool:
         """Run and judge one example; False when the property does not apply to it."""
+        problem = backend.judged_under.problem(problem)  # e.g. the scale as the target rounds it
         began = time.perf_counter()
         try:
             result = prop(backend, problem, seed)
@@ -238,8 +307,9 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         if result.failed:
             if outcome.examples_to_failure is None:
                 outcome.examples_to_failure = outcome.examples
-            last[:] = [problem, seed, result]
-            raise PropertyFailure(result)
+            kind = failure_kind(problem, result)
+            found[kind] = (problem, seed, result)
+            raise _failure_type(kind)(result)
         return True
 
     def example(drawn, seed):
@@ -250,38 +320,55 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
     phases = tuple(p for p in Phase if p is not Phase.explain and (selection.shrink or p is not Phase.shrink))
     database = (None if selection.database is None
                 else _Namespaced(selection.database, f"{prop.name}:{backend.name}"))
-    search = given(drawn=strategy.map(_Drawn), seed=property_seeds(prop, selection.shapes))(example)
-    search = settings(max_examples=max_examples, deadline=None, database=database, phases=phases,
-                      suppress_health_check=RELAXED_HEALTH_CHECKS, report_multiple_bugs=False,
-                      print_blob=False, verbosity=Verbosity.quiet)(search)
-    if selection.seed is not None:
-        search = hypothesis_seed(selection.seed)(search)
+
+    def search(examples: int) -> None:
+        test = given(drawn=strategy.map(_Drawn), seed=property_seeds(prop, selection.shapes))(example)
+        test = settings(max_examples=examples, deadline=None, database=database, phases=phases,
+                        suppress_health_check=RELAXED_HEALTH_CHECKS, report_multiple_bugs=distinct,
+                        print_blob=False, verbosity=Verbosity.quiet)(test)
+        if selection.seed is not None:
+            test = hypothesis_seed(selection.seed)(test)
+        test()
+
+    not_repeated = set()
     try:
         edges, edge_notes = edge_problems(prop, backend, selection)
         notes.update(edge_notes)
         if selection.shapes is not None:
             notes.add(budget_note(prop, selection.shapes))
         for problem in edges:
-            judge(problem)
-        search()
+            try:
+                judge(problem)
+            except PropertyFailure:
+                if not distinct:
+                    raise
+        # After a failing edge case too, a shorter search: failures of other kinds are reported apart.
+        search(min(max_examples, CONTINUED_EXAMPLES) if found else max_examples)
     except _Abort:
         raise setup_error[0] from None
-    except (PropertyFailure, Flaky) as exc:
-        if not last:  # a Flaky error of Hypothesis' own (its strategy), not of the target
+    except (PropertyFailure, Flaky, BaseExceptionGroup) as exc:
+        if setup_error:  # an _Abort among several failures
+            raise setup_error[0] from None
+        if not found:  # a Flaky error of Hypothesis' own (its strategy), not of the target
             raise
-        # Hypothesis replays the minimal example last, so it is the one recorded; a Flaky
-        # error means the replay passed: the last example that failed is reported.
-        problem, seed, result = last
-        if isinstance(exc, Flaky):
-            result = replace(result, detail=NOT_REPEATED + result.detail)
-        hint = precision_hint(backend, prop, problem, seed, result)
-        result = replace(result, detail=f"{result.detail}\n{hint}") if hint else result
-        outcome.status, outcome.failure, outcome.problem = FAILED, result, problem
-        outcome.seed = seed if prop.seeded else None
-        if repro_dir is not None:
-            _write_reproducer(outcome, backend, prop, repro_dir, selection.seed)
+        # Hypothesis replays each kind's minimal example last, so it is the one recorded; a
+        # Flaky error means the replay passed: the last example that failed is reported.
+        raised, not_repeated = _raised(exc)
+        if not distinct and raised:  # not kinds only met while shrinking
+            found = {kind: found[kind] for kind in found if kind in raised}
     except Unsatisfiable:
         pass
+    if found:
+        failures = [(problem, seed if prop.seeded else None,
+                     replace(result, detail=NOT_REPEATED + result.detail)
+                     if not_repeated is None or kind in not_repeated else result)
+                    for kind, (problem, seed, result) in found.items()]
+        (problem, seed, result), outcome.other_failures = failures[0], failures[1:]
+        hint = precision_hint(backend, prop, problem, seed or 0, result)
+        result = replace(result, detail=f"{result.detail}\n{hint}") if hint else result
+        outcome.status, outcome.failure, outcome.problem, outcome.seed = FAILED, result, problem, seed
+        if repro_dir is not None:
+            _write_reproducer(outcome, backend, prop, repro_dir, selection.seed)
     outcome.seconds = time.perf_counter() - start
     if outcome.status == PASSED and outcome.examples == 0:
         common = [f"{why} ({n}x)" for why, n in reasons.most_common(2)]

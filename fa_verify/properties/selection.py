@@ -32,6 +32,10 @@ class Selection:
     #: shape budget: each property draws from at most this many problem signatures (shape,
     #: dtype, causal mode, scale), so a JIT-compiled target compiles that often (None: no budget)
     shapes: int | None = None
+    #: search on after a first failure (and after a failing edge case) for failures of other
+    #: kinds (rules, dtypes, causal modes), reporting each; only with shrink (without it, the
+    #: search stops at its first failure, as Hypothesis does)
+    distinct_failures: bool = True
 
     def __post_init__(self):
         if self.shapes is not None:
