@@ -1,6 +1,7 @@
 """Third-party attention through fa_verify's adapters, as a user names them: JAX's
-`jax.nn.dot_product_attention` (the `jax` extra) and torch's `flex_attention`, each through a
-short `fa_verify check` under the shape budget."""
+`jax.nn.dot_product_attention` (the `jax` extra), torch's `flex_attention` and MLX's
+`mx.fast.scaled_dot_product_attention` (the `mlx` extra), each through a short `fa_verify check`
+under the shape budget."""
 
 import pytest
 
@@ -36,3 +37,18 @@ def test_flex_attention_eager_passes_a_short_check(capsys):
                        "--property", "fully_masked_rows")
     assert code == 0, out
     assert "PASS fully_masked_rows" in out and "PASS lse_agreement" in out
+
+
+def test_mlx_passes_only_under_the_conventions_it_has(capsys):
+    """On the CPU, MLX computes scores in the input dtype and gives fully masked rows the mean of V:
+    fa_verify's defaults fail it for both, and declaring the two passes it."""
+    pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'fa-verify[mlx]')")
+    options = ("--dtype", "fp16", "--max-examples", "10", "--no-isolate", "--property", "oracle_agreement",
+               "--property", "fully_masked_rows")
+    target = "fa_verify.adapters.mlx_attention:attention"
+    code, out = main(["check", target, *options]), capsys.readouterr().out
+    assert code == 1 and "FAIL fully_masked_rows" in out and "FAIL oracle_agreement" in out, out
+    code = main(["check", target, *options, "--precision", "input-scores", "--masked-rows", "uniform"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "judged under: precision input-scores, fully masked rows uniform" in out
