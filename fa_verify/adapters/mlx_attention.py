@@ -14,14 +14,7 @@ _MLX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.flo
 
 
 def attention(q, k, v, *, causal: bool, scale: float):
-    dtype = _MLX_DTYPES[q.dtype.name]
-    q, k, v = (mx.array(np.asarray(a, dtype=np.float32)).astype(dtype) for a in (q, k, v))
+    dtype = q.dtype
+    q, k, v = (mx.array(np.asarray(a, dtype=np.float32)).astype(_MLX_DTYPES[dtype.name]) for a in (q, k, v))
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if causal else None)
-    return np.array(out.astype(mx.float32)).astype(q_dtype_of(dtype))
-
-
-def q_dtype_of(dtype):
-    """The numpy dtype fa_verify gave for an MLX dtype (ml_dtypes' bfloat16 for bf16)."""
-    import ml_dtypes
-
-    return {mx.float16: np.float16, mx.bfloat16: ml_dtypes.bfloat16, mx.float32: np.float32}[dtype]
+    return np.array(out.astype(mx.float32)).astype(dtype)
