@@ -42,6 +42,10 @@ class Limits:
     equal_seq: bool = False
     #: allowed head layouts, a subset of HEAD_LAYOUTS
     heads: tuple = HEAD_LAYOUTS
+    #: allowed group sizes H/Hkv (query heads per K/V head; 1 is MHA), or None: any. Declared as
+    #: group sizes rather than Hkv values because that is what a GQA kernel specialises on (the
+    #: query heads it packs per K/V head, a compile-time constant), whatever the model's H.
+    group_sizes: tuple | None = None
     #: allowed causal modes: (False,), (True,) or both
     causal: tuple = (False, True)
     #: whether the target returns an LSE; None: probed with one tiny run
@@ -72,6 +76,9 @@ class Limits:
             (not self.seq_allowed(problem.nk), f"Nk={problem.nk}", "--seq-multiple/--seq-min/--seq-max"),
             (self.equal_seq and problem.nq != problem.nk, f"Nq={problem.nq} != Nk={problem.nk}", "--equal-seq"),
             (layout not in self.heads, f"{layout.upper()} (H={problem.heads}, Hkv={problem.kv_heads})", "--heads"),
+            (self.group_sizes is not None and problem.heads // problem.kv_heads not in self.group_sizes,
+             f"H/Hkv={problem.heads // problem.kv_heads} (H={problem.heads}, Hkv={problem.kv_heads})",
+             "--group-sizes"),
             (problem.causal not in self.causal, "causal" if problem.causal else "non-causal", "--causal"),
         ]
         broken = [f"{what} (declared by {option})" for bad, what, option in breaks if bad]
@@ -86,14 +93,14 @@ class Limits:
         if nq is None or nk is None:
             return f"no sequence length is allowed ({self.describe()})"
         d = shape.head_dim if self.head_dims is None else min(self.head_dims, key=lambda x: (abs(x - shape.head_dim), x))
-        heads, kv_heads = _layout(shape.heads, shape.kv_heads, self.heads)
+        heads, kv_heads = _layout(shape.heads, shape.kv_heads, self.heads, self.group_sizes)
         return replace(shape, heads=heads, kv_heads=kv_heads, nq=nq, nk=nk, head_dim=d)
 
     def smallest_shape(self, head_dim: int | None = None):
         """The smallest shape within the limits (for probing a target)."""
         from fa_verify.strategies import Shape
 
-        heads, kv_heads = _layout(1, 1, self.heads)
+        heads, kv_heads = _layout(1, 1, self.heads, self.group_sizes)
         d = head_dim or (self.head_dims[0] if self.head_dims else 8)
         return Shape(1, heads, kv_heads, self.seq_lo, self.seq_lo, d)
 
@@ -119,6 +126,8 @@ class Limits:
             parts.append("Nq = Nk")
         if self.heads != HEAD_LAYOUTS:
             parts.append(" or ".join(h.upper() for h in self.heads))
+        if self.group_sizes is not None:
+            parts.append("H/Hkv in {" + ", ".join(map(str, self.group_sizes)) + "}")
         if self.causal != (False, True):
             parts.append(self.describe_causal())
         if self.lse is not None:
@@ -131,19 +140,22 @@ class Limits:
                 "head-dims": list(self.head_dims) if self.head_dims else None,
                 "seq-multiple": self.seq_multiple, "seq-min": self.seq_min, "seq-max": self.seq_max,
                 "equal-seq": self.equal_seq, "heads": list(self.heads),
+                "group-sizes": list(self.group_sizes) if self.group_sizes else None,
                 "causal": {v: k for k, v in CAUSAL_CHOICES.items()}[self.causal], "lse": self.lse}
 
 
-def _layout(heads: int, kv_heads: int, allowed: tuple) -> tuple:
-    """(H, Hkv) of an allowed layout, as close to the given one as is simple."""
+def _layout(heads: int, kv_heads: int, allowed: tuple, group_sizes: tuple | None = None) -> tuple:
+    """(H, Hkv) of an allowed layout and group size, as close to the given one as is simple
+    (parse_limits makes sure that one exists)."""
     layout = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
-    if layout in allowed:
+    if layout in allowed and (group_sizes is None or heads // kv_heads in group_sizes):
         return heads, kv_heads
-    if "mha" in allowed:
+    if "mha" in allowed and (group_sizes is None or 1 in group_sizes):
         return heads, heads
+    groups = [g for g in group_sizes or (max(heads, 2),) if g > 1]
     if "mqa" in allowed:
-        return max(heads, 2), 1
-    return 4, 2
+        return min(groups, key=lambda g: (abs(g - heads), g)), 1
+    return 2 * (min(groups) if group_sizes else 2), 2
 
 
 def _positive(value) -> int:
@@ -176,6 +188,10 @@ def _dtypes(value) -> tuple:
     return names
 
 
+def _positive_set(value) -> tuple:
+    return tuple(sorted({_positive(x) for x in _list(value)}))
+
+
 def _head_layouts(value) -> tuple:
     layouts = {str(v).lower() for v in _list(value)}
     if not layouts <= set(HEAD_LAYOUTS):
@@ -186,13 +202,15 @@ def _head_layouts(value) -> tuple:
 #: Each limit option: (the Limits field, how to read one value, an example, what it declares).
 LIMIT_OPTIONS = {
     "dtype": ("dtypes", _dtypes, "fp16,bf16", "dtypes the target runs"),
-    "head-dims": ("head_dims", lambda v: tuple(sorted({_positive(x) for x in _list(v)})), "64,128",
+    "head-dims": ("head_dims", _positive_set, "64,128",
                   "head dims D the target supports (comma-separated)"),
     "seq-multiple": ("seq_multiple", _positive, "64", "Nq and Nk must be multiples of this (the kernel's tile)"),
     "seq-min": ("seq_min", _positive, "16", "smallest Nq and Nk supported"),
     "seq-max": ("seq_max", _positive, "4096", "largest Nq and Nk supported"),
     "equal-seq": ("equal_seq", yes_no, "yes", "Nq = Nk only (yes/no)"),
     "heads": ("heads", _head_layouts, "mha,gqa", "head layouts supported: mha, gqa, mqa (comma-separated)"),
+    "group-sizes": ("group_sizes", _positive_set, "1,2,4,8",
+                    "group sizes H/Hkv supported (query heads per K/V head; 1 is MHA; comma-separated)"),
     "causal": ("causal", lambda v: CAUSAL_CHOICES[str(v).lower()], "yes", "causal only (yes), non-causal only "
                "(no) or both"),
     "lse": ("lse", yes_no, "no", "whether the target returns an LSE (default: probed)"),
@@ -208,6 +226,12 @@ def parse_limits(values: dict, prefix: str = "--", base: Limits | None = None) -
         raise InvalidArgumentError(
             f"{prefix}seq-min={limits.seq_min}, {prefix}seq-multiple={limits.seq_multiple} and "
             f"{prefix}seq-max={limits.seq_max} allow no sequence length; raise {prefix}seq-max")
+    groups = limits.group_sizes
+    if groups is not None and not ((1 in groups and "mha" in limits.heads)
+                                   or (max(groups) > 1 and {"mqa", "gqa"} & set(limits.heads))):
+        raise InvalidArgumentError(
+            f"{prefix}heads={','.join(limits.heads)} and {prefix}group-sizes={','.join(map(str, groups))} allow no "
+            f"head layout (MHA is group size 1, GQA and MQA larger ones); add to {prefix}group-sizes")
     return limits
 
 

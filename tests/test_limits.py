@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 from feature_kernels import correct as with_variants  # noqa: E402
-from user_kernels import float64_then_round, limited_fp16_causal  # noqa: E402
+from user_kernels import float64_then_round, grouped_2_or_4, limited_fp16_causal  # noqa: E402
 
 pytest_plugins = ["pytester"]
 
@@ -59,6 +59,8 @@ def test_one_parser_reads_strings_toml_values_and_keywords_alike(tmp_path):
     ({"equal-seq": "maybe"}, "--equal-seq='maybe'", "--equal-seq yes"),
     ({"heads": "mha,moe"}, "--heads='mha,moe'", "--heads mha,gqa"),
     ({"causal": "sometimes"}, "--causal='sometimes'", "--causal yes"),
+    ({"group-sizes": "2,0"}, "--group-sizes='2,0'", "--group-sizes 1,2,4,8"),
+    ({"group-sizes": "1", "heads": "gqa,mqa"}, "allow no head layout", "add to --group-sizes"),
     ({"dtype": "fp8"}, "--dtype='fp8'", "--dtype fp16,bf16"),
     ({"tile": "64"}, "--tile is not a limit", "--seq-multiple"),
     ({"seq-min": "100", "seq-max": "120", "seq-multiple": "64"}, "allow no sequence length", "raise --seq-max"),
@@ -81,6 +83,7 @@ def test_bad_limits_are_usage_errors_in_the_cli(capsys, tmp_path):
 
     target = "user_kernels:float64_then_round"
     assert "--head-dims='64;128'" in usage_error("check", target, "--head-dims", "64;128")
+    assert "--group-sizes='two'" in usage_error("check", target, "--group-sizes", "two")
     assert "limits are their own" in usage_error("check", "numpy-tiled", "--seq-multiple", "64")
     bad = tmp_path / "bad.toml"
     bad.write_text("head-dims = [64, 'x']\n")
@@ -106,6 +109,14 @@ def test_check_and_adapt():
     assert KERNEL_LIMITS.adapt(fst.Shape(2, 4, 2, 65, 63, 32)) == fst.Shape(2, 4, 4, 64, 64, 64)
     assert KERNEL_LIMITS.adapt(fst.Shape(1, 2, 1, 127, 129, 96)) == fst.Shape(1, 2, 2, 128, 128, 64)
     assert KERNEL_LIMITS.adapt(fst.Shape(1, 1, 1, 1, 1, 8)) == fst.Shape(1, 1, 1, 64, 64, 64)
+    # H/Hkv moves to an allowed group size: MQA with the one nearest H, GQA with the smallest
+    grouped = parse_limits({"group-sizes": "4,8"})
+    assert grouped.adapt(fst.Shape(1, 2, 2, 8, 8, 8)) == fst.Shape(1, 4, 1, 8, 8, 8)
+    assert grouped.adapt(fst.Shape(1, 7, 1, 8, 8, 8)) == fst.Shape(1, 8, 1, 8, 8, 8)
+    assert parse_limits({"group-sizes": "4,8", "heads": "gqa"}).adapt(fst.Shape(1, 2, 1, 8, 8, 8)) == fst.Shape(
+        1, 8, 2, 8, 8, 8)
+    assert "H/Hkv=2 (H=4, Hkv=2) (declared by --group-sizes)" in grouped.check(
+        fst.make_problem("normal", (1, 4, 2, 8, 8, 8), "fp32", 0))
     assert "no sequence length" in Limits(seq_min=300, seq_max=400, seq_multiple=512).adapt(fst.Shape(1, 1, 1, 1, 1, 8))
 
 
@@ -179,7 +190,7 @@ def test_the_issue_kernel_is_checked_in_one_command_line():
     document = json.loads(proc.stdout)
     assert document["targets"][0]["limits"] == {
         "dtype": ["fp16"], "head-dims": [64, 128], "seq-multiple": 64, "seq-min": 1, "seq-max": None,
-        "equal-seq": True, "heads": ["mha"], "causal": "yes", "lse": None}
+        "equal-seq": True, "heads": ["mha"], "group-sizes": None, "causal": "yes", "lse": None}
     statuses = _statuses(document)
     not_applicable = {name: reason for name, (status, reason) in statuses.items() if status == "not applicable"}
     variants = {"variant_agreement", "feature_sensitivity", "wide_window", "softcap_limit", "window_independence"}
@@ -198,6 +209,14 @@ def test_without_limits_the_kernel_fails_as_before(capsys, monkeypatch):
     code = main(["check", "user_kernels:limited_fp16_causal", "--property", "oracle_agreement",
                  "--max-examples", "3"])
     assert code == 1 and "unsupported problem" in capsys.readouterr().out
+
+
+def test_a_gqa_kernel_passes_within_its_group_sizes_and_fails_without_them(capsys, monkeypatch):
+    monkeypatch.chdir(FIXTURES)
+    argv = ["check", "user_kernels:grouped_2_or_4", "--property", "oracle_agreement", "--max-examples", "5"]
+    assert main(argv) == 1 and "unsupported group size" in capsys.readouterr().out
+    assert main([*argv, "--group-sizes", "2,4"]) == 0
+    assert "limits: H/Hkv in {2, 4}" in capsys.readouterr().out
 
 
 def test_the_pytest_plugin_takes_the_same_limits(pytester):
@@ -219,6 +238,7 @@ def test_the_pytest_plugin_takes_the_same_limits(pytester):
     {"seq-min": "100", "seq-max": "200", "heads": "gqa"},
     {"seq-multiple": "16", "seq-max": "48", "heads": "mqa,mha", "causal": "no", "dtype": "bf16"},
     {"head-dims": "96", "seq-multiple": "128", "equal-seq": "yes", "lse": "no"},
+    {"group-sizes": "2,8", "heads": "gqa,mqa", "seq-multiple": "16"},
 ])
 @pytest.mark.parametrize("fn", [float64_then_round, with_variants])
 def test_every_property_draws_within_the_limits(options, fn):

@@ -149,7 +149,9 @@ def edge_problems(prop: Property, backend: Backend, selection: Selection) -> tup
 def _shape_limits(limits: Limits) -> dict:
     """fst.shapes' keyword arguments for drawing within `limits`."""
     return dict(seq_multiple=limits.seq_multiple, seq_min=limits.seq_min, equal_seq=limits.equal_seq,
-                head_layouts=limits.heads)
+                head_layouts=limits.heads, group_sizes=limits.group_sizes,
+                # room for the fewest heads allowed, and for MQA with the largest group size
+                max_heads=max(4, limits.smallest_shape().heads, *(limits.group_sizes or ())))
 
 
 def _large_shapes(head_dims, limits: Limits):
@@ -157,7 +159,7 @@ def _large_shapes(head_dims, limits: Limits):
     dims = [d for d in (head_dims or (16, 32, 64)) if 16 <= d <= 64] or [min(head_dims)]
     if limits.declared:
         max_seq = min(max(96, limits.seq_lo), limits.seq_max or limits.seq_lo + 96)
-        return fst.shapes(max_batch=2, max_heads=4, max_seq=max_seq, max_head_dim=max(dims),
+        return fst.shapes(max_batch=2, max_seq=max_seq, max_head_dim=max(dims),
                           head_dims=dims, max_work=_max_work(limits, 2 * 4 * 96 * 96 * max(dims), dims),
                           **_shape_limits(limits))
     return st.builds(fst.Shape, batch=st.integers(1, 2), heads=st.just(4), kv_heads=st.sampled_from([1, 2, 4]),
@@ -170,7 +172,7 @@ _WORK_ROOM = 16
 
 
 def _max_work(limits: Limits, max_work: int, head_dims) -> int:
-    least = limits.seq_lo ** 2 * (1 if "mha" in limits.heads else 2 if "mqa" in limits.heads else 4)
+    least = limits.seq_lo ** 2 * limits.smallest_shape().heads
     return max(max_work, _WORK_ROOM * least * min(head_dims or (1,)))
 
 

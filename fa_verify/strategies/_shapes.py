@@ -21,7 +21,8 @@ B*H*Nq*Nk <= max_seq**2, as judging an example costs per score.
 
 Declared limits (`fa_verify.limits`) are drawn within, not filtered: sequence lengths on a grid
 (a multiple of `seq_multiple`, from `seq_min`) are drawn as grid units with the same choices as
-plain lengths, `equal_seq` draws Nq = Nk, `head_layouts` restricts MHA / GQA / MQA, and the work
+plain lengths, `equal_seq` draws Nq = Nk, `head_layouts` restricts MHA / GQA / MQA, `group_sizes` draws H/Hkv
+from the declared ones, and the work
 budget keeps room for the smallest allowed length and head layout.
 """
 
@@ -206,9 +207,11 @@ def _seq_lengths(draw, cap: int, max_seq: int, typical: int | None = None, grid:
     return (first, second) if how == "q_first" else (second, first)
 
 
-def _heads(draw, cap: int, layouts: tuple) -> tuple:
+def _heads(draw, cap: int, layouts: tuple, group_sizes=None) -> tuple:
     """(heads, kv_heads) with heads <= cap, of one of `layouts`: MHA, MQA (Hkv=1) and GQA
     (1 < Hkv < H); a kind that does not fit under cap falls back to the next simpler one."""
+    if group_sizes is not None:
+        return _grouped_heads(draw, cap, layouts, group_sizes)
     kind = draw(st.sampled_from(layouts)) if len(layouts) > 1 else layouts[0]
     if kind == "gqa":
         kv_choice, group_choice = draw(st.integers(0, cap)), draw(st.integers(0, cap))
@@ -222,18 +225,39 @@ def _heads(draw, cap: int, layouts: tuple) -> tuple:
     return h, h
 
 
-def _min_heads(layouts: tuple) -> int:
-    """The fewest query heads of the simplest allowed layout."""
-    return 1 if "mha" in layouts else 2 if "mqa" in layouts else 4
+def _grouped_heads(draw, cap: int, layouts: tuple, group_sizes: tuple) -> tuple:
+    """(heads, kv_heads) with heads <= cap and H/Hkv in `group_sizes`, of one of `layouts` that
+    fits (the reserve for heads guarantees one does)."""
+    groups = [g for g in group_sizes if 1 < g <= cap]
+    fitting = {"mha": 1 in group_sizes, "mqa": bool(groups), "gqa": any(2 * g <= cap for g in groups)}
+    kind = draw(st.sampled_from([k for k in layouts if fitting[k]]))
+    if kind == "mha":
+        h = draw(st.integers(1, cap))
+        return h, h
+    if kind == "mqa":
+        return draw(st.sampled_from(groups)), 1
+    group = draw(st.sampled_from([g for g in groups if 2 * g <= cap]))
+    kv = draw(st.integers(2, cap // group))
+    return kv * group, kv
+
+
+def _min_heads(layouts: tuple, group_sizes=None) -> int:
+    """The fewest query heads of the simplest allowed layout (and group size)."""
+    if group_sizes is None:
+        return 1 if "mha" in layouts else 2 if "mqa" in layouts else 4
+    groups = [g for g in group_sizes if g > 1]
+    fewest = ([1] if "mha" in layouts and 1 in group_sizes else []) + [
+        k * min(groups) for k, kind in ((1, "mqa"), (2, "gqa")) if groups and kind in layouts]
+    return min(fewest, default=math.inf)
 
 
 @st.composite
 def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, layouts, max_work, typical_seq,
-            grid, equal_seq):
+            grid, equal_seq, group_sizes):
     got = {}
     # What the groups not yet drawn need at least, so that each draw leaves room for them.
     reserve = {"d": head_dims[0] if head_dims is not None else 1, "nq": grid.lowest, "nk": grid.lowest,
-               "h": _min_heads(layouts)}
+               "h": _min_heads(layouts, group_sizes)}
 
     def left(*drawing) -> int:
         """The cap for the next dimension(s): the work left, keeping room for the smallest D, lengths
@@ -263,14 +287,15 @@ def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, layout
             got["nq"], got["nk"] = _seq_lengths(draw, left("nq", "nk"), max(typical_seq, grid.lowest), None,
                                                 grid, equal_seq)
         else:
-            got["h"], kv_heads = _heads(draw, min(max_heads, left("h")), layouts)
+            got["h"], kv_heads = _heads(draw, min(max_heads, left("h")), layouts, group_sizes)
     batch = draw(st.integers(1, min(max_batch, left())))
     return Shape(batch, got["h"], kv_heads, got["nq"], got["nk"], got["d"])
 
 
 def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_dim: int = 128,
            head_dims=None, gqa: bool = True, max_work: int = DEFAULT_MAX_WORK, typical_seq=None,
-           seq_multiple: int = 1, seq_min: int = 1, equal_seq: bool = False, head_layouts=None):
+           seq_multiple: int = 1, seq_min: int = 1, equal_seq: bool = False, head_layouts=None,
+           group_sizes=None):
     """Strategy for `Shape` with every bound respected by construction.
 
     max_batch, max_heads, max_seq, max_head_dim: upper bounds of B, H (query heads), Nq and Nk,
@@ -287,6 +312,7 @@ def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_d
     seq_multiple, seq_min: Nq and Nk are multiples of seq_multiple and >= seq_min.
     equal_seq: Nq == Nk always.
     head_layouts: the layouts drawn, a subset of ("mha", "mqa", "gqa") (None: by `gqa`).
+    group_sizes: if given, H/Hkv is drawn from these values only (1: MHA).
     """
     max_batch = check_int("max_batch", max_batch)
     max_heads = check_int("max_heads", max_heads)
@@ -318,11 +344,15 @@ def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_d
                                                                "head layout"))
     multiple = check_int("seq_multiple", seq_multiple)
     grid = _SeqGrid(multiple, multiple * -(-check_int("seq_min", seq_min) // multiple))
-    least = grid.lowest ** 2 * _min_heads(layouts) * (head_dims[0] if head_dims is not None else 1)
-    if grid.lowest > max_seq or least > max_work or _min_heads(layouts) > max_heads:
+    if group_sizes is not None:
+        group_sizes = tuple(sorted({check_int("group_sizes[...]", g) for g in group_sizes}))
+    fewest_heads = _min_heads(layouts, group_sizes)
+    least = grid.lowest ** 2 * fewest_heads * (head_dims[0] if head_dims is not None else 1)
+    if grid.lowest > max_seq or least > max_work or fewest_heads > max_heads:
         raise InvalidArgumentError(
-            f"seq_multiple={seq_multiple!r}, seq_min={seq_min!r} and head_layouts={layouts!r} leave no shape "
+            f"seq_multiple={seq_multiple!r}, seq_min={seq_min!r}, head_layouts={layouts!r} and "
+            f"group_sizes={group_sizes!r} leave no shape "
             f"with Nq, Nk <= max_seq={max_seq!r}, H <= max_heads={max_heads!r} and B*H*Nq*Nk*D <= "
             f"max_work={max_work!r}; raise max_seq or max_work")
     return _shapes(max_batch, max_heads, max_seq, max_head_dim, head_dims, layouts, max_work, typical_seq,
-                   grid, check_bool("equal_seq", equal_seq))
+                   grid, check_bool("equal_seq", equal_seq), group_sizes)
