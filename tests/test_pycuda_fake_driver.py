@@ -359,3 +359,16 @@ def test_a_kernel_spec_drives_pycuda_as_it_drives_the_cpu_runner():
     """, spec=f"{source}{os.pathsep}{spec}")
     assert answer["rows"] == [["fp16", True, True], ["fp32", True, True]]
     assert all(name.startswith("_Z16flash_fwd_kernel") for name in answer["names"])
+
+
+def test_check_runs_a_spec_on_pycuda_with_its_shared_memory_opt_in():
+    """`check kernel.cu --spec kernel.toml --runner pycuda`: raw_pointer_flash asks for 64 KiB of dynamic shared
+    memory, which launches only after the spec's opt-in (cuFuncSetAttribute) as on a GPU."""
+    kernels = REPO / "tests" / "cuda_cpu_kernels"
+    source, spec = kernels / "raw_pointer_flash.cu", kernels / "raw_pointer_flash.toml"
+    env = build.environment(spec=f"{source}{os.pathsep}{spec}")
+    proc = subprocess.run([sys.executable, "-m", "fa_verify", "check", str(source), "--spec", str(spec), "--runner",
+                           "pycuda", "--property", "convex_hull", "--max-examples", "2"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS raw_pointer_flash-pycuda" in proc.stdout
