@@ -11,7 +11,6 @@ context, synchronised after each so a fault is reported at its launch.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ import numpy as np
 
 from fa_verify.backends.spec_kernel import SpecKernelBackend
 from fa_verify.errors import KernelBuildError, KernelRunError
-from fa_verify.kernels.catalogue import DEFAULT_SHARED_LIMIT, NVCC_OPTIONS
+from fa_verify.kernels.catalogue import DEFAULT_SHARED_LIMIT
 from fa_verify.kernels.spec import NULL, KernelSpec
 
 
@@ -71,9 +70,10 @@ class SpecPyCudaBackend(SpecKernelBackend):
     # The CPU runner's hooks (race detector, ASan build, padded host buffers) have no GPU twin here.
     run_racecheck = None
     run_padded = None
+    sanitized = None
 
-    def __init__(self, source, spec: KernelSpec | str, sanitize: bool = False):
-        super().__init__(source, spec, sanitize=False)
+    def __init__(self, source, spec: KernelSpec | str):
+        super().__init__(source, spec)
         self.name = self.name + "-pycuda"
         self.notes = f"{self.source.name} launched by its kernel spec on a GPU through PyCUDA"
         self._gpu = None
@@ -83,9 +83,6 @@ class SpecPyCudaBackend(SpecKernelBackend):
         from fa_verify.kernels.pycuda_runner import pycuda_availability
 
         return pycuda_availability()
-
-    def sanitized(self):
-        raise KernelRunError(f"{self.name}: AddressSanitizer runs on the CUDA-on-CPU runner (--runner cpu)")
 
     def build(self):
         return self._loaded()
@@ -112,33 +109,15 @@ class SpecPyCudaBackend(SpecKernelBackend):
             return self._gpu
 
     def _cubin(self, arch: str, entries: list[str]) -> bytes:
-        from pycuda.compiler import compile as pycuda_compile
-        from pycuda.driver import CompileError
-
         from fa_verify.cuda_cpu._host_code import device_macros, set_aside
-        from fa_verify.kernels.nvcc import cuda_include_dirs, find_nvcc, nvcc_version
-        from fa_verify.kernels.pycuda_runner import cubin_cache_dir, write_atomically
+        from fa_verify.kernels.pycuda_runner import cached_cubin
 
-        nvcc = find_nvcc()
         include_dirs = [str(self.source.resolve().parent), *self.spec.include_dirs]
         text = self.source.read_text(errors="replace")
         source = instantiating_source(f'#line 1 "{self.source.resolve()}"\n'
                                       + set_aside(text, device_macros(self.source, include_dirs)), entries)
-        options = [*NVCC_OPTIONS, *(f"-I{d}" for d in cuda_include_dirs(nvcc)),
-                   *(f"-D{k}={v}" for k, v in self.spec.defines.items())]
-        key = hashlib.sha256("\0".join([source, *options, *include_dirs, arch, str(nvcc),
-                                        nvcc_version(nvcc)]).encode()).hexdigest()[:24]
-        path = cubin_cache_dir() / f"spec-{self.source.stem}-{arch}-{key}.cubin"
-        if path.is_file():
-            return path.read_bytes()
-        try:
-            cubin = pycuda_compile(source, nvcc=str(nvcc), options=options, no_extern_c=True, arch=arch,
-                                   include_dirs=include_dirs, cache_dir=False)
-        except CompileError as exc:
-            raise KernelBuildError(f"nvcc could not compile {self.source} for {arch}: {exc}",
-                                   log=getattr(exc, "stderr", "") or str(exc)) from None
-        write_atomically(path, cubin)
-        return cubin
+        return cached_cubin(source, f"spec-{self.source.stem}", arch, include_dirs,
+                            options=[f"-D{k}={v}" for k, v in self.spec.defines.items()])
 
     def _launch(self, problem, inputs: list, racecheck: bool = False):
         import pycuda.driver as cuda
