@@ -226,3 +226,8 @@ def test_the_race_detector_runs_spec_kernels(tmp_path):
     SpecKernelBackend(PUBLISHED, KERNELS / "published_flash.toml").run_racecheck(problem)
     with pytest.raises(KernelRaceError, match="no_barrier_after_tile.cu:"):
         SpecKernelBackend(racy, KERNELS / "published_flash.toml").run_racecheck(problem)
+
+
+def test_runner_applies_only_to_spec_targets(capsys):
+    code = main(["check", "naive16-cpu", "--runner", "pycuda"])
+    assert code == 2 and "--runner applies to CUDA files checked with --spec" in capsys.readouterr().err

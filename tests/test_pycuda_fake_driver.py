@@ -336,3 +336,39 @@ def test_fake_driver_point10_the_worker_imports_the_callers_fa_verify(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["package"] == str(copy / "fa_verify")
+
+
+def test_a_kernel_spec_drives_pycuda_as_it_drives_the_cpu_runner():
+    """published_flash.cu, its host code set aside, compiled by nvcc, its template entries found by their mangled
+    names and launched through PyCUDA as its spec says: bit-identical to the CPU runner, and the oracle passes."""
+    kernels = REPO / "tests" / "cuda_cpu_kernels"
+    source, spec = kernels / "published_flash.cu", kernels / "published_flash.toml"
+    answer = on_fake_driver(f"""
+        from fa_verify.backends.spec_kernel import SpecKernelBackend
+        from fa_verify.backends.spec_pycuda import SpecPyCudaBackend
+        from fa_verify.verdict import check_attention
+        gpu, cpu = SpecPyCudaBackend({str(source)!r}, {str(spec)!r}), SpecKernelBackend({str(source)!r}, {str(spec)!r})
+        assert gpu.availability().available, gpu.availability().reason
+        rows = []
+        for dtype, shape, causal in [("fp16", (1, 2, 2, 70, 45, 64), True), ("fp32", (2, 2, 1, 33, 100, 64), False)]:
+            p = problem(*shape, dtype, seed=len(rows), causal=causal)
+            (o, lse), (o2, lse2) = gpu.run(p), cpu.run(p)
+            rows.append([dtype, o.tobytes() == o2.tobytes() and lse.tobytes() == lse2.tobytes(),
+                         check_attention(o, p, lse=lse, precision=gpu.precision(dtype)).passed])
+        answer(rows=rows, names=sorted(gpu.build()[2].values()))
+    """, spec=f"{source}{os.pathsep}{spec}")
+    assert answer["rows"] == [["fp16", True, True], ["fp32", True, True]]
+    assert all(name.startswith("_Z16flash_fwd_kernel") for name in answer["names"])
+
+
+def test_check_runs_a_spec_on_pycuda_with_its_shared_memory_opt_in():
+    """`check kernel.cu --spec kernel.toml --runner pycuda`: raw_pointer_flash asks for 64 KiB of dynamic shared
+    memory, which launches only after the spec's opt-in (cuFuncSetAttribute) as on a GPU."""
+    kernels = REPO / "tests" / "cuda_cpu_kernels"
+    source, spec = kernels / "raw_pointer_flash.cu", kernels / "raw_pointer_flash.toml"
+    env = build.environment(spec=f"{source}{os.pathsep}{spec}")
+    proc = subprocess.run([sys.executable, "-m", "fa_verify", "check", str(source), "--spec", str(spec), "--runner",
+                           "pycuda", "--property", "convex_hull", "--max-examples", "2"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS raw_pointer_flash-pycuda" in proc.stdout

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import os
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -126,27 +126,38 @@ class SpecKernelBackend(Backend):
     def _launch(self, problem: AttentionProblem, inputs: list, racecheck: bool = False):
         from fa_verify.cuda_cpu import Inside
 
+        plan = self.plan(problem)
+        o = GuardedOutput.allocate("o", plan.o_shape, plan.o_dtype)
+        lse = GuardedOutput.allocate("lse", plan.lse_shape, np.float32) if plan.lse_shape else None
+        args = plan.arguments({"q": inputs[0], "k": inputs[1], "v": inputs[2], "o": Inside(_bits(o.buffer), o.offset),
+                               "lse": lse and Inside(lse.buffer, lse.offset), NULL: None})
+        self.module(racecheck).launch(plan.entry, plan.grid, plan.block, plan.shared, args, shared_opt_in=plan.opt_in)
+        check_written(f"{self.name} on the CUDA-on-CPU runner", *(b for b in (o, lse) if b is not None))
+        return self.output(o.view), (lse.view if lse is not None else None)
+
+    def output(self, o: np.ndarray) -> np.ndarray:
+        """The kernel's o as [B, H, Nq, D]."""
+        return o if self.spec.layout == "bhsd" else np.ascontiguousarray(o.transpose(0, 2, 1, 3))
+
+    def plan(self, problem: AttentionProblem) -> "SpecLaunch":
+        """The launch the spec describes for `problem`: entry, grid, block, shared memory, scalars, output shapes."""
         spec = self.spec
         B, H, Nq, D = problem.out_shape
         values = spec.names((B, H, problem.kv_heads, Nq, problem.nk, D), problem.dtype, causal=problem.causal,
                             scale=problem.scale_value)
-        o_dtype = numpy_dtype(self.precision(problem.dtype).output)
-        o = GuardedOutput.allocate("o", (B, Nq, H, D) if spec.layout == "bshd" else (B, H, Nq, D), o_dtype)
-        lse = GuardedOutput.allocate("lse", (B, H, Nq), np.float32) if spec.has_lse else None
-        buffers = {"q": inputs[0], "k": inputs[1], "v": inputs[2], "o": Inside(_bits(o.buffer), o.offset),
-                   "lse": lse and Inside(lse.buffer, lse.offset), NULL: None}
-        args = [buffers[p] if isinstance(p, str) else expressions.evaluate(p, values, f"{spec.origin}: params")
-                for p in spec.params]
-        grid = [self._dimension(e, values, "grid") for e in spec.grid]
-        block = [self._dimension(e, values, "block") for e in spec.block]
         shared = self._dimension(spec.shared_bytes, values, "shared-bytes", minimum=0)
-        opt_in = (shared if spec.shared_opt_in is True else None if spec.shared_opt_in is False
-                  else self._dimension(spec.shared_opt_in, values, "shared-opt-in", minimum=0))
-        entry = spec.entry_for(problem.dtype, D if "{D}" in spec.entry else 0)
-        self.module(racecheck).launch(entry, grid, block, shared, args, shared_opt_in=opt_in)
-        check_written(f"{self.name} on the CUDA-on-CPU runner", *(b for b in (o, lse) if b is not None))
-        out = o.view if spec.layout == "bhsd" else np.ascontiguousarray(o.view.transpose(0, 2, 1, 3))
-        return out, (lse.view if lse is not None else None)
+        return SpecLaunch(
+            entry=spec.entry_for(problem.dtype, D if "{D}" in spec.entry else 0),
+            grid=[self._dimension(e, values, "grid") for e in spec.grid],
+            block=[self._dimension(e, values, "block") for e in spec.block],
+            shared=shared,
+            opt_in=(shared if spec.shared_opt_in is True else None if spec.shared_opt_in is False
+                    else self._dimension(spec.shared_opt_in, values, "shared-opt-in", minimum=0)),
+            params=[p if isinstance(p, str) else expressions.evaluate(p, values, f"{spec.origin}: params")
+                    for p in spec.params],
+            o_shape=(B, Nq, H, D) if spec.layout == "bshd" else (B, H, Nq, D),
+            o_dtype=numpy_dtype(self.precision(problem.dtype).output),
+            lse_shape=(B, H, Nq) if spec.has_lse else None)
 
     def _dimension(self, tree, values, key: str, minimum: int = 1) -> int:
         value = expressions.evaluate(tree, values, f"{self.spec.origin}: {key}")
@@ -156,6 +167,25 @@ class SpecKernelBackend(Backend):
                                        f"B={values['B']}, H={values['H']}, Nq={values['Nq']}, Nk={values['Nk']}, "
                                        f"D={values['D']}")
         return value
+
+
+@dataclass
+class SpecLaunch:
+    """One launch as the spec describes it; `params` holds buffer names (str) and evaluated scalars."""
+
+    entry: str
+    grid: list
+    block: list
+    shared: int
+    opt_in: int | None
+    params: list
+    o_shape: tuple
+    o_dtype: np.dtype
+    lse_shape: tuple | None
+
+    def arguments(self, buffers: dict) -> list:
+        """The kernel's arguments, each buffer name replaced by `buffers[name]`."""
+        return [buffers[p] if isinstance(p, str) else p for p in self.params]
 
 
 def _layout(x: np.ndarray, layout: str) -> np.ndarray:

@@ -112,6 +112,9 @@ def add_parser(sub) -> None:
         "says (the README's 'Check your CUDA kernel without a GPU' gives the format).")
     cuda_opts.add_argument("--spec", default=None, metavar="FILE",
                            help="the kernel spec (TOML): parameters, entry, launch, limits")
+    cuda_opts.add_argument("--runner", choices=("auto", "cpu", "pycuda"), default="auto",
+                           help="where the spec's launches run: 'pycuda' on a GPU, 'cpu' on the CUDA-on-CPU "
+                                "runner (default auto: PyCUDA where it finds a driver and a device, else the CPU)")
     cuda_opts.add_argument("--arch", default=None, metavar="sm_XY",
                            help="GPU architecture whose shared-memory limits launches are held to and "
                                 "__CUDA_ARCH__ (default: the spec's, else sm_80)")
@@ -151,6 +154,8 @@ def _targets(args):
         return [_spec_target(args)]
     if args.arch is not None:
         raise InvalidArgumentError(f"--arch applies to CUDA files checked with --spec, not to {args.target!r}")
+    if args.runner != "auto":
+        raise InvalidArgumentError(f"--runner applies to CUDA files checked with --spec, not to {args.target!r}")
     if ":" in args.target:
         sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
         fn = load_callable(args.target)
@@ -193,6 +198,15 @@ def _spec_target(args):
     spec = KernelSpec.from_toml(args.spec)
     if args.arch is not None:
         spec = replace(spec, arch=args.arch)
+    runner = args.runner
+    if runner == "auto":
+        from fa_verify.kernels.pycuda_runner import pycuda_availability
+
+        runner = "pycuda" if pycuda_availability().available else "cpu"
+    if runner == "pycuda":
+        from fa_verify.backends.spec_pycuda import SpecPyCudaBackend
+
+        return SpecPyCudaBackend(args.target, spec)
     return SpecKernelBackend(args.target, spec)
 
 

@@ -191,28 +191,36 @@ def compile_cubin(family: KernelFamily, arch: str) -> bytes:
     """The family's cubin for `arch`, compiled once per source, headers, options and nvcc, then cached.
 
     Raises NvccNotFoundError (a setup error) or KernelBuildError with nvcc's output."""
+    problem = arch_problem(family, arch)
+    if problem:
+        raise BackendUnavailableError(problem)
+    headers = sorted(p for p in kernels_dir().iterdir() if p.suffix in (".cuh", ".h"))
+    return cached_cubin(family.source_path.read_text(), family.source, arch, include_dirs=[str(kernels_dir())],
+                        key_parts=[p.read_text() for p in headers])
+
+
+def cached_cubin(source: str, name: str, arch: str, include_dirs: list[str], options=(), key_parts=()) -> bytes:
+    """`source` (C++ text; `name` in messages and the cache) compiled by fa_verify's nvcc for `arch`, once per
+    source, options, nvcc and `key_parts` (what else it reads: headers), then cached on disk.
+
+    Raises NvccNotFoundError (a setup error) or KernelBuildError with nvcc's output."""
     from pycuda.compiler import compile as pycuda_compile
     from pycuda.driver import CompileError
 
     from fa_verify.kernels.nvcc import cuda_include_dirs, find_nvcc, nvcc_version
 
-    problem = arch_problem(family, arch)
-    if problem:
-        raise BackendUnavailableError(problem)
     nvcc = find_nvcc()
-    options = [*NVCC_OPTIONS, *(f"-I{d}" for d in cuda_include_dirs(nvcc))]
-    source = family.source_path.read_text()
-    headers = sorted(p for p in kernels_dir().iterdir() if p.suffix in (".cuh", ".h"))
-    key = hashlib.sha256("\0".join([source, *(p.read_text() for p in headers), *options, arch, str(nvcc),
+    options = [*NVCC_OPTIONS, *(f"-I{d}" for d in cuda_include_dirs(nvcc)), *options]
+    key = hashlib.sha256("\0".join([source, *key_parts, *options, *include_dirs, arch, str(nvcc),
                                     nvcc_version(nvcc)]).encode()).hexdigest()[:24]
-    path = cubin_cache_dir() / f"{family.source}-{arch}-{key}.cubin"
+    path = cubin_cache_dir() / f"{name}-{arch}-{key}.cubin"
     if path.is_file():
         return path.read_bytes()
     try:
         cubin = pycuda_compile(source, nvcc=str(nvcc), options=options, no_extern_c=True, arch=arch,
-                               include_dirs=[str(kernels_dir())], cache_dir=False)
+                               include_dirs=include_dirs, cache_dir=False)
     except CompileError as exc:
-        raise KernelBuildError(f"nvcc could not compile {family.source} for {arch}: {exc}",
+        raise KernelBuildError(f"nvcc could not compile {name} for {arch}: {exc}",
                                log=getattr(exc, "stderr", "") or str(exc)) from None
     write_atomically(path, cubin)
     return cubin

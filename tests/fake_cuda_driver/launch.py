@@ -12,6 +12,7 @@ file descriptor 1, as a driver flushes device printf. Returns a CUresult.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ctypes
 import io
 import os
@@ -60,8 +61,70 @@ def _view(address: int, dtype) -> np.ndarray | int:
     return np.frombuffer(memory, dtype=dtype)
 
 
-def run(entry: str, grid, block, shared: int, params: bytes, device: int) -> int:
+#: "kernel.cu" + os.pathsep + "kernel.toml": a published file whose spec'd entries the fake driver also runs
+SPEC_ENV = "FA_FAKE_CUDA_SPEC"
+
+
+def _catalogued(entry: str):
+    """(CPU module, entry, signature, pointer dtypes) of a catalogued entry (`<family>_<dtype>_d<D>`), or None."""
     from fa_verify.backends.cuda_kernels import cpu_module
+    from fa_verify.kernels.catalogue import FAMILIES
+
+    family_name, dtype, _ = entry.rsplit("_", 2) if entry.count("_") >= 2 else (entry, "", "")
+    family = FAMILIES.get(family_name)
+    if family is None or entry not in family.entries():
+        return None
+    element = np.uint16 if dtype in ("fp16", "bf16") else np.float32
+    scratch = np.float32 if family.scratch == "fp32" else element
+    return cpu_module(family), entry, family.signature, (element, element, element, element, np.float32, scratch)
+
+
+def _spec_entry(symbol: str):
+    """(CPU module, entry, signature, pointer dtypes) of an entry of $FA_FAKE_CUDA_SPEC's kernel, or None.
+
+    A template entry arrives by its mangled name, as a cubin names it; pointers are passed as bytes."""
+    if not os.environ.get(SPEC_ENV):
+        return None
+    from fa_verify.backends.spec_pycuda import entry_names
+    from fa_verify.errors import KernelBuildError
+
+    backend = _spec_backend(os.environ[SPEC_ENV])
+    for dtype, d in backend.spec.entries():
+        entry = backend.spec.entry_for(dtype, d or 0)
+        try:
+            if entry_names([symbol], [entry])[entry] == symbol:
+                return backend.module(), entry, backend.spec.signature(), _spec_pointer_dtypes(backend, dtype)
+        except KernelBuildError:  # the symbol is another instantiation
+            continue
+    return None
+
+
+def _spec_pointer_dtypes(backend, dtype: str) -> list:
+    """The element type of each pointer parameter of the spec's `dtype` instantiation (None: its null)."""
+    from fa_verify.dtypes import numpy_dtype
+    from fa_verify.kernels.spec import NULL
+
+    kinds = {"o": backend.precision(dtype).output, "lse": "fp32"}
+    kinds.update({name: backend.spec.types.get(name, "input") for name in "qkv"})
+    found = []
+    for param in backend.spec.params:
+        if param == NULL:
+            found.append(None)
+        elif isinstance(param, str):
+            element = numpy_dtype(dtype if kinds[param] == "input" else kinds[param])
+            found.append(np.uint16 if element.itemsize == 2 else element)
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_backend(setting: str):
+    from fa_verify.backends.spec_kernel import SpecKernelBackend
+
+    source, spec = setting.split(os.pathsep)
+    return SpecKernelBackend(source, spec)
+
+
+def run(entry: str, grid, block, shared: int, params: bytes, device: int) -> int:
     from fa_verify.errors import (
         FaVerifyError,
         InvalidArgumentError,
@@ -69,31 +132,29 @@ def run(entry: str, grid, block, shared: int, params: bytes, device: int) -> int
         KernelDeadlockError,
         KernelTimeoutError,
     )
-    from fa_verify.kernels.catalogue import FAMILIES
-
-    family_name, dtype, _ = entry.rsplit("_", 2) if entry.count("_") >= 2 else (entry, "", "")
-    family = FAMILIES.get(family_name)
-    if family is None or entry not in family.entries():
-        _say(f"{entry} is not a catalogued kernel entry; the fake driver runs only those")
+    target = _catalogued(entry) or _spec_entry(entry)
+    if target is None:
+        _say(f"{entry} is not a catalogued kernel entry nor one of ${SPEC_ENV}'s; the fake driver runs only those")
         return CUDA_ERROR_NOT_SUPPORTED
-    layout = "".join(_KINDS[kind] for kind in family.signature)
+    module, name, signature, pointer_dtypes = target
+    layout = "".join(_KINDS[kind] for kind in signature)
     if struct.calcsize(layout) != len(params):
         _say(f"{entry} takes {struct.calcsize(layout)} bytes of parameters ({layout}); the launch packed {len(params)}")
         return CUDA_ERROR_INVALID_VALUE
     values = list(struct.unpack(layout, params))
-    element = np.uint16 if dtype in ("fp16", "bf16") else np.float32
-    scratch = np.float32 if family.scratch == "fp32" else element
-    for position, dtype_of in enumerate((element, element, element, element, np.float32, scratch)[:layout.count("P")]):
-        index = position if position < 5 else len(values) - 1
-        view = _view(values[index], dtype_of)
+    pointers = [i for i, kind in enumerate(signature) if kind == "ptr"]
+    for index, dtype_of in zip(pointers, pointer_dtypes):
+        if dtype_of is None and values[index] == 0:  # a spec's null parameter
+            values[index] = None
+            continue
+        view = _view(values[index], dtype_of or np.uint8)
         if isinstance(view, int):
             return view
         values[index] = view
-    module = cpu_module(family)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             # fake_driver.c has held the launch to the function's MAX_DYNAMIC_SHARED_SIZE_BYTES already
-            module.launch(entry, tuple(grid), tuple(block), shared, values, shared_opt_in=shared)
+            module.launch(name, tuple(grid), tuple(block), shared, values, shared_opt_in=shared)
     except (KernelTimeoutError, KernelDeadlockError) as exc:
         _say(str(exc))
         return CUDA_ERROR_LAUNCH_TIMEOUT
