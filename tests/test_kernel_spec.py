@@ -133,6 +133,7 @@ def _check(capsys, source, spec, *options):
     ({"limits": {"dtype": "fp8"}}, "limits.dtype='fp8'"),
     ({"precision": "fast"}, "precision='fast'"),
     ({"limits": {"dtype": "fp32", "head-dims": [64], "causal": "no"}}, "no parameter passes Hkv"),
+    ({"conventions": {"lse-base": 10}}, "conventions.lse-base=10"),
 ])
 def test_spec_errors_exit_2_naming_the_key(tmp_path, capsys, change, named):
     table = tomllib.loads((KERNELS / "raw_pointer_flash.toml").read_text())
@@ -142,6 +143,19 @@ def test_spec_errors_exit_2_naming_the_key(tmp_path, capsys, change, named):
     code, out, err = _check(capsys, RAW, spec)
     assert code == 2, out + err
     assert named in err and "bad.toml" in err, err
+
+
+def test_spec_conventions_are_what_the_kernel_is_judged_under(tmp_path, capsys):
+    """published_flash.cu returns a natural-log LSE: declared base 2 in its spec, the LSE it
+    returns is read as base 2 and fails; the verdict says what it was judged under."""
+    table = tomllib.loads((KERNELS / "published_flash.toml").read_text())
+    spec = tmp_path / "base2.toml"
+    spec.write_text(_toml({**table, "conventions": {"lse-base": 2}}))
+    options = ("--property", "lse_agreement", "--max-examples", "3", "--dtype", "fp32")
+    code, out, err = _check(capsys, PUBLISHED, spec, *options)
+    assert code == 1 and "FAIL lse_agreement" in out and "judged under: LSE base 2" in out, out + err
+    code, out, err = _check(capsys, PUBLISHED, KERNELS / "published_flash.toml", *options)
+    assert code == 0 and "PASS lse_agreement" in out, out + err
 
 
 def _toml(table: dict, prefix: str = "") -> str:

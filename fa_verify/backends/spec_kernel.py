@@ -42,6 +42,7 @@ class SpecKernelBackend(Backend):
         self.sanitize = sanitize
         self.name = (self.spec.name or self.source.stem) + ("-asan" if sanitize else "")
         self.limits = self.spec.limits
+        self.judged_under = self.spec.conventions
         self.dtypes = self.limits.dtypes
         self.notes = f"{self.source.name} launched by its kernel spec on the CUDA-on-CPU runner ({self.spec.arch})"
         self._modules: dict = {}
@@ -52,7 +53,7 @@ class SpecKernelBackend(Backend):
         return cpu_runner_availability()
 
     def precision(self, dtype) -> PrecisionModel:
-        model = parse_precision(self.spec.precision, dtype)
+        model = self.judged_under.precision(parse_precision(self.spec.precision, dtype))
         written = self.spec.types.get("o", "input")
         return model if written == "input" else replace(model, output=written)
 

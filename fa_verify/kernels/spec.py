@@ -17,6 +17,8 @@ form; `KernelSpec(...)` / `KernelSpec.from_dict(...)` is the same spec in Python
     [limits]                               # fa_verify.limits' options, as in --limits FILE
     dtype = ["fp16"]
     head-dims = [64, 128]
+    [conventions]                          # fa_verify.conventions' options, e.g. a base-2 LSE
+    lse-base = 2
 
 `params` lists every kernel parameter in order: a buffer name (q, k, v, o, lse), "null" (a null
 pointer) or an expression of NAMES (fa_verify.kernels.expressions) whose value is passed as an
@@ -31,6 +33,8 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from fa_verify.conventions import Conventions, parse_conventions
+from fa_verify.conventions import of as conventions_of
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.kernels import expressions
@@ -76,6 +80,8 @@ class KernelSpec:
     #: precision model preset or spec (fa_verify.precision), FlashAttention's by default
     precision: str = "flash"
     limits: Limits = Limits()
+    #: where its outputs differ from fa_verify's conventions on purpose (a [conventions] table)
+    conventions: Conventions = Conventions()
     #: the backend's name (default: the .cu file's stem)
     name: str | None = None
     #: the .cu file, relative to the spec file (the command line may give it instead)
@@ -120,6 +126,7 @@ class KernelSpec:
             raise InvalidArgumentError(f"{where}: include-dirs={self.include_dirs!r} must be a list of folders")
         object.__setattr__(self, "include_dirs", tuple(self.include_dirs))
         object.__setattr__(self, "limits", self._limits())
+        object.__setattr__(self, "conventions", conventions_of(self.conventions))
         for dtype in self.limits.dtypes:  # a bad precision is a spec error now, not at the first run
             try:
                 PrecisionModel.parse(self.precision, dtype)
@@ -146,6 +153,10 @@ class KernelSpec:
             if not isinstance(values["limits"], dict):
                 raise InvalidArgumentError(f"{origin}: limits must be a table ([limits])")
             values["limits"] = parse_limits(values["limits"], prefix=f"{origin}: limits.")
+        if "conventions" in values:
+            if not isinstance(values["conventions"], dict):
+                raise InvalidArgumentError(f"{origin}: conventions must be a table ([conventions])")
+            values["conventions"] = parse_conventions(values["conventions"], prefix=f"{origin}: conventions.")
         return cls(**values, origin=origin)
 
     @classmethod
