@@ -206,6 +206,7 @@ def test_assert_close_defaults_reject_a_correct_fp16_flash_kernel():
 # --- the command --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_cpu_runner
 def test_mutants_command_json(capsys, tmp_path):
     from fa_verify.cli.main import main

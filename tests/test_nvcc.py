@@ -97,6 +97,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
             assert e.dynamic_smem + e.static_smem <= 99 * 1024
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_every_mutant_compiles_for_sm80(tmp_path):
     """A mutant is a bug a GPU would run, not one only the CPU runner's shim accepts."""
