@@ -79,6 +79,7 @@ def test_nvcc_search_order(monkeypatch, tmp_path):
     assert find_nvcc() == home / "bin" / "nvcc"
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_every_kernel_compiles_for_sm80_and_sm90():
     results = check_build(("sm_80", "sm_90"))

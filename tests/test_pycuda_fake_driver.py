@@ -107,6 +107,7 @@ def test_stub_driver_pycuda_compiles_every_kernel_for_sm80_and_sm90():
         assert magic == "\x7fELF" and sm == int(what[-2:]) and entries, what
 
 
+@pytest.mark.slow
 def test_fake_driver_runs_the_pycuda_tests_of_test_kernels():
     """tests/test_kernels.py's PyCUDA tests (every family x dtype x causal mode against the oracle, and
     agreement with the CPU runner), which skip without a driver, all pass on the fake driver."""
