@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 from feature_kernels import correct as with_variants  # noqa: E402
-from user_kernels import float64_then_round, grouped_2_or_4, limited_fp16_causal  # noqa: E402
+from user_kernels import float64_then_round, limited_fp16_causal  # noqa: E402
 
 pytest_plugins = ["pytester"]
 
