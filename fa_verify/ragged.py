@@ -1,0 +1,524 @@
+"""Ragged batches: varlen (packed sequences) and paged KV, flash-attn 2's conventions.
+
+A `RaggedProblem` is B sequences of different lengths, each exactly a dense `AttentionProblem`
+with B = 1 (its own Nq_b and Nk_b): causal, window and ALiBi use each sequence's own diagonal
+offset Nk_b - Nq_b (bottom-right), so the oracle, the error model and the verdict run per
+sequence with the dense code. The sequences share H, Hkv, D, the dtype and every option; ALiBi
+slopes may differ per sequence (a batch's [B, H] slopes, row b for sequence b).
+
+Layouts (flash-attn 2's `flash_attn_varlen_func` and `flash_attn_with_kvcache`):
+- "varlen": q [total_q, H, D], k and v [total_k, Hkv, D]; sequence b holds rows
+  cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 of q (likewise k, v with cu_seqlens_k); cu_seqlens_*
+  are int32 [B+1], starting at 0, non-decreasing, ending at the total. Output [total_q, H, D],
+  LSE [H, total_q].
+- "paged": q [B, Nq, H, D] (every sequence has the same Nq); k_cache and v_cache
+  [num_blocks, page_size, Hkv, D]; key j of sequence b is slot j % page_size of page
+  block_table[b, j // page_size] (block_table int32 [B, max_blocks]); sequence b has
+  cache_seqlens[b] keys (int32 [B]). Table entries past a sequence's last page are never read
+  and may hold anything; pages may be shared by sequences (their keys must then agree). Output
+  [B, Nq, H, D], LSE [B, H, Nq].
+LSE: natural log, float32. Empty sequences (Nq_b or Nk_b = 0) are not supported.
+`num_splits` is the split-KV count asked of a kernel (0: the kernel's own choice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from fa_verify.backends.buffers import SENTINEL_BITS
+from fa_verify.dtypes import dtype_name, numpy_dtype
+from fa_verify.errors import InvalidArgumentError, InvalidProblemError
+from fa_verify.problem import FEATURES, AttentionProblem
+
+LAYOUTS = ("varlen", "paged")
+#: Options every sequence must share (alibi_slopes may differ: a [B, H] batch's rows).
+SHARED_OPTIONS = ("causal", "causal_alignment", "scale", "window_size", "softcap")
+
+
+@dataclass(frozen=True, eq=False)
+class PageLayout:
+    """Where a paged KV cache keeps each sequence's keys (see the module's doc)."""
+
+    #: keys per page
+    page_size: int
+    #: int32 [B, max_blocks]: the page holding each sequence's keys page_size*p .. page_size*(p+1) - 1
+    block_table: np.ndarray
+    #: pages in the cache
+    num_blocks: int
+
+    def __post_init__(self):
+        for name in ("page_size", "num_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
+                raise InvalidProblemError(f"{name}={value!r} must be an integer >= 1")
+            object.__setattr__(self, name, int(value))
+        table = np.asarray(self.block_table)
+        if table.ndim != 2 or not np.issubdtype(table.dtype, np.integer):
+            raise InvalidProblemError(
+                f"block_table must be an integer array [B, max_blocks], got dtype={table.dtype} "
+                f"shape={list(table.shape)}; pass e.g. np.int32 page indices, one row per sequence")
+        if table.size and (table.min() < np.iinfo(np.int32).min or table.max() > np.iinfo(np.int32).max):
+            raise InvalidProblemError("block_table holds values that do not fit int32")
+        object.__setattr__(self, "block_table", table.astype(np.int32))
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_table.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Keys a table row can address: max_blocks * page_size."""
+        return self.max_blocks * self.page_size
+
+    def key_slots(self, b: int, nk: int) -> tuple[np.ndarray, np.ndarray]:
+        """(page, slot) of keys 0 .. nk-1 of sequence b, int64 [nk] each."""
+        j = np.arange(nk)
+        return self.block_table[b, j // self.page_size].astype(np.int64), j % self.page_size
+
+    @classmethod
+    def contiguous(cls, seqlens_k, page_size: int, spare_blocks: int = 0) -> "PageLayout":
+        """Sequence after sequence in page order, each from a fresh page; unused table entries 0."""
+        pages = [-(-int(n) // page_size) for n in seqlens_k]
+        table = np.zeros((len(pages), max(pages)), dtype=np.int32)
+        start = 0
+        for b, n in enumerate(pages):
+            table[b, :n] = np.arange(start, start + n)
+            start += n
+        return cls(page_size, table, start + spare_blocks)
+
+    def shuffled(self, rng: np.random.Generator, seqlens_k) -> "PageLayout":
+        """The same sharing of pages under a random permutation of the cache's pages, and random
+        in-range entries past each sequence's last page (which no kernel may read)."""
+        permutation = rng.permutation(self.num_blocks).astype(np.int32)
+        noise = rng.integers(0, self.num_blocks, size=self.block_table.shape, dtype=np.int32)
+        return PageLayout(self.page_size, np.where(self.used_entries(seqlens_k), permutation[self.block_table], noise),
+                          self.num_blocks)
+
+    def used_entries(self, seqlens_k) -> np.ndarray:
+        """Boolean [B, max_blocks]: the table entries sequences of these lengths read."""
+        used = -(-np.asarray(seqlens_k, dtype=np.int64) // self.page_size)
+        return np.arange(self.max_blocks)[None, :] < used[:, None]
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedProblem:
+    """B sequences of different lengths in one layout (see the module's doc)."""
+
+    #: the sequences, each an AttentionProblem with batch 1
+    sequences: tuple
+    #: "varlen" or "paged"
+    layout: str
+    #: required for "paged": where the cache keeps each sequence's keys
+    pages: PageLayout | None = None
+    #: split-KV count asked of the kernel; 0 = the kernel's own choice
+    num_splits: int = 0
+    tags: tuple = ()
+
+    def __post_init__(self):
+        sequences = tuple(self.sequences)
+        object.__setattr__(self, "sequences", sequences)
+        if not sequences:
+            raise InvalidProblemError("a ragged problem needs at least one sequence")
+        for b, seq in enumerate(sequences):
+            if not isinstance(seq, AttentionProblem) or seq.batch != 1:
+                raise InvalidProblemError(
+                    f"sequence {b} must be an AttentionProblem with batch 1, got "
+                    f"{seq.describe() if isinstance(seq, AttentionProblem) else type(seq).__name__}")
+        _check_shared(sequences)
+        if self.layout not in LAYOUTS:
+            raise InvalidProblemError(f"layout={self.layout!r}; use one of {LAYOUTS}")
+        n = self.num_splits
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral) or n < 0:
+            raise InvalidProblemError(f"num_splits={n!r} must be an integer >= 0 (0: the kernel's own choice)")
+        object.__setattr__(self, "num_splits", int(n))
+        if self.layout == "varlen":
+            if self.pages is not None:
+                raise InvalidProblemError("pages is for layout='paged'; a varlen problem has no page table")
+            return
+        if not isinstance(self.pages, PageLayout):
+            raise InvalidProblemError("layout='paged' needs pages=PageLayout(page_size, block_table, num_blocks)")
+        if len({seq.nq for seq in sequences}) > 1:
+            raise InvalidProblemError(
+                f"paged KV takes q [B, Nq, H, D]: every sequence needs the same Nq, got "
+                f"{[seq.nq for seq in sequences]}; use layout='varlen' for ragged queries")
+        _check_pages(self.pages, self.seqlens_k)
+        self._cache  # keys that two table entries share must agree
+
+    # --- construction from a kernel's inputs -----------------------------------------------
+    @classmethod
+    def from_varlen(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                    alibi_slopes=None, num_splits: int = 0, tags: tuple = (), **options) -> "RaggedProblem":
+        """From flash_attn_varlen_func's inputs; `options` are AttentionProblem's (causal, scale,
+        window_size, softcap, sinks, causal_alignment); alibi_slopes [H] or [B, H]."""
+        q, k, v = (_array(name, x, 3, "[total, heads, D]") for name, x in (("q", q), ("k", k), ("v", v)))
+        cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+        cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+        if len(cu_q) != len(cu_k):
+            raise InvalidProblemError(
+                f"cu_seqlens_q has {len(cu_q)} entries and cu_seqlens_k {len(cu_k)}: both must be [B+1]")
+        if v.shape[0] != k.shape[0]:
+            raise InvalidProblemError(f"k.shape={k.shape!r} and v.shape={v.shape!r} must be equal")
+        _check_nonempty(np.diff(cu_q), np.diff(cu_k), "cu_seqlens_q / cu_seqlens_k")
+        for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
+            longest = int(np.diff(cu).max())
+            if given is not None and int(given) < longest:
+                raise InvalidProblemError(
+                    f"{name}={given!r} is below the longest sequence ({longest}); pass at least {longest}")
+        slopes = _per_sequence_slopes(alibi_slopes, len(cu_q) - 1)
+        sequences = tuple(
+            AttentionProblem(*(_dense(x[lo:hi]) for x, (lo, hi) in
+                               ((q, cu_q[b:b + 2]), (k, cu_k[b:b + 2]), (v, cu_k[b:b + 2]))),
+                             alibi_slopes=slopes[b], **options)
+            for b in range(len(cu_q) - 1))
+        return cls(sequences, "varlen", num_splits=num_splits, tags=tags)
+
+    @classmethod
+    def from_paged(cls, q, k_cache, v_cache, block_table, cache_seqlens, alibi_slopes=None,
+                   num_splits: int = 0, tags: tuple = (), **options) -> "RaggedProblem":
+        """From flash_attn_with_kvcache's inputs (see from_varlen for `options`)."""
+        q = _array("q", q, 4, "[B, Nq, H, D]")
+        k_cache, v_cache = (_array(name, x, 4, "[num_blocks, page_size, Hkv, D]")
+                            for name, x in (("k_cache", k_cache), ("v_cache", v_cache)))
+        if k_cache.shape != v_cache.shape:
+            raise InvalidProblemError(
+                f"k_cache.shape={k_cache.shape!r} and v_cache.shape={v_cache.shape!r} must be equal")
+        pages = PageLayout(k_cache.shape[1], block_table, k_cache.shape[0])
+        B = q.shape[0]
+        seqlens = np.asarray(cache_seqlens)
+        if seqlens.shape != (B,) or not np.issubdtype(seqlens.dtype, np.integer):
+            raise InvalidProblemError(
+                f"cache_seqlens must be an integer array [B] = [{B}], got dtype={seqlens.dtype} "
+                f"shape={list(seqlens.shape)}")
+        if pages.block_table.shape[0] != B:
+            raise InvalidProblemError(
+                f"block_table has {pages.block_table.shape[0]} rows for B={B} sequences: it must be [B, max_blocks]")
+        _check_nonempty(np.full(B, q.shape[1]), seqlens, "q's Nq / cache_seqlens")
+        _check_pages(pages, seqlens)
+        slopes = _per_sequence_slopes(alibi_slopes, B)
+        sequences = []
+        for b in range(B):
+            page, slot = pages.key_slots(b, int(seqlens[b]))
+            sequences.append(AttentionProblem(_dense(q[b]), _dense(k_cache[page, slot]), _dense(v_cache[page, slot]),
+                                              alibi_slopes=slopes[b], **options))
+        return cls(tuple(sequences), "paged", pages=pages, num_splits=num_splits, tags=tags)
+
+    # --- the layout's inputs ---------------------------------------------------------------
+    def varlen_inputs(self) -> dict:
+        """q [total_q, H, D], k, v [total_k, Hkv, D] (problem dtype), cu_seqlens_q, cu_seqlens_k
+        (int32 [B+1]), max_seqlen_q, max_seqlen_k (ints)."""
+        return {"q": np.concatenate([_packed(s.q) for s in self.sequences]),
+                "k": np.concatenate([_packed(s.k) for s in self.sequences]),
+                "v": np.concatenate([_packed(s.v) for s in self.sequences]),
+                "cu_seqlens_q": self.cu_seqlens_q, "cu_seqlens_k": self.cu_seqlens_k,
+                "max_seqlen_q": self.max_seqlen_q, "max_seqlen_k": self.max_seqlen_k}
+
+    def paged_inputs(self, fill=np.nan) -> dict:
+        """q [B, Nq, H, D], k_cache, v_cache [num_blocks, page_size, Hkv, D] (slots no sequence
+        uses hold `fill`), block_table int32 [B, max_blocks], cache_seqlens int32 [B]."""
+        self._require("paged")
+        k_cache, v_cache, used = self._cache
+        dtype = numpy_dtype(self.dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            fill_value = np.asarray(fill, dtype=np.float64).astype(dtype)
+        k_cache, v_cache = (np.where(used[..., None, None], x, fill_value) for x in (k_cache, v_cache))
+        return {"q": np.stack([_packed(s.q) for s in self.sequences]), "k_cache": k_cache, "v_cache": v_cache,
+                "block_table": self.pages.block_table.copy(), "cache_seqlens": np.asarray(self.seqlens_k, np.int32)}
+
+    def inputs(self, fill=np.nan) -> dict:
+        """The layout's inputs (paged: unused cache slots hold `fill`)."""
+        return self.paged_inputs(fill) if self.layout == "paged" else self.varlen_inputs()
+
+    @cached_property
+    def _cache(self):
+        """(k_cache, v_cache, used [num_blocks, page_size]) with every sequence's keys scattered
+        into its pages; raises if a slot that two keys share (a shared page) gets different keys."""
+        shape = (self.pages.num_blocks, self.pages.page_size, self.kv_heads, self.head_dim)
+        dtype = numpy_dtype(self.dtype)
+        k_cache, v_cache = np.zeros(shape, dtype), np.zeros(shape, dtype)
+        used = np.zeros(shape[:2], dtype=bool)
+        slots = [self.pages.key_slots(b, seq.nk) for b, seq in enumerate(self.sequences)]
+        for seq, (page, slot) in zip(self.sequences, slots):
+            k_cache[page, slot], v_cache[page, slot] = _packed(seq.k), _packed(seq.v)
+            used[page, slot] = True
+        for b, (seq, (page, slot)) in enumerate(zip(self.sequences, slots)):
+            lost = ~((k_cache[page, slot] == _packed(seq.k)) & (v_cache[page, slot] == _packed(seq.v))).all(axis=(1, 2))
+            if lost.any():
+                j = int(np.argmax(lost))
+                raise InvalidProblemError(
+                    f"block_table puts key {j} of sequence {b} in page {page[j]} slot {slot[j]}, which another "
+                    "key with different values shares; pages shared by sequences must hold the same keys for each")
+        return k_cache, v_cache, used
+
+    # --- outputs ---------------------------------------------------------------------------
+    @property
+    def out_shape(self) -> tuple:
+        H, D = self.heads, self.head_dim
+        return (sum(self.seqlens_q), H, D) if self.layout == "varlen" else (self.batch, self.max_seqlen_q, H, D)
+
+    @property
+    def lse_shape(self) -> tuple:
+        return (self.heads, sum(self.seqlens_q)) if self.layout == "varlen" else (self.batch, self.heads, self.max_seqlen_q)
+
+    def split(self, out, lse=None) -> list:
+        """Per sequence (out [1, H, Nq_b, D], lse [1, H, Nq_b] or None), from the layout's shapes."""
+        for name, x, shape in (("out", out, self.out_shape), ("lse", lse, self.lse_shape)):
+            if x is not None and np.shape(x) != shape:
+                raise InvalidArgumentError(
+                    f"{name}.shape={np.shape(x)} is not the {self.layout} layout's {shape} for {self.describe()}")
+        if self.layout == "paged":
+            return [(out[b:b + 1].transpose(0, 2, 1, 3), None if lse is None else lse[b:b + 1])
+                    for b in range(self.batch)]
+        cu = self.cu_seqlens_q
+        return [(out[lo:hi].transpose(1, 0, 2)[None], None if lse is None else lse[None, :, lo:hi])
+                for lo, hi in zip(cu[:-1], cu[1:])]
+
+    def join(self, per_sequence) -> tuple:
+        """The layout's (out, lse) from per-sequence (out [1,H,Nq_b,D], lse [1,H,Nq_b] or None);
+        lse is None if any sequence's is."""
+        outs, lses = zip(*per_sequence)
+        if self.layout == "paged":
+            out = np.concatenate([o.transpose(0, 2, 1, 3) for o in outs])
+            lse = None if any(x is None for x in lses) else np.concatenate(lses)
+        else:
+            out = np.concatenate([o[0].transpose(1, 0, 2) for o in outs])
+            lse = None if any(x is None for x in lses) else np.concatenate([x[0] for x in lses], axis=1)
+        return out, lse
+
+    def row_owner(self, row: int) -> tuple[int, int]:
+        """(sequence, its row) of a varlen output row, or of a paged one's (b, i) flattened b*Nq + i."""
+        if self.layout == "paged":
+            return divmod(int(row), self.max_seqlen_q)
+        b = int(np.searchsorted(self.cu_seqlens_q, row, side="right")) - 1
+        return b, int(row) - int(self.cu_seqlens_q[b])
+
+    def unwritten_rows(self, out: np.ndarray) -> list[tuple[int, int]]:
+        """(sequence, row) of every output row that still holds the unwritten-output sentinel
+        (`buffers.SENTINEL_BITS`) somewhere: rows a kernel given a pre-filled buffer never wrote."""
+        bits = out.view({2: np.uint16, 4: np.uint32}[out.dtype.itemsize])
+        rows = (bits == SENTINEL_BITS[out.dtype.itemsize]).reshape(-1, self.heads * self.head_dim).any(axis=1)
+        return [self.row_owner(r) for r in np.flatnonzero(rows)]
+
+    # --- variations ------------------------------------------------------------------------
+    def replace(self, **changes) -> "RaggedProblem":
+        return dataclasses.replace(self, **changes)
+
+    def as_varlen(self) -> "RaggedProblem":
+        return self.replace(layout="varlen", pages=None)
+
+    def as_paged(self, pages: PageLayout) -> "RaggedProblem":
+        return self.replace(layout="paged", pages=pages)
+
+    # --- derived ---------------------------------------------------------------------------
+    def _require(self, layout: str) -> None:
+        if self.layout != layout:
+            raise InvalidArgumentError(f"this is a {self.layout} problem; as_{layout}() converts it")
+
+    @property
+    def batch(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def first(self) -> AttentionProblem:
+        return self.sequences[0]
+
+    @property
+    def heads(self) -> int:
+        return self.first.heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.first.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.first.head_dim
+
+    @property
+    def dtype(self) -> str:
+        return self.first.dtype
+
+    @property
+    def causal(self) -> bool:
+        return self.first.causal
+
+    @property
+    def scale(self):
+        return self.first.scale
+
+    @property
+    def window_size(self) -> tuple:
+        return self.first.window_size
+
+    @property
+    def softcap(self) -> float:
+        return self.first.softcap
+
+    @property
+    def sinks(self):
+        return self.first.sinks
+
+    @property
+    def alibi_slopes(self) -> np.ndarray | None:
+        """[H] when every sequence has the same slopes, else [B, H]; None without ALiBi."""
+        slopes = [s.alibi_slopes for s in self.sequences]
+        if slopes[0] is None:
+            return None
+        if all(np.array_equal(x, slopes[0]) for x in slopes):
+            return slopes[0]
+        return np.stack(slopes)
+
+    @property
+    def options(self) -> dict:
+        """The options as from_varlen / from_paged take them."""
+        return {"causal": self.causal, "causal_alignment": self.first.causal_alignment, "scale": self.scale,
+                "window_size": self.window_size, "softcap": self.softcap, "sinks": self.sinks,
+                "alibi_slopes": self.alibi_slopes}
+
+    @property
+    def features(self) -> tuple:
+        return tuple(f for f in FEATURES if any(f in s.features for s in self.sequences))
+
+    @property
+    def seqlens_q(self) -> tuple:
+        return tuple(s.nq for s in self.sequences)
+
+    @property
+    def seqlens_k(self) -> tuple:
+        return tuple(s.nk for s in self.sequences)
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.seqlens_q)
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return max(self.seqlens_k)
+
+    @property
+    def cu_seqlens_q(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.seqlens_q)]).astype(np.int32)
+
+    @property
+    def cu_seqlens_k(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.seqlens_k)]).astype(np.int32)
+
+    def describe(self) -> str:
+        """One line: layout, lengths, pages, splits and the shared options."""
+        dense = self.first.describe()
+        shared = dense[dense.index(" H="):].replace(f" Nq={self.first.nq} Nk={self.first.nk}", "")
+        lengths = f"seqlens_q={list(self.seqlens_q)} seqlens_k={list(self.seqlens_k)}"
+        pages = (f" page_size={self.pages.page_size} num_blocks={self.pages.num_blocks}"
+                 f" max_blocks={self.pages.max_blocks}" if self.pages else "")
+        return (f"{self.layout} B={self.batch}{shared} {lengths}{pages}"
+                + (f" num_splits={self.num_splits}" if self.num_splits else ""))
+
+
+def _check_shared(sequences) -> None:
+    first = sequences[0]
+    for b, seq in enumerate(sequences[1:], 1):
+        differs = [f"{name} {a} vs {c}" for name, a, c in (
+            ("H", first.heads, seq.heads), ("Hkv", first.kv_heads, seq.kv_heads),
+            ("D", first.head_dim, seq.head_dim), ("dtype", first.dtype, seq.dtype))
+            if a != c]
+        differs += [f"{name} {getattr(first, name)!r} vs {getattr(seq, name)!r}" for name in SHARED_OPTIONS
+                    if getattr(first, name) != getattr(seq, name)]
+        if not _same_optional(first.sinks, seq.sinks):
+            differs.append("sinks")
+        if (first.alibi_slopes is None) != (seq.alibi_slopes is None):
+            differs.append("alibi_slopes (given for one, not the other)")
+        if differs:
+            raise InvalidProblemError(
+                f"sequence {b} disagrees with sequence 0 on {', '.join(differs)}; the sequences of a "
+                "batch share H, Hkv, D, the dtype and the options (only ALiBi slopes may differ)")
+
+
+def _same_optional(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
+
+
+def _check_nonempty(seqlens_q, seqlens_k, source: str) -> None:
+    for name, lengths in (("Nq", seqlens_q), ("Nk", seqlens_k)):
+        empty = np.flatnonzero(np.asarray(lengths) <= 0)
+        if empty.size:
+            raise InvalidProblemError(
+                f"sequence {int(empty[0])} has {name} = 0 (from {source}): empty sequences are not "
+                "supported; leave them out of the batch")
+
+
+def _check_pages(pages: PageLayout, seqlens_k) -> None:
+    """Every sequence fits its table row, and every page it uses is in the cache."""
+    seqlens = np.asarray(seqlens_k, dtype=np.int64)
+    if pages.block_table.shape[0] != len(seqlens):
+        raise InvalidProblemError(
+            f"block_table has {pages.block_table.shape[0]} rows for {len(seqlens)} sequences: it must be [B, max_blocks]")
+    over = np.flatnonzero(seqlens > pages.capacity)
+    if over.size:
+        b = int(over[0])
+        raise InvalidProblemError(
+            f"cache_seqlens[{b}]={int(seqlens[b])} is beyond the block table's capacity max_blocks*page_size = "
+            f"{pages.max_blocks}*{pages.page_size} = {pages.capacity}; widen block_table or shorten the sequence")
+    table = pages.block_table
+    used = pages.used_entries(seqlens)
+    bad = used & ((table < 0) | (table >= pages.num_blocks))
+    if bad.any():
+        b, p = (int(x) for x in np.argwhere(bad)[0])
+        raise InvalidProblemError(
+            f"block_table[{b}, {p}]={int(table[b, p])} points past the cache's num_blocks={pages.num_blocks} "
+            f"pages (valid: 0 .. {pages.num_blocks - 1}); sequence {b} uses that page for its keys "
+            f"{p * pages.page_size} .. {min((p + 1) * pages.page_size, int(seqlens[b])) - 1}")
+
+
+def _cu_seqlens(name: str, cu, total: int) -> np.ndarray:
+    cu = np.asarray(cu)
+    if cu.ndim != 1 or len(cu) < 2 or not np.issubdtype(cu.dtype, np.integer):
+        raise InvalidProblemError(
+            f"{name} must be an integer array [B+1] with B >= 1, got dtype={cu.dtype} shape={list(cu.shape)}")
+    if cu[0] != 0:
+        raise InvalidProblemError(f"{name}[0]={int(cu[0])} must be 0: sequence 0 starts at row 0")
+    steps = np.diff(cu.astype(np.int64))
+    if (steps < 0).any():
+        b = int(np.argmax(steps < 0))
+        raise InvalidProblemError(
+            f"{name} must be non-decreasing (cumulative sequence lengths), but {name}[{b + 1}]={int(cu[b + 1])} "
+            f"< {name}[{b}]={int(cu[b])}")
+    if cu[-1] != total:
+        raise InvalidProblemError(
+            f"{name}[-1]={int(cu[-1])} must be the number of packed rows, {total}; the last sequence ends there")
+    return cu.astype(np.int64)
+
+
+def _per_sequence_slopes(alibi_slopes, batch: int) -> list:
+    """alibi_slopes [H] (shared) or [B, H] as a list of B per-sequence [H] (or None)."""
+    if alibi_slopes is None:
+        return [None] * batch
+    slopes = np.asarray(alibi_slopes)
+    if slopes.ndim == 2:
+        if slopes.shape[0] != batch:
+            raise InvalidProblemError(
+                f"alibi_slopes.shape={list(slopes.shape)} must be [H] or [B, H] with B={batch}")
+        return list(slopes)
+    return [slopes] * batch
+
+
+def _array(name: str, x, ndim: int, spelled: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray) or x.ndim != ndim:
+        raise InvalidProblemError(
+            f"{name} must be a numpy array {spelled}, got "
+            f"{f'shape={list(x.shape)}' if isinstance(x, np.ndarray) else type(x).__name__}")
+    dtype_name(x.dtype)  # names the dtype in its error if it is not one fa_verify knows
+    return x
+
+
+def _dense(rows: np.ndarray) -> np.ndarray:
+    """[N, heads, D] rows of one sequence as a dense [1, heads, N, D] array."""
+    return np.ascontiguousarray(rows.transpose(1, 0, 2))[None]
+
+
+def _packed(x: np.ndarray) -> np.ndarray:
+    """A sequence's [1, heads, N, D] array as packed [N, heads, D] rows."""
+    return x[0].transpose(1, 0, 2)
