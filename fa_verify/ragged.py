@@ -30,7 +30,6 @@ from functools import cached_property
 
 import numpy as np
 
-from fa_verify.backends.buffers import SENTINEL_BITS
 from fa_verify.dtypes import dtype_name, numpy_dtype
 from fa_verify.errors import InvalidArgumentError, InvalidProblemError
 from fa_verify.problem import FEATURES, AttentionProblem
@@ -295,13 +294,6 @@ class RaggedProblem:
             return divmod(int(row), self.max_seqlen_q)
         b = int(np.searchsorted(self.cu_seqlens_q, row, side="right")) - 1
         return b, int(row) - int(self.cu_seqlens_q[b])
-
-    def unwritten_rows(self, out: np.ndarray) -> list[tuple[int, int]]:
-        """(sequence, row) of every output row that still holds the unwritten-output sentinel
-        (`buffers.SENTINEL_BITS`) somewhere: rows a kernel given a pre-filled buffer never wrote."""
-        bits = out.view({2: np.uint16, 4: np.uint32}[out.dtype.itemsize])
-        rows = (bits == SENTINEL_BITS[out.dtype.itemsize]).reshape(-1, self.heads * self.head_dim).any(axis=1)
-        return [self.row_owner(r) for r in np.flatnonzero(rows)]
 
     # --- variations ------------------------------------------------------------------------
     def replace(self, **changes) -> "RaggedProblem":
