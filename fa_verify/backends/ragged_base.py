@@ -41,6 +41,11 @@ class RaggedBackend(ABC):
     #: whether it claims batch invariance: a sequence's output is bitwise the same whatever
     #: else the batch holds (then "varlen == each sequence alone" is checked bitwise)
     batch_invariant: bool = False
+    #: the page sizes it supports (paged layout), or None: any
+    page_sizes: tuple | None = None
+    #: whether it writes into sentinel-filled buffers it is given (`output_buffers`), so that
+    #: rows it leaves unwritten show (`unwritten_rows`)
+    writes_buffers: bool = False
 
     @abstractmethod
     def precision(self, dtype) -> PrecisionModel:
@@ -55,6 +60,9 @@ class RaggedBackend(ABC):
             return f"{self.name} takes the {self.layout} layout, not {problem.layout}"
         if problem.dtype not in self.dtypes:
             return f"{self.name} does not run dtype={problem.dtype} (it runs {', '.join(self.dtypes)})"
+        if problem.pages is not None and self.page_sizes is not None and problem.pages.page_size not in self.page_sizes:
+            return (f"{self.name} does not run page_size={problem.pages.page_size} (it runs "
+                    f"{', '.join(map(str, self.page_sizes))}; declared by --page-sizes)")
         if problem.num_splits > 1 and not self.splits:
             return f"{self.name} does not split the keys (num_splits={problem.num_splits}); it is no split-KV kernel"
         for b, seq in enumerate(problem.sequences):
@@ -161,3 +169,8 @@ class NumpyRaggedBackend(RaggedBackend):
         precision = self.precision(problem.dtype)
         return problem.join([tiled_attention(seq, precision, self.block_q, self.block_k)
                              for seq in sequences_of(problem, inputs)])
+
+
+def builtin_ragged_backends() -> list[RaggedBackend]:
+    """The ragged backends fa_verify ships, one per layout."""
+    return [NumpyRaggedBackend(layout) for layout in LAYOUTS]

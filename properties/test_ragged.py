@@ -1,0 +1,21 @@
+"""Ragged batches (varlen, paged KV, split-KV): every ragged property on every built-in ragged
+backend (fa_verify.backends.ragged_base), drawn by fa_verify.strategies.ragged_problems within
+each backend's limits; not applicable ones (a page table for a varlen target, splits for one
+without num_splits) are skipped with the reason."""
+
+import pytest
+
+from fa_verify.backends.ragged_base import builtin_ragged_backends
+from fa_verify.properties import FAILED, NOT_APPLICABLE, Selection
+from fa_verify.properties.ragged_search import search_ragged
+from fa_verify.properties.registry import RAGGED_PROPERTY_NAMES
+
+
+@pytest.mark.parametrize("backend", builtin_ragged_backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("prop", RAGGED_PROPERTY_NAMES)
+def test_ragged_property(backend, prop, fa_profile):
+    outcome = search_ragged(backend, prop, Selection.from_profile(fa_profile.name))
+    if outcome.status == NOT_APPLICABLE:
+        pytest.skip(outcome.message())
+    if outcome.status == FAILED:
+        pytest.fail(outcome.message(), pytrace=False)
