@@ -20,7 +20,7 @@ from fa_verify.strategies import ragged_problems
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import ragged_kernels  # noqa: E402
 
-FEW = Selection(max_examples=10, shrink=False)
+FEW = Selection(max_examples=10, shrink=False, max_seq=2 * 64 + 1)
 LAYOUTS = {"varlen_attention": "varlen", "paged_attention": "paged", "paged_attention_into": "paged",
            "varlen_global_seqlen_k": "varlen", "paged_page_boundary": "paged",
            "paged_first_sequence_only": "paged", "paged_split_lse_layout": "paged"}
@@ -60,7 +60,7 @@ def test_each_one_bug_fixture_is_caught_naming_the_sequence(name):
 
 
 def test_unwritten_rows_name_the_sequences_left_unwritten():
-    outcome = search_ragged(_backend("paged_first_sequence_only"), "unwritten_rows", Selection(max_examples=10))
+    outcome = search_ragged(_backend("paged_first_sequence_only"), "unwritten_rows", Selection(max_examples=10, max_seq=2 * 64 + 1))
     # shrunk to two sequences of one query: sequence 1's only row was never written
     assert outcome.status == FAILED and "sequence 1 of 2" in outcome.failure.detail
     assert "sequence 0 of" not in outcome.failure.detail

@@ -17,6 +17,7 @@ import numpy as np
 from fa_verify.backends.base import AVAILABLE, Availability, _dtype_label, parse_precision
 from fa_verify.backends.buffers import SENTINEL_BITS, GuardedOutput, InputSnapshot
 from fa_verify.backends.numpy_tiled import tiled_attention
+from fa_verify.conventions import Conventions
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import BackendOutputError, BackendUnavailableError, InvalidArgumentError
 from fa_verify.limits import Limits
@@ -46,6 +47,8 @@ class RaggedBackend(ABC):
     #: whether it writes into sentinel-filled buffers it is given (`output_buffers`), so that
     #: rows it leaves unwritten show (`unwritten_rows`)
     writes_buffers: bool = False
+    #: the conventions it is judged under: fa_verify's (ragged targets declare none yet)
+    judged_under: Conventions = Conventions()
 
     @abstractmethod
     def precision(self, dtype) -> PrecisionModel:

@@ -26,18 +26,15 @@ from fa_verify.properties.selection import Selection
 from fa_verify.strategies import ragged_problems
 from fa_verify.strategies._variants import DEFAULT_TILE
 
-#: Longest sequence drawn by default: past the second key tile of 64.
-DEFAULT_MAX_SEQ = 2 * DEFAULT_TILE + 1
-
-
 class _Failed(Exception):
     """Raised inside Hypothesis' test for a failing example, so that it shrinks it."""
 
 
-def search_ragged(backend: RaggedBackend, prop, selection: Selection = Selection(), *, tile: int = DEFAULT_TILE,
-                  max_seq: int = DEFAULT_MAX_SEQ) -> PropertyOutcome:
+def search_ragged(backend: RaggedBackend, prop, selection: Selection = Selection(), *,
+                  tile: int = DEFAULT_TILE) -> PropertyOutcome:
     """Search `prop` (a ragged Property, its name or check) on `backend`; `tile` is the key tile
-    whose edges lengths and windows straddle, `max_seq` the longest sequence drawn."""
+    whose edges lengths and windows straddle; the selection's dtypes, causal modes, examples,
+    seed, shrinking and max_seq (the longest sequence) apply."""
     if not isinstance(backend, RaggedBackend):
         raise InvalidArgumentError(f"backend={backend!r} must be a RaggedBackend (a varlen or paged target)")
     prop = get_ragged_property(prop)
@@ -48,7 +45,7 @@ def search_ragged(backend: RaggedBackend, prop, selection: Selection = Selection
         return outcome
     limits = replace(backend.limits, causal=tuple(c for c in backend.limits.causal if c in selection.causal))
     strategy = ragged_problems(backend.layout, tuple(d for d in selection.dtypes if d in backend.dtypes), limits,
-                               backend.features, backend.page_sizes, backend.splits, tile, max_seq=max_seq)
+                               backend.features, backend.page_sizes, backend.splits, tile, max_seq=selection.max_seq)
     start, reasons, ratios, notes, found = time.perf_counter(), [], [], set(), []
 
     def judge(problem, seed):
