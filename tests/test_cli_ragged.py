@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from fa_verify.cli.main import main
+from test_cli_errors import run_cli
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QUICK = ("--max-examples", "5", "--dtype", "fp16")
@@ -18,28 +17,19 @@ def _fixtures_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))
 
 
-def _run(capsys, *argv):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 @pytest.mark.parametrize("target, layout, applicable", [
     ("ragged_kernels:varlen_attention", "varlen", 4),  # agreement, alone, independence, splits
     ("ragged_kernels:paged_attention", "paged", 6),     # ... and page placement, unused cache
 ])
 def test_correct_varlen_and_paged_functions_pass(capsys, target, layout, applicable):
-    code, out, err = _run(capsys, "check", target, "--layout", layout, *QUICK)
+    code, out, err = run_cli(capsys, "check", target, "--layout", layout, *QUICK)
     assert code == 0, out + err
     assert f"PASS {target}: {applicable} passed, 0 failed, {7 - applicable} not applicable" in out
     assert "PASS ragged_agreement: passed, 5 examples" in out
 
 
 def test_a_buggy_varlen_function_fails_naming_the_sequence(capsys):
-    code, out, _ = _run(capsys, "check", "ragged_kernels:varlen_global_seqlen_k", "--layout", "varlen", *QUICK,
+    code, out, _ = run_cli(capsys, "check", "ragged_kernels:varlen_global_seqlen_k", "--layout", "varlen", *QUICK,
                         "--property", "ragged_agreement", "--json")
     assert code == 1
     (prop,) = json.loads(out)["targets"][0]["properties"]
@@ -47,7 +37,7 @@ def test_a_buggy_varlen_function_fails_naming_the_sequence(capsys):
 
 
 def test_paged_page_sizes_are_declared_limits(capsys):
-    code, out, err = _run(capsys, "check", "ragged_kernels:paged_page_boundary", "--layout", "paged", *QUICK,
+    code, out, err = run_cli(capsys, "check", "ragged_kernels:paged_page_boundary", "--layout", "paged", *QUICK,
                           "--property", "unused_cache", "--page-sizes", "16")
     assert code == 1, out + err
     assert "page_size=16" in out and "page_size=1 " not in out
@@ -62,14 +52,15 @@ def test_paged_page_sizes_are_declared_limits(capsys):
     (("ragged_kernels:paged_attention", "--layout", "paged", "--page-sizes", "0"), "--page-sizes='0' is not valid"),
     (("ragged_kernels:paged_attention", "--layout", "paged", "--property", "oracle_agreement"), "no ragged property"),
     (("ragged_kernels:paged_attention", "--layout", "paged", "--lse-base", "2"), "--lse-base cannot be used"),
+    (("ragged_kernels:paged_attention", "--layout", "paged", "--shapes", "2"), "--shapes cannot be used"),
 ])
 def test_misuse_exits_2_naming_the_option(capsys, argv, message):
-    code, _, err = _run(capsys, "check", *argv)
+    code, _, err = run_cli(capsys, "check", *argv)
     assert code == 2 and message in err and "Traceback" not in err
 
 
 def test_help_describes_the_ragged_layouts(capsys):
-    code, out, _ = _run(capsys, "check", "--help")
+    code, out, _ = run_cli(capsys, "check", "--help")
     assert code == 0
     for words in ("cu_seqlens_q", "flash_attn_with_kvcache", "--page-sizes", "softmax_scale"):
         assert words in out.replace("\n", " ").replace("  ", " ") or words in out

@@ -213,13 +213,16 @@ def _ragged_target(args):
     unsupported = {"--causal-alignment": args.causal_alignment not in (None, "bottom-right"),
                    "--timeout": args.timeout is not None, "--memory-limit": args.memory_limit is not None,
                    "--page-sizes": args.page_sizes is not None and args.layout != "paged",
+                   **{f"--{name}": getattr(args, name.replace("-", "_")) is not None
+                      for name in ("results", "shapes", "repro-dir")},
                    **{f"--{name}": getattr(args, name.replace("-", "_")) is not None for name in convention_arguments()}}
     given = [option for option, bad in unsupported.items() if bad]
     if given:
         raise InvalidArgumentError(
             f"{', '.join(given)} cannot be used with --layout {args.layout}: varlen and paged functions run in "
-            "this process, bottom-right aligned per sequence, judged under fa_verify's conventions, and only a "
-            f"paged one has pages; drop {' and '.join(given)}")
+            "this process, bottom-right aligned per sequence, judged under fa_verify's conventions, without "
+            "result records, shape budgets or reproducer scripts (not yet), and only a paged one has pages; "
+            f"drop {' and '.join(given)}")
     try:
         page_sizes = None if args.page_sizes is None else _positive_set(args.page_sizes)
     except (ValueError, InvalidArgumentError):
