@@ -295,6 +295,16 @@ class RaggedProblem:
         b = int(np.searchsorted(self.cu_seqlens_q, row, side="right")) - 1
         return b, int(row) - int(self.cu_seqlens_q[b])
 
+    def unwritten_rows(self, out: np.ndarray) -> list[tuple[int, int]]:
+        """(sequence, row) of every output row that still holds the unwritten-output sentinel
+        (`buffers.SENTINEL_BITS`) somewhere: rows a target given `ragged_base.output_buffers`
+        never wrote."""
+        from fa_verify.backends.buffers import SENTINEL_BITS  # here: the problem model needs no backend code
+
+        bits = out.view({2: np.uint16, 4: np.uint32}[out.dtype.itemsize])
+        rows = (bits == SENTINEL_BITS[out.dtype.itemsize]).reshape(-1, self.heads * self.head_dim).any(axis=1)
+        return [self.row_owner(r) for r in np.flatnonzero(rows)]
+
     # --- variations ------------------------------------------------------------------------
     def replace(self, **changes) -> "RaggedProblem":
         return dataclasses.replace(self, **changes)

@@ -5,7 +5,7 @@ import pytest
 
 from fa_verify import AttentionProblem, InvalidProblemError
 from fa_verify.backends.buffers import SENTINEL_BITS
-from fa_verify.backends.ragged_base import NumpyRaggedBackend, RaggedBackend, output_buffers, unwritten_rows
+from fa_verify.backends.ragged_base import NumpyRaggedBackend, RaggedBackend, output_buffers
 from fa_verify.errors import BackendOutputError, InvalidArgumentError
 from fa_verify.precision import PrecisionModel
 from fa_verify.ragged import PageLayout, RaggedProblem
@@ -193,7 +193,7 @@ def test_unwritten_rows_are_named_by_sequence(layout):
     else:
         out[1, 1, 0, 0] = sentinel  # sequence 1, row 1
     out[-1, ..., -1] = np.nan       # a computed (canonical) NaN is no unwritten row
-    assert unwritten_rows(problem, out) == [(1, 1)]
+    assert problem.unwritten_rows(out) == [(1, 1)]
 
 
 # --- the backend base ---------------------------------------------------------------------------

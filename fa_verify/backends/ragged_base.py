@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from fa_verify.backends.base import AVAILABLE, Availability, _dtype_label, parse_precision
-from fa_verify.backends.buffers import SENTINEL_BITS, GuardedOutput, InputSnapshot
+from fa_verify.backends.buffers import GuardedOutput, InputSnapshot
 from fa_verify.backends.numpy_tiled import tiled_attention
 from fa_verify.conventions import Conventions
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
@@ -106,17 +106,9 @@ class RaggedBackend(ABC):
 def output_buffers(problem: RaggedProblem, out_dtype) -> tuple[GuardedOutput, GuardedOutput]:
     """Sentinel-filled out and LSE buffers in the layout's shapes, for targets that write into
     buffers they are given: rows left unwritten keep the sentinel, and
-    `unwritten_rows` names their sequences."""
+    `RaggedProblem.unwritten_rows` names their sequences."""
     return (GuardedOutput.allocate("out", problem.out_shape, numpy_dtype(out_dtype)),
             GuardedOutput.allocate("lse", problem.lse_shape, np.float32))
-
-
-def unwritten_rows(problem: RaggedProblem, out: np.ndarray) -> list[tuple[int, int]]:
-    """(sequence, row) of every output row that still holds the unwritten-output sentinel
-    (`buffers.SENTINEL_BITS`) somewhere: rows a target given `output_buffers` never wrote."""
-    bits = out.view({2: np.uint16, 4: np.uint32}[out.dtype.itemsize])
-    rows = (bits == SENTINEL_BITS[out.dtype.itemsize]).reshape(-1, problem.heads * problem.head_dim).any(axis=1)
-    return [problem.row_owner(r) for r in np.flatnonzero(rows)]
 
 
 def check_ragged_output(name: str, problem: RaggedProblem, out, lse, out_dtype) -> None:

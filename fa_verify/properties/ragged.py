@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from fa_verify.backends.ragged_base import unwritten_rows
 from fa_verify.error_model import error_bound
 from fa_verify.oracle import reference
 from fa_verify.oracle.ragged import ragged_error_bound, reference_ragged
@@ -199,7 +198,7 @@ def check_unwritten_rows(backend, problem: RaggedProblem) -> PropertyResult:
         return not_applicable("unwritten_rows", problem,
                               f"{backend.name} returns its output: there is no pre-filled buffer to leave unwritten")
     out, _ = backend.run(problem)
-    rows = unwritten_rows(problem, out)
+    rows = problem.unwritten_rows(out)
     if not rows:
         return passed("unwritten_rows", problem)
     by_sequence = {}
