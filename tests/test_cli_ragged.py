@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 from test_cli_errors import run_cli
 
+from fa_verify.backends.ragged_callable import RaggedCallableBackend
+from fa_verify.properties import Selection
+from fa_verify.properties.ragged_search import search_ragged
+
 FIXTURES = Path(__file__).parent / "fixtures"
 QUICK = ("--max-examples", "5", "--dtype", "fp16")
 
@@ -45,7 +49,6 @@ def test_paged_page_sizes_are_declared_limits(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (("naive-fp32", "--layout", "varlen"), "'naive-fp32' is no MODULE:FUNC"),
-    (("ragged_kernels:varlen_attention", "--layout", "varlen", "--timeout", "5"), "--timeout cannot be used with --layout varlen"),
     (("ragged_kernels:paged_attention", "--layout", "paged", "--causal-alignment", "top-left"), "--causal-alignment cannot"),
     (("ragged_kernels:varlen_attention", "--layout", "varlen", "--page-sizes", "16"), "--page-sizes cannot be used"),
     (("ragged_kernels:varlen_attention", "--page-sizes", "16"), "give --layout paged (not bhsd)"),
@@ -64,3 +67,19 @@ def test_help_describes_the_ragged_layouts(capsys):
     assert code == 0
     for words in ("cu_seqlens_q", "flash_attn_with_kvcache", "--page-sizes", "softmax_scale"):
         assert words in out.replace("\n", " ").replace("  ", " ") or words in out
+
+
+def test_a_function_writing_into_its_input_fails(capsys):
+    code, out, err = run_cli(capsys, "check", "ragged_kernels:varlen_writes_into_q", "--layout", "varlen", *QUICK,
+                             "--property", "ragged_agreement")
+    assert code == 1, out + err
+    assert "FAIL ragged_agreement" in out and "wrote into its input q" in out
+
+
+def test_ragged_functions_run_isolated_a_crash_fails_the_example():
+    import ragged_kernels
+
+    backend = RaggedCallableBackend(ragged_kernels.paged_crashes, "paged", name="ragged_kernels:paged_crashes",
+                                    isolate=True)
+    outcome = search_ragged(backend, "ragged_agreement", Selection(max_examples=1, shrink=False))
+    assert outcome.status == "failed" and "crashed the worker process: SIGSEGV" in outcome.failure.detail

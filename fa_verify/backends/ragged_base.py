@@ -87,10 +87,7 @@ class RaggedBackend(ABC):
         if reason is not None:
             raise InvalidArgumentError(f"backend {self.name!r} cannot run {problem.describe()}: {reason}")
         inputs = problem.inputs(fill)
-        arrays = {name: x for name, x in inputs.items() if isinstance(x, np.ndarray)}
-        snapshot = InputSnapshot.of(**arrays)
-        out, lse = self._run(problem, inputs)
-        snapshot.check(self.name, *arrays.values())
+        out, lse = leaving_inputs_unchanged(self.name, inputs, lambda: self._run(problem, inputs))
         check_ragged_output(self.name, problem, out, lse, self.precision(problem.dtype).output)
         return out, lse
 
@@ -101,6 +98,15 @@ class RaggedBackend(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def leaving_inputs_unchanged(name: str, inputs: dict, call):
+    """call()'s result; BackendOutputError if it changed a bit of an array of `inputs`."""
+    arrays = {key: x for key, x in inputs.items() if isinstance(x, np.ndarray)}
+    snapshot = InputSnapshot.of(**arrays)
+    result = call()
+    snapshot.check(name, *arrays.values())
+    return result
 
 
 def output_buffers(problem: RaggedProblem, out_dtype) -> tuple[GuardedOutput, GuardedOutput]:

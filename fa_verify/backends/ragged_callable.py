@@ -17,7 +17,8 @@ return_softmax_lse=True (then the function returns (out, lse)), num_splits (then
 split-KV target: problems ask for 0 = its own choice, 1, 2, ... splits). A function with an `out`
 parameter (and optionally `lse`) is given sentinel-filled buffers of the layout's shapes to
 write (`ragged_base.output_buffers`): rows it leaves unwritten are reported with their sequence.
-It runs in this process.
+With isolate=True it runs in a worker process as `CallableBackend` does (a crash, a hang or a
+runaway allocation fails the example; the input checks run in the worker, on what it saw).
 """
 
 from __future__ import annotations
@@ -27,9 +28,16 @@ import inspect
 import numpy as np
 
 from fa_verify.backends.base import AVAILABLE, parse_precision
-from fa_verify.backends.ragged_base import RaggedBackend, output_buffers
+from fa_verify.backends.ragged_base import RaggedBackend, leaving_inputs_unchanged, output_buffers
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
-from fa_verify.backends.user_callable import ARRAYS, _qualified_name, output_parameters, variant_parameters
+from fa_verify.backends.user_callable import (
+    ARRAYS,
+    _qualified_name,
+    isolated_worker,
+    output_parameters,
+    variant_parameters,
+)
+from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name
 from fa_verify.errors import BackendOutputError, InvalidArgumentError
 from fa_verify.limits import Limits, parse_limits
@@ -45,12 +53,13 @@ POSITIONAL = {"varlen": ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seq
 class RaggedCallableBackend(RaggedBackend):
     """Adapts a varlen or paged function (see the module's doc) to `RaggedBackend`.
 
-    precision, dtypes, limits, features and array as for `CallableBackend`; `page_sizes`
-    (None: any) declares the page sizes a paged function supports."""
+    precision, dtypes, limits, features, array, isolate, timeout and memory_limit as for
+    `CallableBackend`; `page_sizes` (None: any) declares the page sizes a paged function supports."""
 
     def __init__(self, fn, layout: str, name: str | None = None, precision: str | None = None, dtypes=None,
                  limits: Limits | dict | None = None, features=None, array: str = "numpy",
-                 page_sizes=None):
+                 page_sizes=None, isolate: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                 memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT):
         if not callable(fn):
             raise InvalidArgumentError(f"fn={fn!r} is not callable")
         for arg, value, allowed in (("layout", layout, LAYOUTS), ("array", array, ARRAYS)):
@@ -70,6 +79,9 @@ class RaggedCallableBackend(RaggedBackend):
         self._asks_lse = "return_softmax_lse" in keywords
         self.writes_buffers = bool(self.fills)
         self.page_sizes = None if page_sizes is None else tuple(int(p) for p in page_sizes)
+        self._worker = isolated_worker(fn, name, isolate, timeout, memory_limit, dict(
+            name=self.name, layout=layout, precision=precision, dtypes=self.dtypes, features=self.features,
+            array=array))
 
     def precision(self, dtype) -> PrecisionModel:
         return parse_precision(self._precision, dtype)
@@ -78,6 +90,13 @@ class RaggedCallableBackend(RaggedBackend):
         return torch_availability() if self.array == "torch" else AVAILABLE
 
     def _run(self, problem: RaggedProblem, inputs: dict):
+        return self._worker.run(problem, inputs) if self._worker is not None else self._call(problem, inputs)
+
+    def run_in_worker(self, problem: RaggedProblem, inputs: dict):
+        """What the worker process runs: the call, and the check that it left its inputs unchanged."""
+        return leaving_inputs_unchanged(self.name, inputs, lambda: self._call(problem, inputs))
+
+    def _call(self, problem: RaggedProblem, inputs: dict):
         arrays = {name: to_torch(x) if self.array == "torch" and isinstance(x, np.ndarray) else x
                   for name, x in inputs.items()}
         buffers = output_buffers(problem, self.precision(problem.dtype).output)[:len(self.fills)]

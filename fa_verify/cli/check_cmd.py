@@ -139,7 +139,7 @@ def add_parser(sub) -> None:
                                     "as flash_attn_with_kvcache. Both return out or (out, lse) (LSE [H,total_q] "
                                     "varlen, [B,H,Nq] paged) and get window_size, softcap, alibi_slopes, sinks, "
                                     "return_softmax_lse=True and num_splits when their signature names them; "
-                                    "they are checked with the ragged properties, in this process")
+                                    "they are checked with the ragged properties")
     callable_opts.add_argument("--page-sizes", default=None, metavar="N,N,...",
                                help="declared limit of a --layout paged function: the page sizes (keys per "
                                     "page) it supports (default: any; drawn below, at and above a tile of 64)")
@@ -211,7 +211,6 @@ def _ragged_target(args):
         raise InvalidArgumentError(f"--layout {args.layout} checks a MODULE:FUNC function with flash-attn's "
                                    f"{args.layout} signature; {args.target!r} is no MODULE:FUNC")
     unsupported = {"--causal-alignment": args.causal_alignment not in (None, "bottom-right"),
-                   "--timeout": args.timeout is not None, "--memory-limit": args.memory_limit is not None,
                    "--page-sizes": args.page_sizes is not None and args.layout != "paged",
                    **{f"--{name}": getattr(args, name.replace("-", "_")) is not None
                       for name in ("results", "shapes", "repro-dir")},
@@ -219,18 +218,20 @@ def _ragged_target(args):
     given = [option for option, bad in unsupported.items() if bad]
     if given:
         raise InvalidArgumentError(
-            f"{', '.join(given)} cannot be used with --layout {args.layout}: varlen and paged functions run in "
-            "this process, bottom-right aligned per sequence, judged under fa_verify's conventions, without "
-            "result records, shape budgets or reproducer scripts (not yet), and only a paged one has pages; "
-            f"drop {' and '.join(given)}")
+            f"{', '.join(given)} cannot be used with --layout {args.layout}: varlen and paged functions are "
+            "bottom-right aligned per sequence, judged under fa_verify's conventions, without result records, "
+            f"shape budgets or reproducer scripts (not yet), and only a paged one has pages; drop {' and '.join(given)}")
     try:
         page_sizes = None if args.page_sizes is None else _positive_set(args.page_sizes)
     except (ValueError, InvalidArgumentError):
         raise InvalidArgumentError(f"--page-sizes={args.page_sizes!r} is not valid: page sizes >= 1, "
                                    "e.g. --page-sizes 16,256") from None
     sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
+    isolation = {name: ISOLATION_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+                 for name in ISOLATION_DEFAULTS}
     return RaggedCallableBackend(load_callable(args.target), args.layout, name=args.target, limits=_limits(args),
-                                 precision=args.precision, array=args.array or "numpy", page_sizes=page_sizes)
+                                 precision=args.precision, array=args.array or "numpy", page_sizes=page_sizes,
+                                 **isolation)
 
 
 def _spec_target(args):
