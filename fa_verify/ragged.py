@@ -409,6 +409,9 @@ class RaggedProblem:
     def cu_seqlens_k(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(self.seqlens_k)]).astype(np.int32)
 
+    def __repr__(self) -> str:  # short: Hypothesis prints failing examples, the arrays are in the tags' seed
+        return f"<RaggedProblem {self.describe()} tags={dict(self.tags)}>"
+
     def describe(self) -> str:
         """One line: layout, lengths, pages, splits and the shared options."""
         dense = self.first.describe()

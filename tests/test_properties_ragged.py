@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from fa_verify.backends.ragged_base import NumpyRaggedBackend
 from fa_verify.backends.ragged_callable import RaggedCallableBackend
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.limits import Limits
@@ -91,3 +92,18 @@ def test_ragged_strategies_stay_within_the_declared_limits(problem):
     for b, seq in enumerate(problem.sequences):
         page, slot = problem.pages.key_slots(b, seq.nk)
         assert np.array_equal(inputs["k_cache"][page, slot].transpose(1, 0, 2), seq.k[0])
+
+
+class _HeadDim24(NumpyRaggedBackend):
+    """A target whose own supports() takes D = 24 only (no declared limits)."""
+
+    def supports(self, problem):
+        return super().supports(problem) or (None if problem.head_dim == 24 else "D must be 24")
+
+
+def test_head_dims_are_probed_through_supports_when_none_are_declared():
+    backend, seen = _HeadDim24("varlen"), set()
+    run = backend.run
+    backend.run = lambda problem, fill=np.nan: seen.add(problem.head_dim) or run(problem, fill)
+    outcome = search_ragged(backend, "ragged_agreement", FEW)
+    assert outcome.status == PASSED and outcome.examples == 10 and seen == {24}

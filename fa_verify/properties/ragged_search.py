@@ -10,6 +10,7 @@ raises fails the example; other fa_verify errors (setup, misuse) are raised.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import replace
 
 from hypothesis import Phase, Verbosity, given, settings
@@ -18,13 +19,16 @@ from hypothesis import strategies as st
 
 from fa_verify.backends.ragged_base import RaggedBackend
 from fa_verify.errors import BackendOutputError, FaVerifyError, InvalidArgumentError, KernelRunError
+from fa_verify.limits import Limits, _layout
 from fa_verify.profiles import RELAXED_HEALTH_CHECKS
 from fa_verify.properties._result import NOT_APPLICABLE, PASSED
 from fa_verify.properties.registry import get_ragged_property
 from fa_verify.properties.search import PropertyOutcome, _target_failure
 from fa_verify.properties.selection import Selection
-from fa_verify.strategies import ragged_problems
+from fa_verify.ragged import PageLayout, RaggedProblem
+from fa_verify.strategies import Shape, make_problem, ragged_problems
 from fa_verify.strategies._variants import DEFAULT_TILE
+
 
 class _Failed(Exception):
     """Raised inside Hypothesis' test for a failing example, so that it shrinks it."""
@@ -43,12 +47,21 @@ def search_ragged(backend: RaggedBackend, prop, selection: Selection = Selection
     if reason:
         outcome.status, outcome.reason = NOT_APPLICABLE, reason
         return outcome
+    dtypes = tuple(d for d in selection.dtypes if d in backend.dtypes)
     limits = replace(backend.limits, causal=tuple(c for c in backend.limits.causal if c in selection.causal))
-    strategy = ragged_problems(backend.layout, tuple(d for d in selection.dtypes if d in backend.dtypes), limits,
+    limits = _probed_head_dims(backend, limits, dtypes[0])
+    if limits.head_dims == ():
+        outcome.status, outcome.reason = NOT_APPLICABLE, f"{backend.name} runs no head dim from 1 to 256"
+        return outcome
+    strategy = ragged_problems(backend.layout, dtypes, limits,
                                backend.features, backend.page_sizes, backend.splits, tile, max_seq=selection.max_seq)
     start, reasons, ratios, notes, found = time.perf_counter(), [], [], set(), []
 
     def judge(problem, seed):
+        reason = backend.supports(problem)
+        if reason is not None:  # outside what the strategy knows of the target (its own supports())
+            reasons.append(reason)
+            return
         try:
             result = prop(backend, problem, seed)
         except (BackendOutputError, KernelRunError) as exc:
@@ -88,6 +101,35 @@ def search_ragged(backend: RaggedBackend, prop, selection: Selection = Selection
     if outcome.status == PASSED and outcome.examples == 0:
         outcome.status, outcome.reason = NOT_APPLICABLE, reasons[0] if reasons else "no example was drawn"
     return outcome
+
+
+#: Head dims probed through `supports` when a target declares none (once per target).
+_PROBED_HEAD_DIMS = range(1, 257)
+_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _probed_head_dims(backend: RaggedBackend, limits: Limits, dtype: str) -> Limits:
+    """`limits` with the head dims the target's `supports` accepts, probed with one tiny sequence,
+    when it declares none and does not accept every one."""
+    if limits.head_dims is not None:
+        return limits
+    probed = _PROBES.setdefault(backend, {})
+    if (limits, dtype) not in probed:
+        probed[limits, dtype] = _supported_head_dims(backend, limits, dtype)
+    dims = probed[limits, dtype]
+    return limits if len(dims) == len(_PROBED_HEAD_DIMS) else replace(limits, head_dims=dims)
+
+
+def _supported_head_dims(backend: RaggedBackend, limits: Limits, dtype: str) -> tuple:
+    heads, kv_heads = _layout(1, 1, limits.heads, limits.group_sizes)
+    dims = []
+    for d in _PROBED_HEAD_DIMS:
+        seq = make_problem("normal", Shape(1, heads, kv_heads, limits.seq_lo, limits.seq_lo, d), dtype, 0,
+                           causal=limits.causal[0])
+        pages = PageLayout.contiguous([seq.nk], (backend.page_sizes or (1,))[0]) if backend.layout == "paged" else None
+        if backend.supports(RaggedProblem((seq,), backend.layout, pages=pages)) is None:
+            dims.append(d)
+    return tuple(dims)
 
 
 def _not_applicable(prop, backend: RaggedBackend, selection: Selection) -> str | None:
