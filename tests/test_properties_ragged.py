@@ -28,32 +28,34 @@ LAYOUTS = {"varlen_attention": "varlen", "paged_attention": "paged", "paged_atte
 #: The properties each one-bug fixture must fail within FEW examples.
 CATCHES = {
     "varlen_global_seqlen_k": {"ragged_agreement", "sequence_alone"},
-    "paged_page_boundary": {"ragged_agreement", "unused_cache"},
+    "paged_page_boundary": {"ragged_agreement", "unused_cache", "paged_contiguous"},
     "paged_first_sequence_only": {"ragged_agreement", "unwritten_rows"},
     "paged_split_lse_layout": {"ragged_agreement", "split_invariance"},
 }
 
 
-def _backend(name):
-    return RaggedCallableBackend(getattr(ragged_kernels, name), LAYOUTS[name])
+def _backend(name, twin=None):
+    backend = RaggedCallableBackend(getattr(ragged_kernels, name), LAYOUTS[name])
+    backend.contiguous = None if twin is None else _backend(twin)
+    return backend
 
 
 @pytest.mark.parametrize("name", ["varlen_attention", "paged_attention", "paged_attention_into"])
 def test_correct_functions_pass_every_applicable_ragged_property(name):
-    backend = _backend(name)
+    backend = _backend(name, "varlen_attention" if LAYOUTS[name] == "paged" else None)
     statuses = {prop: search_ragged(backend, prop, FEW) for prop in RAGGED_PROPERTY_NAMES}
     failures = [o.message() for o in statuses.values() if o.status == FAILED]
     assert not failures, "\n".join(failures)
     applicable = {prop for prop, o in statuses.items() if o.status == PASSED}
     expected = {"ragged_agreement", "sequence_alone", "sequence_independence"}
-    expected |= {"page_placement", "unused_cache"} if LAYOUTS[name] == "paged" else set()
+    expected |= {"page_placement", "paged_contiguous", "unused_cache"} if LAYOUTS[name] == "paged" else set()
     expected |= {"split_invariance"} if backend.splits else {"unwritten_rows"}
     assert applicable == expected
 
 
 @pytest.mark.parametrize("name", sorted(CATCHES))
 def test_each_one_bug_fixture_is_caught_naming_the_sequence(name):
-    backend = _backend(name)
+    backend = _backend(name, "varlen_attention" if LAYOUTS[name] == "paged" else None)
     for prop in CATCHES[name]:
         outcome = search_ragged(backend, prop, FEW)
         assert outcome.status == FAILED, f"{name} passed {prop}: {outcome.message()}"

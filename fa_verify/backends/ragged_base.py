@@ -47,6 +47,9 @@ class RaggedBackend(ABC):
     #: whether it writes into sentinel-filled buffers it is given (`output_buffers`), so that
     #: rows it leaves unwritten show (`unwritten_rows`)
     writes_buffers: bool = False
+    #: for a paged target: the same kernel taking the varlen layout, if it has one (the
+    #: paged_contiguous property compares the two on the same sequences)
+    contiguous: "RaggedBackend | None" = None
     #: the conventions it is judged under: fa_verify's (ragged targets declare none yet)
     judged_under: Conventions = Conventions()
 
@@ -173,5 +176,7 @@ class NumpyRaggedBackend(RaggedBackend):
 
 
 def builtin_ragged_backends() -> list[RaggedBackend]:
-    """The ragged backends fa_verify ships, one per layout."""
-    return [NumpyRaggedBackend(layout) for layout in LAYOUTS]
+    """The ragged backends fa_verify ships, one per layout (the paged one with the varlen one as its twin)."""
+    varlen, paged = NumpyRaggedBackend("varlen"), NumpyRaggedBackend("paged")
+    paged.contiguous = varlen
+    return [varlen, paged]

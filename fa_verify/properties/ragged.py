@@ -8,6 +8,8 @@ sequence where it fails:
     target claims batch invariance, else within the error model (bound of each run);
   * sequence_independence: new values in the other sequences (same lengths) leave a sequence
     bitwise unchanged;
+  * paged_contiguous: a paged target agrees with its varlen twin (`RaggedBackend.contiguous`, the
+    same kernel taking packed K/V) on the same sequences, within the error model;
   * page_placement: the same pages under a freshly shuffled block table (and other entries past
     each sequence's pages) give bitwise the same output;
   * unused_cache: the cache slots no sequence uses (past each cache_seqlens, unused pages) set
@@ -164,6 +166,27 @@ def check_page_placement(backend, problem: RaggedProblem, *, seed: int = 0) -> P
                       backend.run(problem), backend.run(moved))
 
 
+def check_paged_contiguous(backend, problem: RaggedProblem) -> PropertyResult:
+    """A paged target agrees with its varlen twin on the same sequences, within the error model."""
+    twin = backend.contiguous
+    if problem.layout != "paged" or twin is None:
+        return not_applicable("paged_contiguous", problem, "needs a paged target with a varlen twin")
+    contiguous = problem.as_varlen()
+    reason = twin.supports(contiguous)
+    if reason:
+        return not_applicable("paged_contiguous", problem, f"{twin.name} cannot run {contiguous.describe()}: {reason}")
+    precision = backend.precision(problem.dtype)
+    paged, varlen = problem.split(*backend.run(problem)), contiguous.split(*twin.run(contiguous))
+    worst = 0.0
+    for b in range(problem.batch):
+        found, ratio = _modelled(problem, b, varlen[b], paged[b], precision)
+        worst = max(worst, ratio)
+        if found:
+            return failed("paged_contiguous", problem, f"paged against {twin.name} on the same sequences stored "
+                          f"contiguously, within twice the error bound: {found}", ratio)
+    return passed("paged_contiguous", problem, worst_ratio=worst)
+
+
 def check_unused_cache(backend, problem: RaggedProblem) -> PropertyResult:
     """Cache slots no sequence uses (past cache_seqlens, unused pages) as NaN or 0 change nothing."""
     if problem.layout != "paged":
@@ -222,6 +245,11 @@ def _spans(rows: list) -> str:
 def not_paged(backend) -> str | None:
     """Why a page-table property cannot judge `backend` (None: it can)."""
     return None if backend.layout == "paged" else f"{backend.name} takes the varlen layout: no page table"
+
+
+def no_contiguous_twin(backend) -> str | None:
+    return not_paged(backend) or (None if backend.contiguous is not None else
+                                  f"{backend.name} has no varlen twin (RaggedBackend.contiguous) to compare with")
 
 
 def not_split(backend) -> str | None:

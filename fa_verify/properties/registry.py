@@ -104,6 +104,7 @@ RAGGED_PROPERTIES = (
     Property("sequence_alone", ragged.check_sequence_alone),
     Property("sequence_independence", ragged.check_sequence_independence),
     Property("page_placement", ragged.check_page_placement, target_reason=ragged.not_paged),
+    Property("paged_contiguous", ragged.check_paged_contiguous, target_reason=ragged.no_contiguous_twin),
     Property("unused_cache", ragged.check_unused_cache, target_reason=ragged.not_paged),
     Property("split_invariance", ragged.check_split_invariance, target_reason=ragged.not_split),
     Property("unwritten_rows", ragged.check_unwritten_rows, target_reason=ragged.returns_its_output),
