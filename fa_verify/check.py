@@ -17,9 +17,17 @@ from dataclasses import dataclass, field
 from fa_verify.backends import Backend
 from fa_verify.backends.ragged_base import RaggedBackend
 from fa_verify.problem import AttentionProblem
-from fa_verify.properties import PROPERTIES, FAILED, NOT_APPLICABLE, PASSED, Selection, get_property
-from fa_verify.properties.ragged_search import search_ragged
-from fa_verify.properties.registry import RAGGED_PROPERTIES, get_ragged_property
+from fa_verify.properties import (
+    FAILED,
+    NOT_APPLICABLE,
+    PASSED,
+    PROPERTIES,
+    RAGGED_PROPERTIES,
+    Selection,
+    get_property,
+    get_ragged_property,
+    search_ragged,
+)
 from fa_verify.properties.reproduce import NotReproducible, Target
 from fa_verify.properties.search import PropertyOutcome, search_property
 

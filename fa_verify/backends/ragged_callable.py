@@ -37,9 +37,9 @@ from fa_verify.backends.user_callable import (
     output_parameters,
     variant_parameters,
 )
-from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name
 from fa_verify.errors import BackendOutputError, InvalidArgumentError
+from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 from fa_verify.limits import Limits, parse_limits
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import FEATURES
