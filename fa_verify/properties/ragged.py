@@ -21,6 +21,8 @@ sequence where it fails:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from fa_verify.error_model import error_bound
@@ -53,8 +55,7 @@ def _bitwise(problem: RaggedProblem, b: int, first, second) -> str | None:
 def _modelled(problem: RaggedProblem, b: int, first, second, precision) -> tuple[str | None, float]:
     """Two runs of sequence b within the sum of their error bounds (twice the bound):
     (where they are not, or None; the worst ratio)."""
-    seq = problem.sequences[b]
-    bound = error_bound(seq, precision, reference(seq))
+    bound = _bound(problem.sequences[b], precision)
     worst = 0.0
     for label, got, want, tolerance in (("O", second[0], first[0], bound.out), ("LSE", second[1], first[1], bound.lse)):
         if got is None or want is None:
@@ -64,6 +65,12 @@ def _modelled(problem: RaggedProblem, b: int, first, second, precision) -> tuple
         if mismatch is not None:
             return f"{_where(problem, b)}: {mismatch.describe(label)}", worst
     return None, worst
+
+
+@functools.lru_cache(maxsize=16)
+def _bound(seq, precision):
+    """The error-model bound of a sequence (cached: comparisons of several runs share it)."""
+    return error_bound(seq, precision, reference(seq))
 
 
 def _identical(name: str, what: str, problem: RaggedProblem, first, second) -> PropertyResult:
