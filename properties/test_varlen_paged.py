@@ -6,16 +6,10 @@ without num_splits) are skipped with the reason."""
 import pytest
 
 from fa_verify.backends.ragged_base import builtin_ragged_backends
-from fa_verify.properties import FAILED, NOT_APPLICABLE, Selection
-from fa_verify.properties.ragged_search import search_ragged
-from fa_verify.properties.registry import RAGGED_PROPERTY_NAMES
+from fa_verify.properties import RAGGED_PROPERTY_NAMES
 
 
 @pytest.mark.parametrize("backend", builtin_ragged_backends(), ids=lambda b: b.name)
 @pytest.mark.parametrize("prop", RAGGED_PROPERTY_NAMES)
-def test_ragged_property(backend, prop, fa_profile):
-    outcome = search_ragged(backend, prop, Selection.from_profile(fa_profile.name))
-    if outcome.status == NOT_APPLICABLE:
-        pytest.skip(outcome.message())
-    if outcome.status == FAILED:
-        pytest.fail(outcome.message(), pytrace=False)
+def test_ragged_property(backend, prop, fa_search):
+    fa_search(backend, prop)
