@@ -3,7 +3,8 @@
 `check_backend(backend, selection)` searches every property of `fa_verify.properties` (or the
 ones named) on the target and returns a `CheckOutcome`: per property passed, failed (with
 the minimal counterexample, examples-to-failure and, given a folder, a reproducer script) or not
-applicable.
+applicable. A ragged target (varlen or paged, `RaggedBackend`) gets the ragged properties
+(`RAGGED_PROPERTIES`, searched by `search_ragged`; no reproducers or result records yet).
 `results_recorder` turns every oracle verdict, and every failing example, into a record of a
 `ResultsStore`, for reports.
 """
@@ -14,8 +15,19 @@ import time
 from dataclasses import dataclass, field
 
 from fa_verify.backends import Backend
+from fa_verify.backends.ragged_base import RaggedBackend
 from fa_verify.problem import AttentionProblem
-from fa_verify.properties import PROPERTIES, FAILED, NOT_APPLICABLE, PASSED, Selection, get_property
+from fa_verify.properties import (
+    FAILED,
+    NOT_APPLICABLE,
+    PASSED,
+    PROPERTIES,
+    RAGGED_PROPERTIES,
+    Selection,
+    get_property,
+    get_ragged_property,
+    search_ragged,
+)
 from fa_verify.properties.reproduce import NotReproducible, Target
 from fa_verify.properties.search import PropertyOutcome, search_property
 
@@ -51,19 +63,22 @@ class CheckOutcome:
                 "properties": [p.as_dict() for p in self.properties]}
 
 
-def check_backend(backend: Backend, selection: Selection = Selection(), properties=None,
+def check_backend(backend: Backend | RaggedBackend, selection: Selection = Selection(), properties=None,
                   on_result=None, progress=None, repro_dir=None) -> CheckOutcome:
     """Search each property (all, or those named in `properties`) on `backend`.
 
     progress(outcome) is called after each property; on_result and repro_dir (the folder for
-    failures' reproducers) as in `search_property`.
+    failures' reproducers) as in `search_property` (dense targets only).
     """
-    props = PROPERTIES if properties is None else [get_property(p) for p in properties]
+    ragged = isinstance(backend, RaggedBackend)
+    lookup = get_ragged_property if ragged else get_property
+    props = (RAGGED_PROPERTIES if ragged else PROPERTIES) if properties is None else [lookup(p) for p in properties]
     outcome = CheckOutcome(backend=backend.name)
     start = time.perf_counter()
     for prop in props:
-        result: PropertyOutcome = search_property(backend, prop, selection, on_result=on_result,
-                                                   repro_dir=repro_dir)
+        result: PropertyOutcome = (search_ragged(backend, prop, selection) if ragged else
+                                   search_property(backend, prop, selection, on_result=on_result,
+                                                   repro_dir=repro_dir))
         outcome.properties.append(result)
         if progress is not None:
             progress(result)

@@ -24,7 +24,8 @@ Fixtures:
   fa_backend   parametrises a test over the selected backends
   fa_search    fa_search(target, property) searches one property on a target (a Backend or a
                run(problem) function): a failure fails the test with the minimal counterexample
-               and the command running its reproducer script, "not applicable" skips it
+               and the command running its reproducer script, "not applicable" skips it; a
+               RaggedBackend (varlen / paged) gets a ragged property (`search_ragged`)
   fa_oracle    the certified reference: fa_oracle.reference(problem),
                fa_oracle.assert_close(out, problem, lse=..., precision=..., name=...)
   fa_profile   the `fa_verify.profiles.Profile` in effect
@@ -159,8 +160,9 @@ def fa_oracle(pytestconfig):
 def fa_search(request, fa_profile):
     from hypothesis import settings
 
+    from fa_verify.backends.ragged_base import RaggedBackend
     from fa_verify.check import results_recorder
-    from fa_verify.properties import FAILED, NOT_APPLICABLE, Selection, as_backend, search_property
+    from fa_verify.properties import FAILED, NOT_APPLICABLE, Selection, as_backend, search_property, search_ragged
     from fa_verify.properties.reproduce import default_folder
 
     results = request.config.getoption("fa_results")
@@ -173,9 +175,12 @@ def fa_search(request, fa_profile):
                                        shapes=request.config.getoption("fa_shapes"))
 
     def search(target, prop):
-        backend = as_backend(target)
-        record = results_recorder(results, backend, "pytest", seed=selection.seed) if results else None
-        outcome = search_property(backend, prop, selection, on_result=record, repro_dir=repro_dir)
+        if isinstance(target, RaggedBackend):  # a varlen or paged target: the ragged properties
+            outcome = search_ragged(target, prop, selection)
+        else:
+            backend = as_backend(target)
+            record = results_recorder(results, backend, "pytest", seed=selection.seed) if results else None
+            outcome = search_property(backend, prop, selection, on_result=record, repro_dir=repro_dir)
         if outcome.status == NOT_APPLICABLE:
             pytest.skip(outcome.message())
         if outcome.status == FAILED:

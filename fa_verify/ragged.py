@@ -30,7 +30,6 @@ from functools import cached_property
 
 import numpy as np
 
-from fa_verify.backends.buffers import SENTINEL_BITS
 from fa_verify.dtypes import dtype_name, numpy_dtype
 from fa_verify.errors import InvalidArgumentError, InvalidProblemError
 from fa_verify.problem import FEATURES, AttentionProblem
@@ -298,7 +297,10 @@ class RaggedProblem:
 
     def unwritten_rows(self, out: np.ndarray) -> list[tuple[int, int]]:
         """(sequence, row) of every output row that still holds the unwritten-output sentinel
-        (`buffers.SENTINEL_BITS`) somewhere: rows a kernel given a pre-filled buffer never wrote."""
+        (`buffers.SENTINEL_BITS`) somewhere: rows a target given `ragged_base.output_buffers`
+        never wrote."""
+        from fa_verify.backends.buffers import SENTINEL_BITS  # here: the problem model needs no backend code
+
         bits = out.view({2: np.uint16, 4: np.uint32}[out.dtype.itemsize])
         rows = (bits == SENTINEL_BITS[out.dtype.itemsize]).reshape(-1, self.heads * self.head_dim).any(axis=1)
         return [self.row_owner(r) for r in np.flatnonzero(rows)]
@@ -406,6 +408,9 @@ class RaggedProblem:
     @property
     def cu_seqlens_k(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(self.seqlens_k)]).astype(np.int32)
+
+    def __repr__(self) -> str:  # short: Hypothesis prints failing examples, the arrays are in the tags' seed
+        return f"<RaggedProblem {self.describe()} tags={dict(self.tags)}>"
 
     def describe(self) -> str:
         """One line: layout, lengths, pages, splits and the shared options."""

@@ -61,8 +61,9 @@ class GuardedOutput:
         """The output itself: a contiguous view into the buffer."""
         return self.buffer[self.offset:self.offset + self.size].reshape(self.shape)
 
-    def findings(self) -> list[str]:
-        """What the target did wrong with this buffer: unwritten elements, writes out of bounds."""
+    def findings(self, unwritten: bool = True) -> list[str]:
+        """What the target did wrong with this buffer: writes out of bounds, and unwritten
+        elements unless `unwritten` is False (a caller that reports them itself)."""
         touched = _bits(self.buffer) != SENTINEL_BITS[self.buffer.dtype.itemsize]
         before, inside, after = (touched[:self.offset], touched[self.offset:self.offset + self.size],
                                  touched[self.offset + self.size:])
@@ -75,7 +76,7 @@ class GuardedOutput:
             last = len(before) - 1 - int(np.argmax(before[::-1]))
             found.append(f"{self.name}: {int(before.sum())} elements written before its start (nearest "
                          f"{self.offset - last} elements before element 0)")
-        if not inside.all():
+        if unwritten and not inside.all():
             first = int(np.argmax(~inside))
             found.append(f"{self.name}: {int((~inside).sum())} / {self.size} elements never written "
                          f"(first at {_index(first, self.shape)} of {list(self.shape)})")

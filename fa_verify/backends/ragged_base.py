@@ -17,6 +17,7 @@ import numpy as np
 from fa_verify.backends.base import AVAILABLE, Availability, _dtype_label, parse_precision
 from fa_verify.backends.buffers import GuardedOutput, InputSnapshot
 from fa_verify.backends.numpy_tiled import tiled_attention
+from fa_verify.conventions import Conventions
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import BackendOutputError, BackendUnavailableError, InvalidArgumentError
 from fa_verify.limits import Limits
@@ -41,6 +42,16 @@ class RaggedBackend(ABC):
     #: whether it claims batch invariance: a sequence's output is bitwise the same whatever
     #: else the batch holds (then "varlen == each sequence alone" is checked bitwise)
     batch_invariant: bool = False
+    #: the page sizes it supports (paged layout), or None: any
+    page_sizes: tuple | None = None
+    #: whether it writes into sentinel-filled buffers it is given (`output_buffers`), so that
+    #: rows it leaves unwritten show (`unwritten_rows`)
+    writes_buffers: bool = False
+    #: for a paged target: the same kernel taking the varlen layout, if it has one (the
+    #: paged_contiguous property compares the two on the same sequences)
+    contiguous: "RaggedBackend | None" = None
+    #: the conventions it is judged under: fa_verify's (ragged targets declare none yet)
+    judged_under: Conventions = Conventions()
 
     @abstractmethod
     def precision(self, dtype) -> PrecisionModel:
@@ -55,6 +66,9 @@ class RaggedBackend(ABC):
             return f"{self.name} takes the {self.layout} layout, not {problem.layout}"
         if problem.dtype not in self.dtypes:
             return f"{self.name} does not run dtype={problem.dtype} (it runs {', '.join(self.dtypes)})"
+        if problem.pages is not None and self.page_sizes is not None and problem.pages.page_size not in self.page_sizes:
+            return (f"{self.name} does not run page_size={problem.pages.page_size} (it runs "
+                    f"{', '.join(map(str, self.page_sizes))}; declared by --page-sizes)")
         if problem.num_splits > 1 and not self.splits:
             return f"{self.name} does not split the keys (num_splits={problem.num_splits}); it is no split-KV kernel"
         for b, seq in enumerate(problem.sequences):
@@ -76,10 +90,7 @@ class RaggedBackend(ABC):
         if reason is not None:
             raise InvalidArgumentError(f"backend {self.name!r} cannot run {problem.describe()}: {reason}")
         inputs = problem.inputs(fill)
-        arrays = {name: x for name, x in inputs.items() if isinstance(x, np.ndarray)}
-        snapshot = InputSnapshot.of(**arrays)
-        out, lse = self._run(problem, inputs)
-        snapshot.check(self.name, *arrays.values())
+        out, lse = leaving_inputs_unchanged(self.name, inputs, lambda: self._run(problem, inputs))
         check_ragged_output(self.name, problem, out, lse, self.precision(problem.dtype).output)
         return out, lse
 
@@ -90,6 +101,15 @@ class RaggedBackend(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def leaving_inputs_unchanged(name: str, inputs: dict, call):
+    """call()'s result; BackendOutputError if it changed a bit of an array of `inputs`."""
+    arrays = {key: x for key, x in inputs.items() if isinstance(x, np.ndarray)}
+    snapshot = InputSnapshot.of(**arrays)
+    result = call()
+    snapshot.check(name, *arrays.values())
+    return result
 
 
 def output_buffers(problem: RaggedProblem, out_dtype) -> tuple[GuardedOutput, GuardedOutput]:
@@ -153,3 +173,10 @@ class NumpyRaggedBackend(RaggedBackend):
         precision = self.precision(problem.dtype)
         return problem.join([tiled_attention(seq, precision, self.block_q, self.block_k)
                              for seq in sequences_of(problem, inputs)])
+
+
+def builtin_ragged_backends() -> list[RaggedBackend]:
+    """The ragged backends fa_verify ships, one per layout (the paged one with the varlen one as its twin)."""
+    varlen, paged = NumpyRaggedBackend("varlen"), NumpyRaggedBackend("paged")
+    paged.contiguous = varlen
+    return [varlen, paged]

@@ -123,18 +123,11 @@ class CallableBackend(Backend):
         self.features = variant_parameters(fn, features)
         self.causal_alignment, self._precision = causal_alignment, precision
         self.name = name or _qualified_name(fn)
-        # Checked in-process too: a bad limit is an error whether or not it applies.
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
-            raise InvalidArgumentError(f"timeout={timeout!r} must be a positive, finite number of seconds")
-        memory_limit = memory_limit_bytes(memory_limit)
         #: Elements of NaN padding around each of q, k, v as passed (fa_verify.properties.padding sets it).
         self.pad = 0
-        self._worker = None
-        if isolate:
-            options = dict(name=self.name, layout=layout, array=array, causal_alignment=causal_alignment,
-                           dtypes=self.dtypes, precision=precision, features=self.features,
-                           conventions=self.judged_under)
-            self._worker = CallableWorker(_reference(fn, name), options, float(timeout), memory_limit)
+        self._worker = isolated_worker(fn, name, isolate, timeout, memory_limit, dict(
+            name=self.name, layout=layout, array=array, causal_alignment=causal_alignment, dtypes=self.dtypes,
+            precision=precision, features=self.features, conventions=self.judged_under))
 
     def precision(self, dtype) -> PrecisionModel:
         """The claimed model, with the LSE dtype and flushing the conventions declare."""
@@ -155,6 +148,11 @@ class CallableBackend(Backend):
 
     def _run(self, problem):
         return self._worker.run(problem, self.pad) if self._worker is not None else self.run_here(problem)
+
+    def run_in_worker(self, problem, pad: int):
+        """What the worker process runs for `CallableWorker.run(problem, pad)`."""
+        self.pad = pad
+        return self.run_here(problem)
 
     def run_here(self, problem):
         """_run in this process (the worker calls it too)."""
@@ -299,7 +297,8 @@ class CallableWorker:
         self.process = WorkerProcess(command, env=env, cwd=os.getcwd(), memory_limit=self.memory_limit,
                                      traceback_signal=signal.SIGUSR1)
 
-    def run(self, problem, pad: int = 0):
+    def run(self, problem, *arguments):
+        """The worker's backend's `run_in_worker(problem, *arguments)`, returned or raised here."""
         name = self.options["name"]
         with self.process.lock:
             try:
@@ -310,7 +309,7 @@ class CallableWorker:
                                                       self.process.startup_timeout)
                     if kind != "ok":
                         raise InvalidArgumentError(f"the worker process cannot load {self.spec}: {payload[2]}")
-                kind, payload = self.process.call(("run", problem, pad), self.timeout)
+                kind, payload = self.process.call(("run", problem, *arguments), self.timeout)
                 if kind == "out of memory":  # the worker exits after this reply: the next call starts afresh
                     self.process.stop()
             except WorkerTimedOut as late:
@@ -325,6 +324,16 @@ class CallableWorker:
         if kind == "done":
             return payload
         raise _raised_again(*payload)
+
+
+def isolated_worker(fn, name: str | None, isolate: bool, timeout, memory_limit, options: dict):
+    """The worker process that runs `fn` with `timeout` seconds and `memory_limit` per call (its
+    backend built from `options`), or None when not `isolate`. The limits are checked either way:
+    a bad one is an error whether or not it applies."""
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+        raise InvalidArgumentError(f"timeout={timeout!r} must be a positive, finite number of seconds")
+    memory_limit = memory_limit_bytes(memory_limit)
+    return CallableWorker(_reference(fn, name), options, float(timeout), memory_limit) if isolate else None
 
 
 def memory_limit_bytes(limit) -> int | None:
@@ -397,8 +406,10 @@ def _raised_again(exc, type_name, message, where) -> BaseException:
 
 
 def worker_main(inbox_fd: int, outbox_fd: int) -> None:
-    """The worker process: ("load", sys.path, spec, options, memory_limit) -> ("ok", None); then
-    ("run", problem, pad) -> ("done", ((out, lse), warnings)) or ("raised", (_portable(...), warnings)),
+    """The worker process: ("load", sys.path, spec, options, memory_limit) -> ("ok", None) (a
+    RaggedCallableBackend when options name a ragged layout, else a CallableBackend); then
+    ("run", problem, *arguments) -> ("done", (its run_in_worker(problem, *arguments), warnings)) or
+    ("raised", (_portable(...), warnings)),
     `warnings` those the call issued (_portable_warning); it exits after a MemoryError, whose
     process may be unfit to go on."""
     # Python's traceback goes to the log the parent reads on a crash, and before a hang is killed.
@@ -411,15 +422,14 @@ def worker_main(inbox_fd: int, outbox_fd: int) -> None:
             _, path, spec, options, state["limit"] = request
             sys.path[:] = path
             try:
-                state["backend"] = CallableBackend(load_callable(spec), **options)
+                state["backend"] = _backend_class(options)(load_callable(spec), **options)
             except Exception as exc:  # noqa: BLE001 - reported to the parent
                 return "raised", _portable(exc)
             return "ok", None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # every one to the parent, whose filters decide
             try:
-                state["backend"].pad = request[2]
-                kind, payload = "done", state["backend"].run_here(request[1])
+                kind, payload = "done", state["backend"].run_in_worker(*request[1:])
             except MemoryError as exc:
                 kind, payload = "out of memory", _portable(exc, state["limit"])
             except BaseException as exc:  # noqa: BLE001 - SystemExit included: whatever the target raises
@@ -427,6 +437,13 @@ def worker_main(inbox_fd: int, outbox_fd: int) -> None:
         return kind, (payload, [_portable_warning(w) for w in caught])
 
     serve(inbox_fd, outbox_fd, handle, exit_after=("out of memory",))
+
+
+def _backend_class(options: dict) -> type:
+    """The backend a worker builds from `options`: the ragged one for a varlen or paged layout."""
+    from fa_verify.backends.ragged_callable import RaggedCallableBackend  # it builds on this module
+
+    return RaggedCallableBackend if options.get("layout") in ("varlen", "paged") else CallableBackend
 
 
 def _qualified_name(fn) -> str:

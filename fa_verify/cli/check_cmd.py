@@ -15,6 +15,10 @@ from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 from fa_verify.limits import CAUSAL_CHOICES, limit_arguments, limits_from_options
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
 
+#: --layout's values for varlen and paged functions (fa_verify.backends.ragged_callable).
+RAGGED_LAYOUTS = ("varlen", "paged")
+#: Longest sequence a ragged check draws unless --max-seq says: past the second key tile of 64.
+RAGGED_MAX_SEQ = 2 * 64 + 1
 #: Limit options that are also `check`'s selection options (--dtype, --causal), for any target.
 SELECTION_LIMITS = ("dtype", "causal")
 #: The value of --seed (--fa-seed) that draws a new seed per run.
@@ -89,7 +93,8 @@ def add_parser(sub) -> None:
                     "failed; 1: one failed; 2: usage or setup error.")
     cmd.add_argument("target", metavar="TARGET",
                      help="a backend name (see 'fa_verify backends'), 'all' for every available "
-                          "backend, MODULE:FUNC with fn(q, k, v, *, causal, scale) -> out | (out, lse), "
+                          "backend, MODULE:FUNC with fn(q, k, v, *, causal, scale) -> out | (out, lse) "
+                          "(--layout varlen / paged: flash-attn's varlen and kvcache signatures), "
                           "or a CUDA file (kernel.cu) with --spec")
     cmd.add_argument("--dtype", action="append", choices=("fp16", "bf16", "fp32"),
                      help="dtype to check (repeatable; default: every dtype the target runs)")
@@ -124,9 +129,20 @@ def add_parser(sub) -> None:
         "backend name is a usage error (exit 2).")
     # Defaults are None so that an option given with a built-in backend can be told from one
     # left out; _callable_options fills them in.
-    callable_opts.add_argument("--layout", choices=("bhsd", "bshd"), default=None,
-                               help="tensor layout: bhsd [B,H,N,D] (default) or bshd [B,N,H,D] "
-                                    "as flash_attn_func")
+    callable_opts.add_argument("--layout", choices=("bhsd", "bshd", *RAGGED_LAYOUTS), default=None,
+                               help="tensor layout: bhsd [B,H,N,D] (default) or bshd [B,N,H,D] as "
+                                    "flash_attn_func; varlen: fn(q, k, v, cu_seqlens_q, cu_seqlens_k, "
+                                    "max_seqlen_q, max_seqlen_k, *, causal, softmax_scale, ...) with packed "
+                                    "q [total_q,H,D], k, v [total_k,Hkv,D], as flash_attn_varlen_func; paged: "
+                                    "fn(q, k_cache, v_cache, *, cache_seqlens, block_table, causal, "
+                                    "softmax_scale, ...) with q [B,Nq,H,D], caches [num_blocks,page_size,Hkv,D], "
+                                    "as flash_attn_with_kvcache. Both return out or (out, lse) (LSE [H,total_q] "
+                                    "varlen, [B,H,Nq] paged) and get window_size, softcap, alibi_slopes, sinks, "
+                                    "return_softmax_lse=True and num_splits when their signature names them; "
+                                    "they are checked with the ragged properties")
+    callable_opts.add_argument("--page-sizes", default=None, metavar="N,N,...",
+                               help="declared limit of a --layout paged function: the page sizes (keys per "
+                                    "page) it supports (default: any; drawn below, at and above a tile of 64)")
     callable_opts.add_argument("--array", choices=("numpy", "torch"), default=None,
                                help="pass numpy arrays (default) or CPU torch tensors")
     callable_opts.add_argument("--causal-alignment", choices=("bottom-right", "top-left"),
@@ -156,6 +172,8 @@ def _targets(args):
         raise InvalidArgumentError(f"--arch applies to CUDA files checked with --spec, not to {args.target!r}")
     if args.runner != "auto":
         raise InvalidArgumentError(f"--runner applies to CUDA files checked with --spec, not to {args.target!r}")
+    if args.layout in RAGGED_LAYOUTS or args.page_sizes is not None:
+        return [_ragged_target(args)]
     if ":" in args.target:
         sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
         fn = load_callable(args.target)
@@ -177,6 +195,43 @@ def _targets(args):
     if not availability.available:
         raise BackendUnavailableError(f"backend {backend.name!r} is unavailable: {availability.reason}")
     return [backend]
+
+
+def _ragged_target(args):
+    """The backend of `check MODULE:FUNC --layout varlen|paged`."""
+    from fa_verify.backends import load_callable
+    from fa_verify.backends.ragged_callable import RaggedCallableBackend
+    from fa_verify.errors import InvalidArgumentError
+    from fa_verify.limits import _positive_set
+
+    if args.layout not in RAGGED_LAYOUTS:
+        raise InvalidArgumentError(f"--page-sizes declares the page sizes of a paged function: give --layout paged "
+                                   f"(not {args.layout or 'bhsd'}), or drop --page-sizes")
+    if ":" not in args.target:
+        raise InvalidArgumentError(f"--layout {args.layout} checks a MODULE:FUNC function with flash-attn's "
+                                   f"{args.layout} signature; {args.target!r} is no MODULE:FUNC")
+    unsupported = {"--causal-alignment": args.causal_alignment not in (None, "bottom-right"),
+                   "--page-sizes": args.page_sizes is not None and args.layout != "paged",
+                   **{f"--{name}": getattr(args, name.replace("-", "_")) is not None
+                      for name in ("results", "shapes", "repro-dir")},
+                   **{f"--{name}": getattr(args, name.replace("-", "_")) is not None for name in convention_arguments()}}
+    given = [option for option, bad in unsupported.items() if bad]
+    if given:
+        raise InvalidArgumentError(
+            f"{', '.join(given)} cannot be used with --layout {args.layout}: varlen and paged functions are "
+            "bottom-right aligned per sequence, judged under fa_verify's conventions, without result records, "
+            f"shape budgets or reproducer scripts (not yet), and only a paged one has pages; drop {' and '.join(given)}")
+    try:
+        page_sizes = None if args.page_sizes is None else _positive_set(args.page_sizes)
+    except (ValueError, InvalidArgumentError):
+        raise InvalidArgumentError(f"--page-sizes={args.page_sizes!r} is not valid: page sizes >= 1, "
+                                   "e.g. --page-sizes 16,256") from None
+    sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
+    isolation = {name: ISOLATION_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+                 for name in ISOLATION_DEFAULTS}
+    return RaggedCallableBackend(load_callable(args.target), args.layout, name=args.target, limits=_limits(args),
+                                 precision=args.precision, array=args.array or "numpy", page_sizes=page_sizes,
+                                 **isolation)
 
 
 def _spec_target(args):
@@ -270,8 +325,11 @@ def _run(args) -> int:
     from fa_verify.properties import Selection, get_property
     from fa_verify.properties.reproduce import default_folder
 
+    from fa_verify.properties.registry import get_ragged_property
+
+    lookup = get_ragged_property if args.layout in RAGGED_LAYOUTS else get_property
     for name in args.properties or ():
-        get_property(name)  # an unknown name is a usage error before anything runs
+        lookup(name)  # an unknown name is a usage error before anything runs
     seed, drawn = resolve_seed(args.seed)
     if drawn:  # first, so that even a run that dies later can be replayed
         print(f"seed {seed} (--seed random; replay with --seed {seed})", flush=True,
@@ -285,7 +343,9 @@ def _run(args) -> int:
         selection = Selection.from_profile(args.profile or DEFAULT_PROFILE, dtypes=dtypes,
                                            causal=CAUSAL_CHOICES[args.causal or "both"],
                                            max_examples=args.max_examples,
-                                           max_seq=args.max_seq, seed=seed, shapes=args.shapes)
+                                           max_seq=args.max_seq or (RAGGED_MAX_SEQ if args.layout in RAGGED_LAYOUTS
+                                                                    else None),
+                                           seed=seed, shapes=args.shapes)
         record = results_recorder(args.results, backend, "check", seed=seed) if args.results else None
         print(f"checking {backend.name} ({', '.join(dtypes)}) ...", file=sys.stderr, flush=True)
         if not args.json:

@@ -17,6 +17,7 @@ from fa_verify.properties import (
     online_softmax,
     padding,
     races,
+    ragged,
     rounding,
     sanitizer,
     variants,
@@ -95,6 +96,32 @@ PROPERTIES = (
 )
 
 PROPERTY_NAMES = tuple(p.name for p in PROPERTIES)
+
+#: The properties of ragged batches (varlen, paged KV, split-KV: fa_verify.ragged), searched on
+#: ragged backends (`fa_verify.backends.ragged_base`) by `fa_verify.properties.ragged_search`.
+RAGGED_PROPERTIES = (
+    Property("ragged_agreement", ragged.check_ragged_agreement),
+    Property("sequence_alone", ragged.check_sequence_alone),
+    Property("sequence_independence", ragged.check_sequence_independence),
+    Property("page_placement", ragged.check_page_placement, target_reason=ragged.not_paged),
+    Property("paged_contiguous", ragged.check_paged_contiguous, target_reason=ragged.no_contiguous_twin),
+    Property("unused_cache", ragged.check_unused_cache, target_reason=ragged.not_paged),
+    Property("split_invariance", ragged.check_split_invariance, target_reason=ragged.not_split),
+    Property("unwritten_rows", ragged.check_unwritten_rows, target_reason=ragged.returns_its_output),
+)
+
+RAGGED_PROPERTY_NAMES = tuple(p.name for p in RAGGED_PROPERTIES)
+
+
+def get_ragged_property(name_or_check) -> Property:
+    """A property of RAGGED_PROPERTIES by name or check function (a Property as it is)."""
+    if isinstance(name_or_check, Property):
+        return name_or_check
+    for prop in RAGGED_PROPERTIES:
+        if name_or_check in (prop.name, prop.check):
+            return prop
+    raise InvalidArgumentError(
+        f"property={name_or_check!r} is no ragged property; ragged properties: {', '.join(RAGGED_PROPERTY_NAMES)}")
 
 
 def get_property(name_or_check) -> Property:

@@ -13,7 +13,8 @@ a quarter of the problems a `ScoreProfile` drawn by Hypothesis then makes the ro
 fall or jump late, by up to hundreds of logits, to drive a kernel's online softmax.
 `make_problem` rebuilds a problem from its tags (distribution with its profile, seed) without
 Hypothesis. `variant_problems(features=...)` switches on sliding windows, softcap, ALiBi and
-sinks (fa_verify.problem) for targets that implement them.
+sinks (fa_verify.problem) for targets that implement them. `ragged_problems(layout)` draws
+varlen and paged batches (fa_verify.ragged) with page tables and split counts.
 """
 
 from fa_verify.strategies._problems import (
@@ -26,6 +27,7 @@ from fa_verify.strategies._problems import (
     scales,
     seeds,
 )
+from fa_verify.strategies._ragged import ragged_problems
 from fa_verify.strategies._score_profiles import ScoreProfile, score_profiles
 from fa_verify.strategies._shapes import (
     COMMON_HEAD_DIMS,
@@ -64,6 +66,7 @@ __all__ = [
     "favoured_seq_lengths",
     "make_problem",
     "problems",
+    "ragged_problems",
     "scales",
     "score_profiles",
     "seeds",

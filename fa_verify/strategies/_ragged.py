@@ -1,0 +1,146 @@
+"""Strategies for ragged batches (fa_verify.ragged): varlen and paged KV, with split counts.
+
+`ragged_problems(layout, ...)` draws batches where ragged kernels break: lengths of 1, a tile
++- 1, all equal, one long among many short, exact multiples of the page size; queries for
+decode (Nq = 1), speculative decode (a few) and prefill (Nq = Nk); page sizes below, equal to
+and above the kernel's key tile, tables shuffled (and entries past each sequence's pages random)
+and pages shared by sequences with a common prefix; split counts 1, 2, k and 0 (auto); the
+variants the target implements. Everything is drawn within a target's declared `Limits`
+(per sequence) and page sizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from fa_verify.dtypes import DTYPE_NAMES
+from fa_verify.errors import InvalidArgumentError
+from fa_verify.limits import HEAD_LAYOUTS, Limits, _layout
+from fa_verify.ragged import LAYOUTS, PageLayout, RaggedProblem
+from fa_verify.strategies._problems import make_problem
+from fa_verify.strategies._shapes import Shape
+from fa_verify.strategies._variants import DEFAULT_TILE, SOFTCAPS, alibi_slopes, sink_logits, window_sides
+
+LENGTH_PATTERNS = ("ones", "tile_edges", "equal", "one_long", "random", "page_multiples")
+QUERY_PATTERNS = ("decode", "speculative", "prefill", "random")
+#: Value distributions drawn per batch (fa_verify.strategies.DISTRIBUTIONS).
+DISTRIBUTIONS = ("normal", "uniform", "large_logits", "fa3_outliers")
+
+
+def _lengths(draw, pattern: str, batch: int, tile: int, page_size: int, max_seq: int) -> list:
+    small = st.integers(1, min(8, max_seq))
+    if pattern == "ones":
+        return [1] * batch
+    if pattern == "tile_edges":
+        return draw(st.lists(st.sampled_from([1, tile - 1, tile, tile + 1]), min_size=batch, max_size=batch))
+    if pattern == "equal":
+        return [draw(st.integers(1, max_seq))] * batch
+    if pattern == "one_long":
+        lengths = draw(st.lists(small, min_size=batch, max_size=batch))
+        lengths[draw(st.integers(0, batch - 1))] = draw(st.integers(min(tile + 1, max_seq), max_seq))
+        return lengths
+    if pattern == "page_multiples":
+        most = max(max_seq // page_size, 1)
+        return [page_size * draw(st.integers(1, most)) for _ in range(batch)]
+    return draw(st.lists(st.integers(1, max_seq), min_size=batch, max_size=batch))
+
+
+def _query_length(draw, pattern: str, nk: int, max_seq: int) -> int:
+    if pattern == "decode":
+        return 1
+    if pattern == "speculative":
+        return draw(st.integers(2, 4))
+    return nk if pattern == "prefill" else draw(st.integers(1, max_seq))
+
+
+def _within(limits: Limits, n: int) -> int:
+    """n moved to the nearest length the limits allow."""
+    allowed = limits.nearest_seq(n)
+    if allowed is None:
+        raise InvalidArgumentError(f"the declared limits ({limits.describe()}) allow no sequence length")
+    return allowed
+
+
+def _page_sizes(page_sizes, tile: int) -> tuple:
+    """Below, equal to and above the tile (and 1), or the declared ones."""
+    return tuple(page_sizes) if page_sizes else (1, max(tile // 4, 2), tile, 2 * tile)
+
+
+@st.composite
+def ragged_problems(draw, layout: str, dtypes=DTYPE_NAMES, limits: Limits = Limits(), features: tuple = (),
+                    page_sizes: tuple | None = None, splits: bool = False, tile: int = DEFAULT_TILE,
+                    max_batch: int = 4, max_seq: int = 2 * DEFAULT_TILE + 1):
+    """A `RaggedProblem` in `layout` (see the module's doc): dtypes, per-sequence `limits`,
+    variants (`features`, keys of fa_verify.problem.FEATURES) and page sizes a target runs;
+    `splits`: whether it honours num_splits; `tile`: its key tile."""
+    if layout not in LAYOUTS:
+        raise InvalidArgumentError(f"layout={layout!r}; use one of {LAYOUTS}")
+    dtypes = [d for d in dtypes if limits.dtypes is None or d in limits.dtypes]
+    dtype = draw(st.sampled_from(dtypes))
+    heads, kv_heads = _layout(*draw(st.sampled_from([(2, 2), (4, 2), (4, 1), (1, 1)])),
+                              limits.heads or HEAD_LAYOUTS, limits.group_sizes)
+    head_dim = draw(st.sampled_from(limits.head_dims or (8, 16, 32)))
+    causal = draw(st.sampled_from(limits.causal))
+    batch = draw(st.integers(1, max_batch))
+    page_size = draw(st.sampled_from(_page_sizes(page_sizes, tile))) if layout == "paged" else 1
+    max_seq = max(max_seq, limits.seq_lo)
+    seqlens_k = [_within(limits, n) for n in
+                 _lengths(draw, draw(st.sampled_from(LENGTH_PATTERNS)), batch, tile, page_size, max_seq)]
+    query_pattern = draw(st.sampled_from(QUERY_PATTERNS))
+    if limits.equal_seq:
+        seqlens_q = list(seqlens_k)
+        if layout == "paged":  # equal Nq and Nq = Nk: every sequence has one length
+            seqlens_q = seqlens_k = [seqlens_k[0]] * batch
+    elif layout == "paged":  # q [B, Nq, H, D]: one Nq for the batch
+        seqlens_q = [_within(limits, _query_length(draw, query_pattern, min(seqlens_k), max_seq))] * batch
+    else:
+        seqlens_q = [_within(limits, _query_length(draw, query_pattern, nk, max_seq)) for nk in seqlens_k]
+    distribution = draw(st.sampled_from(DISTRIBUTIONS))
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    sequences = [make_problem(distribution, Shape(1, heads, kv_heads, nq, nk, head_dim), dtype, seed + b,
+                              causal=causal)
+                 for b, (nq, nk) in enumerate(zip(seqlens_q, seqlens_k))]
+    sequences = _with_variants(draw, sequences, features, tile)
+    pages = None
+    if layout == "paged":
+        sequences, pages = _paged(draw, sequences, page_size, np.random.default_rng(seed))
+    num_splits = draw(st.one_of(st.sampled_from([0, 1, 2]), st.integers(3, 8))) if splits else 0
+    return RaggedProblem(tuple(sequences), layout, pages=pages, num_splits=num_splits,
+                         tags=(("distribution", distribution), ("seed", seed)))
+
+
+def _with_variants(draw, sequences: list, features: tuple, tile: int) -> list:
+    """The sequences with a drawn subset of `features` switched on, shared by the batch (ALiBi
+    slopes [H], or a row of [B, H] per sequence)."""
+    chosen = draw(st.lists(st.sampled_from(features), unique=True, max_size=len(features))) if features else []
+    changes = {}
+    if "window" in chosen:
+        sides = window_sides(max(s.nk for s in sequences), tile)
+        changes["window_size"] = draw(st.tuples(sides, sides).filter(lambda w: w != (-1, -1)))
+    if "softcap" in chosen:
+        changes["softcap"] = draw(st.sampled_from(SOFTCAPS))
+    if "sinks" in chosen:
+        changes["sinks"] = draw(sink_logits(sequences[0].heads))
+    slopes = draw(alibi_slopes(len(sequences), sequences[0].heads)) if "alibi" in chosen else None
+    return [s.replace(**changes, **({} if slopes is None else
+                                    {"alibi_slopes": slopes[b] if slopes.ndim == 2 else slopes}))
+            for b, s in enumerate(sequences)]
+
+
+def _paged(draw, sequences: list, page_size: int, rng: np.random.Generator):
+    """(the sequences, a shuffled PageLayout), where sequences whose first page could hold
+    sequence 0's first page may share it (their first page_size keys become sequence 0's)."""
+    seqlens = [s.nk for s in sequences]
+    layout = PageLayout.contiguous(seqlens, page_size, spare_blocks=draw(st.integers(0, 2)))
+    full = [b for b, n in enumerate(seqlens) if b > 0 and n >= page_size and seqlens[0] >= page_size]
+    if full and draw(st.booleans()):
+        table = layout.block_table.copy()
+        first = sequences[0]
+        for b in full:
+            k, v = sequences[b].k.copy(), sequences[b].v.copy()
+            k[:, :, :page_size], v[:, :, :page_size] = first.k[:, :, :page_size], first.v[:, :, :page_size]
+            sequences[b] = sequences[b].replace(k=k, v=v)
+            table[b, 0] = table[0, 0]
+        layout = PageLayout(page_size, table, layout.num_blocks)
+    return sequences, layout.shuffled(rng, seqlens)

@@ -1,0 +1,85 @@
+"""`fa_verify check MODULE:FUNC --layout varlen|paged`: flash-attn-style varlen and paged functions
+(tests/fixtures/ragged_kernels.py) checked with the ragged properties; exit 0 for correct ones,
+1 for a buggy one, 2 for misuse."""
+
+import json
+from pathlib import Path
+
+import pytest
+from test_cli_errors import run_cli
+
+from fa_verify.backends.ragged_callable import RaggedCallableBackend
+from fa_verify.properties import Selection
+from fa_verify.properties.ragged_search import search_ragged
+
+FIXTURES = Path(__file__).parent / "fixtures"
+QUICK = ("--max-examples", "5", "--dtype", "fp16")
+
+
+@pytest.fixture(autouse=True)
+def _fixtures_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+
+
+@pytest.mark.parametrize("target, layout, applicable", [
+    ("ragged_kernels:varlen_attention", "varlen", 4),  # agreement, alone, independence, splits
+    ("ragged_kernels:paged_attention", "paged", 6),     # ... and page placement, unused cache
+])
+def test_correct_varlen_and_paged_functions_pass(capsys, target, layout, applicable):
+    code, out, err = run_cli(capsys, "check", target, "--layout", layout, *QUICK)
+    assert code == 0, out + err
+    assert f"PASS {target}: {applicable} passed, 0 failed, {8 - applicable} not applicable" in out
+    assert "PASS ragged_agreement: passed, 5 examples" in out
+
+
+def test_a_buggy_varlen_function_fails_naming_the_sequence(capsys):
+    code, out, _ = run_cli(capsys, "check", "ragged_kernels:varlen_global_seqlen_k", "--layout", "varlen", *QUICK,
+                        "--property", "ragged_agreement", "--json")
+    assert code == 1
+    (prop,) = json.loads(out)["targets"][0]["properties"]
+    assert prop["status"] == "failed" and "sequence 0 of" in prop["failure"]
+
+
+def test_paged_page_sizes_are_declared_limits(capsys):
+    code, out, err = run_cli(capsys, "check", "ragged_kernels:paged_page_boundary", "--layout", "paged", *QUICK,
+                          "--property", "unused_cache", "--page-sizes", "16")
+    assert code == 1, out + err
+    assert "page_size=16" in out and "page_size=1 " not in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("naive-fp32", "--layout", "varlen"), "'naive-fp32' is no MODULE:FUNC"),
+    (("ragged_kernels:paged_attention", "--layout", "paged", "--causal-alignment", "top-left"), "--causal-alignment cannot"),
+    (("ragged_kernels:varlen_attention", "--layout", "varlen", "--page-sizes", "16"), "--page-sizes cannot be used"),
+    (("ragged_kernels:varlen_attention", "--page-sizes", "16"), "give --layout paged (not bhsd)"),
+    (("ragged_kernels:paged_attention", "--layout", "paged", "--page-sizes", "0"), "--page-sizes='0' is not valid"),
+    (("ragged_kernels:paged_attention", "--layout", "paged", "--property", "oracle_agreement"), "no ragged property"),
+    (("ragged_kernels:paged_attention", "--layout", "paged", "--lse-base", "2"), "--lse-base cannot be used"),
+    (("ragged_kernels:paged_attention", "--layout", "paged", "--shapes", "2"), "--shapes cannot be used"),
+])
+def test_misuse_exits_2_naming_the_option(capsys, argv, message):
+    code, _, err = run_cli(capsys, "check", *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_help_describes_the_ragged_layouts(capsys):
+    code, out, _ = run_cli(capsys, "check", "--help")
+    assert code == 0
+    for words in ("cu_seqlens_q", "flash_attn_with_kvcache", "--page-sizes", "softmax_scale"):
+        assert words in out.replace("\n", " ").replace("  ", " ") or words in out
+
+
+def test_a_function_writing_into_its_input_fails(capsys):
+    code, out, err = run_cli(capsys, "check", "ragged_kernels:varlen_writes_into_q", "--layout", "varlen", *QUICK,
+                             "--property", "ragged_agreement")
+    assert code == 1, out + err
+    assert "FAIL ragged_agreement" in out and "wrote into its input q" in out
+
+
+def test_ragged_functions_run_isolated_a_crash_fails_the_example():
+    import ragged_kernels
+
+    backend = RaggedCallableBackend(ragged_kernels.paged_crashes, "paged", name="ragged_kernels:paged_crashes",
+                                    isolate=True)
+    outcome = search_ragged(backend, "ragged_agreement", Selection(max_examples=1, shrink=False))
+    assert outcome.status == "failed" and "crashed the worker process: SIGSEGV" in outcome.failure.detail
