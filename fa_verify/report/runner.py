@@ -178,7 +178,7 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
                     continue
                 progress.begin(f"{backend.name} {point.dtype} "
                                f"{'causal' if point.causal else 'full'} {_seq(point.shape)} "
-                               f"D={point.shape.head_dim}")
+                               f"D={point.shape.head_dim} {point.variant.label}".rstrip())
                 if backend.name not in warmed:  # untimed: the first run may compile a kernel
                     warmed.add(backend.name)
                     _warm_up(backend, problem)
@@ -203,8 +203,8 @@ RECORDED = object()
 
 
 def _problem(point):
-    return make_problem(point.distribution, point.shape, point.dtype, point.seed,
-                        causal=point.causal)
+    return point.variant.apply(make_problem(point.distribution, point.shape, point.dtype, point.seed,
+                                            causal=point.causal))
 
 
 def _plan(point, backends, done):
