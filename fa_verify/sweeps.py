@@ -22,7 +22,7 @@ import numpy as np
 
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.problem import NO_WINDOW, used_features
-from fa_verify.strategies import Shape
+from fa_verify.strategies import Shape, make_problem
 
 DTYPES = ("fp16", "bf16", "fp32")
 CAUSAL = (False, True)
@@ -79,6 +79,11 @@ class SweepPoint:
     def work(self) -> int:
         """B·H·Nq·Nk·D: the run time of an attention kernel grows with it."""
         return self.shape.work
+
+    def problem(self):
+        """The AttentionProblem the point runs."""
+        return self.variant.apply(make_problem(self.distribution, self.shape, self.dtype, self.seed,
+                                               causal=self.causal))
 
 
 @dataclass(frozen=True)
