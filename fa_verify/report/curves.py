@@ -47,6 +47,8 @@ class Curve:
     groups: dict
     #: what the x axis is: "sequence length N" (Nq = Nk) or "key length Nk" (decode)
     axis: str = "sequence length N"
+    #: the family's variant parameters (`ProblemDescriptor.variant`), "" when dense
+    variant: str = ""
 
     @property
     def lengths(self) -> int:
@@ -99,8 +101,8 @@ def _curve(runs, kind: str, dtype: str, length, axis: str) -> Curve | None:
                 name, causal, _largest((length(r.problem), r.comparisons[name]["normalised"]["max"])
                                        for r in mode if r.comparisons),
                 "floor" if name == EXACTLY_ROUNDED else "comparison"))
-    shape_family = f"{kind}, D = {dim}, MHA, {dist} inputs" + (f", {variant}" if variant else "")
-    return Curve(dtype, shape_family, [s for s in series if s.points], by_family(backends), axis)
+    return Curve(dtype, f"{kind}, D = {dim}, MHA, {dist} inputs", [s for s in series if s.points],
+                 by_family(backends), axis, variant)
 
 
 def _largest(pairs) -> list:

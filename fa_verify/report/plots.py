@@ -108,7 +108,10 @@ def curve_svg(curve, colours: dict) -> str:
         axes[0][0].set_ylim(max(min(errors), 1e-17) / 1.5, top)  # the panels share it
     if any(s.bound for s in curve.series):
         handles["error-model bound, largest element\n(dash-dot; shaded down to the floor)"] = _band_key()
-    fig.suptitle(f"{curve.dtype}: error against {curve.axis.rsplit(' ', 1)[0]} ({curve.shape_family})")
+    quantity = curve.axis.rsplit(" ", 1)[0]  # "sequence length N" -> "sequence length"
+    # the variant's parameters on a line of their own: a lone panel is narrower than both
+    fig.suptitle(f"{curve.dtype}: error against {quantity} ({curve.shape_family})"
+                 + (f"\n{curve.variant}" if curve.variant else ""))
     fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=columns,
                fontsize=7, frameon=False)
     return _svg(fig)
