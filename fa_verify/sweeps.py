@@ -213,7 +213,7 @@ SWEEPS = {
         sum(VARIANT_POINTS.values(), ()),
         budget_s=40.0),
     "decode": Sweep(
-        "decode", f"decode, one query (Nq = 1) against Nk = {', '.join(map(str, QUICK_LENGTHS))} keys "
+        "decode", f"one query (Nq = 1, decode) against Nk = {', '.join(map(str, QUICK_LENGTHS))} keys "
         "(D = 64, MHA; the quick sweep's error-vs-N family) and Nk = 257 at D = 128 with GQA; every "
         "dtype and causal mode, normal inputs, one seed",
         grid(DECODE_SHAPES + [(1, 8, 2, 1, 257, 128)]),
