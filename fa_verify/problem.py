@@ -181,9 +181,7 @@ class AttentionProblem:
     @property
     def features(self) -> tuple:
         """The variants this problem uses (keys of FEATURES), in FEATURES' order."""
-        used = {"window": self.window_size != NO_WINDOW, "softcap": self.softcap > 0,
-                "alibi": self.alibi_slopes is not None, "sinks": self.sinks is not None}
-        return tuple(name for name in FEATURES if used[name])
+        return used_features(self.window_size, self.softcap, self.alibi_slopes, self.sinks)
 
     @property
     def diagonal_offset(self) -> int:
@@ -264,6 +262,13 @@ class AttentionProblem:
         return (f"B={self.batch} H={self.heads} Hkv={self.kv_heads} Nq={self.nq} Nk={self.nk} "
                 f"D={self.head_dim} dtype={self.dtype} {causal} scale={scale}"
                 + "".join(" " + variants[name] for name in self.features))
+
+
+def used_features(window_size, softcap, alibi_slopes, sinks) -> tuple:
+    """The variants (keys of FEATURES, in their order) that these parameters switch on."""
+    used = {"window": tuple(window_size) != NO_WINDOW, "softcap": softcap > 0,
+            "alibi": alibi_slopes is not None, "sinks": sinks is not None}
+    return tuple(name for name in FEATURES if used[name])
 
 
 def unsupported_features(name: str, problem: AttentionProblem, features) -> str | None:

@@ -27,7 +27,10 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
+
 from fa_verify.errors import InvalidArgumentError
+from fa_verify.problem import NO_WINDOW, used_features
 from fa_verify.strategies import Shape, make_problem
 
 #: Version of the record format; bump it when a field changes meaning or disappears.
@@ -51,8 +54,12 @@ class ResultsWarning(UserWarning):
 
 @dataclass(frozen=True)
 class ProblemDescriptor(Shape):
-    """A problem without its arrays — its Shape, dtype, masking, scale and value source —
-    enough to rebuild it with `make_problem`."""
+    """A problem without its q, k, v — its Shape, dtype, masking, scale, variants and value
+    source — enough to rebuild it with `make_problem`.
+
+    The variants (fa_verify.problem) are kept by value: slopes and sinks as tuples of their
+    float32 values (nested for [B, H] slopes), exact in JSON; the defaults are a dense problem,
+    which is what records written before variants existed describe."""
 
     dtype: str
     causal: bool
@@ -62,6 +69,18 @@ class ProblemDescriptor(Shape):
     #: the value distribution and seed of `fa_verify.strategies.make_problem` (None if unknown)
     distribution: str | None
     seed: int | None
+    window_size: tuple = NO_WINDOW
+    softcap: float = 0.0
+    alibi_slopes: tuple | None = None
+    sinks: tuple | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        # JSON gives lists; the key must be hashable
+        object.__setattr__(self, "window_size", tuple(self.window_size))
+        for name in ("alibi_slopes", "sinks"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _nested_tuple(getattr(self, name)))
 
     @classmethod
     def of(cls, problem) -> "ProblemDescriptor":
@@ -71,7 +90,8 @@ class ProblemDescriptor(Shape):
                    nq=problem.nq, nk=problem.nk, head_dim=problem.head_dim, dtype=problem.dtype,
                    causal=problem.causal, causal_alignment=problem.causal_alignment,
                    scale=problem.scale, distribution=tags.get("distribution"),
-                   seed=tags.get("seed"))
+                   seed=tags.get("seed"), window_size=problem.window_size, softcap=problem.softcap,
+                   alibi_slopes=_values(problem.alibi_slopes), sinks=_values(problem.sinks))
 
     def key(self) -> tuple:
         """A hashable identity of the problem, for resuming and pairing records."""
@@ -81,14 +101,47 @@ class ProblemDescriptor(Shape):
     def shape(self) -> Shape:
         return Shape.of(self)
 
+    @property
+    def features(self) -> tuple:
+        """The variants the problem uses (keys of fa_verify.problem.FEATURES), in their order."""
+        return used_features(self.window_size, self.softcap, self.alibi_slopes, self.sinks)
+
+    @property
+    def variant(self) -> str:
+        """The variants' parameters as text ("" for a dense problem), 3 significant digits."""
+        shown = {"window": f"window_size={self.window_size}", "softcap": f"softcap={self.softcap:.3g}",
+                 "alibi": f"alibi_slopes={_short(self.alibi_slopes or ())}",
+                 "sinks": f"sinks={_short(self.sinks or ())}"}
+        return " ".join(shown[name] for name in self.features)
+
     def rebuild(self):
         """The AttentionProblem again (needs a known distribution and seed)."""
         if self.distribution is None or self.seed is None:
             raise InvalidArgumentError(
                 f"problem {self.shape} has no distribution/seed tags; it cannot be rebuilt")
-        return make_problem(self.distribution, self.shape, self.dtype, self.seed,
-                            causal=self.causal, causal_alignment=self.causal_alignment,
-                            scale=self.scale)
+        problem = make_problem(self.distribution, self.shape, self.dtype, self.seed,
+                               causal=self.causal, causal_alignment=self.causal_alignment,
+                               scale=self.scale)
+        return problem.replace(
+            window_size=self.window_size, softcap=self.softcap,
+            **{name: None if getattr(self, name) is None else np.array(getattr(self, name), np.float32)
+               for name in ("alibi_slopes", "sinks")})
+
+
+def _values(x) -> tuple | None:
+    """A float32 array's values as (nested) tuples of floats; None stays None."""
+    return None if x is None else _nested_tuple(x.tolist())
+
+
+def _nested_tuple(x):
+    return tuple(_nested_tuple(v) for v in x) if isinstance(x, (list, tuple)) else float(x)
+
+
+def _short(values) -> str:
+    """[0.25, 0.0625] (nested for [B, H]), 3 significant digits."""
+    if isinstance(values, tuple):
+        return "[" + ", ".join(_short(v) for v in values) + "]"
+    return f"{values:.3g}"
 
 
 @dataclass(frozen=True)

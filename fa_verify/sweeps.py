@@ -1,7 +1,8 @@
 """The sweeps `fa_verify report` runs: which problems, and how much time each backend may take.
 
-A sweep is a list of points — (shape, dtype, causal, distribution, seed) — that every
-selected backend runs. Shapes are chosen so that each lands in its own row of the report's
+A sweep is a list of points — (shape, dtype, causal, distribution, seed, variant) — that
+every selected backend runs (a backend that does not implement a point's variant skips it, listed
+as unsupported). Shapes are chosen so that each lands in its own row of the report's
 summary table (shape buckets by N, D and head grouping) and so that one family (Nq = Nk,
 D = 64, MHA) runs through several N, which gives the error-vs-sequence-length curves.
 
@@ -17,11 +18,52 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
+import numpy as np
+
 from fa_verify.errors import InvalidArgumentError
-from fa_verify.strategies import Shape
+from fa_verify.problem import NO_WINDOW, used_features
+from fa_verify.strategies import Shape, make_problem
 
 DTYPES = ("fp16", "bf16", "fp32")
 CAUSAL = (False, True)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The variants a sweep point switches on (fa_verify.problem's conventions); the default is
+    a dense problem. Slopes and sinks are recipes, made for the point's heads by `apply`."""
+
+    window_size: tuple = NO_WINDOW
+    softcap: float = 0.0
+    #: None, "heads": the ALiBi recipe 2^(-8 h / H), h = 1..H, as [H]; "batch": [B, H], batch
+    #: entry b the recipe rotated by b heads (each entry's slopes differ, as do each head's)
+    alibi: str | None = None
+    #: None, or head 0's sink logit; head h's is this + h / 2 (heads differ, to catch a wrong
+    #: head index)
+    sinks: float | None = None
+
+    def apply(self, problem):
+        heads = problem.heads
+        recipe = 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+        slopes = {None: None, "heads": recipe,
+                  "batch": np.stack([np.roll(recipe, b) for b in range(problem.batch)])}[self.alibi]
+        sinks = None if self.sinks is None else self.sinks + np.arange(heads) / 2
+        return problem.replace(window_size=self.window_size, softcap=self.softcap,
+                               alibi_slopes=slopes, sinks=sinks)
+
+    @property
+    def label(self) -> str:
+        """What the progress line shows; "" when dense."""
+        parts = {"window": f"window={self.window_size}", "softcap": f"softcap={self.softcap}",
+                 "alibi": f"alibi={self.alibi}", "sinks": f"sinks={self.sinks}+h/2"}
+        return " ".join(parts[name] for name in self.features)
+
+    @property
+    def features(self) -> tuple:
+        return used_features(self.window_size, self.softcap, self.alibi, self.sinks)
+
+
+DENSE = Variant()
 
 
 @dataclass(frozen=True)
@@ -31,11 +73,17 @@ class SweepPoint:
     causal: bool
     distribution: str
     seed: int
+    variant: Variant = DENSE
 
     @property
     def work(self) -> int:
         """B·H·Nq·Nk·D: the run time of an attention kernel grows with it."""
         return self.shape.work
+
+    def problem(self):
+        """The AttentionProblem the point runs."""
+        return self.variant.apply(make_problem(self.distribution, self.shape, self.dtype, self.seed,
+                                               causal=self.causal))
 
 
 @dataclass(frozen=True)
@@ -52,13 +100,16 @@ class Sweep:
     def ordered(self) -> list[SweepPoint]:
         """Cheapest first, so that a budget cut leaves the largest shapes out, never a column."""
         return sorted(self.points, key=lambda p: (p.work, p.shape.nq, DTYPES.index(p.dtype),
-                                                  p.causal, p.distribution, p.seed))
+                                                  p.causal, p.distribution, p.seed, p.variant.label))
 
 
-def grid(shapes, *, dtypes=DTYPES, causal=CAUSAL, distributions=("normal",), seeds=(0,)) -> tuple:
-    """Every combination of the given shapes (6-tuples), dtypes, causal modes, distributions, seeds."""
-    return tuple(SweepPoint(Shape.coerce(s), d, c, dist, seed)
-                 for s, d, c, dist, seed in product(shapes, dtypes, causal, distributions, seeds))
+def grid(shapes, *, dtypes=DTYPES, causal=CAUSAL, distributions=("normal",), seeds=(0,),
+         variants=(DENSE,)) -> tuple:
+    """Every combination of the given shapes (6-tuples), dtypes, causal modes, distributions,
+    seeds and variants."""
+    return tuple(SweepPoint(Shape.coerce(s), d, c, dist, seed, variant)
+                 for s, d, c, dist, seed, variant in product(shapes, dtypes, causal, distributions,
+                                                             seeds, variants))
 
 
 #: The quick sweep's error-vs-N lengths: half octaves up to 256, where runs are cheap, then
@@ -70,6 +121,51 @@ def _seq_curve(lengths, head_dim=64, heads=4) -> list[tuple]:
     """The error-vs-N family: MHA, Nq = Nk."""
     return [(1, heads, heads, n, n, head_dim) for n in lengths]
 
+
+#: The decode family: the error-vs-N family with one query (Nq = 1), over the quick lengths as Nk.
+DECODE_SHAPES = [(1, 4, 4, 1, n, 64) for n in QUICK_LENGTHS]
+
+#: A kernel's usual key tile: the variants sweep puts window edges on either side of it.
+TILE = 64
+#: The variants sweep's error-vs-N lengths, each feature at one parameter; its other
+#: parameters run at VARIANT_SHAPE.
+VARIANT_LENGTHS = (16, 32, 64, 128)
+VARIANT_SHAPE = (1, 4, 4, 128, 128, 64)
+
+
+def _feature_points(along_n: Variant, at_128: tuple, extra: tuple = ()) -> tuple:
+    """A feature's points: `along_n` at every VARIANT_LENGTHS (its error-vs-N curve), the
+    `at_128` variants at VARIANT_SHAPE, and `extra` (shape, variant) pairs; every dtype and
+    causal mode (causal sets a window's right side to 0, as flash-attn 2 does)."""
+    return (grid(_seq_curve(VARIANT_LENGTHS), variants=(along_n,))
+            + grid([VARIANT_SHAPE], variants=at_128)
+            + sum((grid([shape], variants=(v,)) for shape, v in extra), ()))
+
+
+#: Per feature, the parameters where kernels differ or break (issue 15's bug classes).
+#: Scores q.k/sqrt(D) of normal inputs are ~N(0, 1), so a row's largest is below 6 and above
+#: -6 (tests/test_report.py checks it on the sweep's own problems): sinks of 8 lie above every
+#: row's max, of -8 below every one, of 0 among the scores.
+VARIANT_POINTS = {
+    "window": _feature_points(
+        Variant(window_size=(8, 8)),  # small: a few keys either side of the diagonal
+        (Variant(window_size=(0, 0)),  # the diagonal alone
+         Variant(window_size=(TILE - 1, TILE + 1)),  # edges on either side of a tile boundary
+         Variant(window_size=(300, 300))),  # wider than N: masks nothing beyond causal
+        # Nq < Nk: the window is around the diagonal i + Nk - Nq
+        (((1, 4, 4, 96, 128, 64), Variant(window_size=(TILE - 1, TILE + 1))),)),
+    "softcap": _feature_points(Variant(softcap=1.0),  # binds: scores reach ~4 = tanh's flat part
+                               (Variant(softcap=30.0),)),  # Gemma-2's: near-identity on N(0, 1) scores
+    "alibi": _feature_points(
+        Variant(alibi="heads"), (),
+        (((2, 4, 4, 128, 128, 64), Variant(alibi="batch")),  # [B, H] slopes
+         ((1, 8, 2, 128, 128, 64), Variant(alibi="heads")))),  # GQA: the query head picks the slope
+    "sinks": _feature_points(Variant(sinks=8.0), (Variant(sinks=0.0), Variant(sinks=-8.0))),
+    "combined": _feature_points(
+        Variant(window_size=(TILE - 1, TILE + 1), softcap=5.0, alibi="heads", sinks=0.0), (),
+        (((1, 4, 4, 96, 128, 64), Variant(window_size=(TILE - 1, TILE + 1), softcap=5.0,
+                                         alibi="heads", sinks=0.0)),)),
+}
 
 #: FlashAttention-3 Table 3's setup, at a shape of ours (the paper does not state its shape).
 FA3_SHAPE = Shape(batch=1, heads=4, kv_heads=4, nq=1024, nk=1024, head_dim=128)
@@ -107,6 +203,21 @@ SWEEPS = {
              distributions=(FA3_DISTRIBUTION,), seeds=(0, 1, 2, 3)),
         budget_s=300.0,
         published=("golden",)),
+    "variants": Sweep(
+        "variants", "per feature (sliding window, softcap, ALiBi, sinks, all four combined): "
+        "window edges across a 64-key tile, small, diagonal-only and wider-than-N windows, Nq < Nk; "
+        "binding (1) and non-binding (30) softcaps; ALiBi recipe slopes [H], [B, H] and under GQA; "
+        "sinks above, among and below the scores; each feature also at N = "
+        f"{', '.join(map(str, VARIANT_LENGTHS))} (D = 64, MHA); every dtype and causal mode, normal "
+        "inputs, one seed; backends that do not implement a feature are listed as not applicable",
+        sum(VARIANT_POINTS.values(), ()),
+        budget_s=40.0),
+    "decode": Sweep(
+        "decode", f"one query (Nq = 1, decode) against Nk = {', '.join(map(str, QUICK_LENGTHS))} keys "
+        "(D = 64, MHA; the quick sweep's error-vs-N family) and Nk = 257 at D = 128 with GQA; every "
+        "dtype and causal mode, normal inputs, one seed",
+        grid(DECODE_SHAPES + [(1, 8, 2, 1, 257, 128)]),
+        budget_s=25.0),
     "thorough": Sweep(
         "thorough", "N = 16 ... 4096 at D = 64 and 128, D = 32 ... 256, GQA and MQA, Nq != Nk; "
         "normal, FA3-outlier, large-logit and uniform inputs, three seeds",

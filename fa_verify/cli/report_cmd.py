@@ -32,7 +32,11 @@ def add_parser(sub) -> None:
     cmd.add_argument("--backend", action="append", metavar="NAME",
                      help="backend to run (repeatable; default: every available backend)")
     cmd.add_argument("--sweep", choices=tuple(SWEEPS), default="quick",
-                     help="which problems to run (default quick: a few minutes on 2 CPU cores)")
+                     help="which problems to run (default quick: a few minutes on 2 CPU cores; "
+                          "variants: each of window, softcap, ALiBi, sinks and all four together, "
+                          "on the backends that implement them, the others listed as not "
+                          "applicable, with tables and figures per feature; decode: one query "
+                          "against the quick lengths of keys, error against Nk)")
     cmd.add_argument("--out", default="reports", metavar="DIR", type=writable_folder,
                      help="output directory (default reports/)")
     cmd.add_argument("--from", dest="source", metavar="RESULTS", type=not_a_folder,

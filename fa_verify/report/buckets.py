@@ -2,7 +2,9 @@
 
 Rows bucket shapes by sequence length, head dim and head grouping rather than listing exact
 shapes, so that randomly generated problems (pytest, `fa_verify check`) group as well as a
-sweep's; the sweeps pick one shape per bucket. Columns are dtype × causal.
+sweep's; the sweeps pick one shape per bucket. Problems with variants (window, softcap, ALiBi,
+sinks) get rows of their own, per combination of features, after the dense ones. Columns are
+dtype × causal.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fa_verify.dtypes import DTYPE_NAMES
+from fa_verify.problem import FEATURES
 
 #: Upper ends of the sequence-length buckets (by max(Nq, Nk)); beyond the last, one open bucket.
 SEQ_EDGES = (16, 64, 256, 1024, 4096)
@@ -29,18 +32,24 @@ def _range_label(value: int, edges, name: str) -> tuple[int, str]:
 
 @dataclass(frozen=True, order=True)
 class Bucket:
-    """A row of the summary table; orders by sequence length, then head dim, then grouping."""
+    """A row of the summary table; orders by variant (dense first), then sequence length, head
+    dim and grouping."""
 
+    #: (number of features, their indices in FEATURES): () for a dense problem
+    variant_index: tuple
     seq_index: int
     dim_index: int
     grouping_index: int
     seq: str
     head_dim: str
     grouping: str
+    #: the features, e.g. "window + softcap"; "" for a dense problem
+    variant: str = ""
 
     @property
     def label(self) -> str:
-        return f"{self.seq} · {self.head_dim} · {self.grouping}"
+        shape = f"{self.seq} · {self.head_dim} · {self.grouping}"
+        return f"{self.variant} · {shape}" if self.variant else shape
 
 
 def grouping(heads: int, kv_heads: int) -> str:
@@ -54,7 +63,19 @@ def bucket_of(problem) -> Bucket:
     seq_index, seq = _range_label(max(problem.nq, problem.nk), SEQ_EDGES, "N")
     dim_index, dim = _range_label(problem.head_dim, HEAD_DIM_EDGES, "D")
     kind = grouping(problem.heads, problem.kv_heads)
-    return Bucket(seq_index, dim_index, GROUPINGS.index(kind), seq, dim, kind)
+    features = problem.features
+    return Bucket(variant_key(features), seq_index, dim_index, GROUPINGS.index(kind), seq, dim, kind,
+                  variant_name(features))
+
+
+def variant_name(features) -> str:
+    """How the report names a combination of features: "window + softcap"; "" for none."""
+    return " + ".join(features)
+
+
+def variant_key(features) -> tuple:
+    """The order of combinations of features: fewer first (dense first), then FEATURES' order."""
+    return (len(features), tuple(list(FEATURES).index(f) for f in features))
 
 
 @dataclass(frozen=True, order=True)

@@ -84,8 +84,8 @@ def _case(record, count: int = 1, repro_dir=None) -> Case:
     p = record.problem
     command = _reproducer(record, repro_dir)
     return Case(backend=record.backend,
-                problem=(f"{p.shape} {p.dtype} {'causal ' + p.causal_alignment if p.causal else 'full'}, "
-                         f"{p.distribution} inputs, seed {p.seed}"),
+                problem=(f"{p.shape} {p.dtype} {'causal ' + p.causal_alignment if p.causal else 'full'}"
+                         f"{' ' + p.variant if p.features else ''}, {p.distribution} inputs, seed {p.seed}"),
                 rule=record.rule, bound_ratio=record.bound_ratio,
                 ensemble_ratio=record.ensemble_ratio,
                 normalised_max=out_stat(record, "normalised", "max"),

@@ -1,12 +1,14 @@
-"""Error against sequence length: the records of one shape family at several N, per dtype.
+"""Error against sequence length: the records of one shape family at several lengths, per dtype.
 
-The shape family (Nq = Nk, MHA, one head dim and distribution) is the one with the most
-distinct N among the records, so that the curve shows N's effect and nothing else. Each
-backend's series carries the largest element of its error-model bound
-(`yardsticks.largest_bound`); the exactly rounded reference on the same inputs is the floor.
+Two kinds of family: Nq = Nk (error against N), and decode, Nq = 1 (error against the key
+length Nk). Within a kind, the family (MHA, one head dim, distribution and set of variant
+parameters) is the one with the most distinct lengths among the records, so that the curve
+shows the length's effect and nothing else. Each backend's series carries the largest element
+of its error-model bound (`yardsticks.largest_bound`); the exactly rounded reference on the
+same inputs is the floor.
 Naive same-precision attention is drawn as a comparison only when it is not itself among the
 backends (it would appear twice).
-Nothing here knows a sweep: any records with several N of one family give curves.
+Nothing here knows a sweep: any records with several lengths of one family give curves.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from fa_verify.results import EXACTLY_ROUNDED, NAIVE_SAME_PRECISION
 class Series:
     label: str
     causal: bool
-    #: (N, max normalised error) sorted by N
+    #: (length, max normalised error) sorted by length
     points: list
     #: "backend", "floor" (the exactly rounded reference) or "comparison"
     kind: str
@@ -43,6 +45,10 @@ class Curve:
     series: list
     #: {backend family: its backends' labels}: one column of panels each (`families`)
     groups: dict
+    #: what the x axis is: "sequence length N" (Nq = Nk) or "key length Nk" (decode)
+    axis: str = "sequence length N"
+    #: the family's variant parameters (`ProblemDescriptor.variant`), "" when dense
+    variant: str = ""
 
     @property
     def lengths(self) -> int:
@@ -50,44 +56,57 @@ class Curve:
         return len({n for s in self.series for n, _ in s.points})
 
 
+#: The kinds of family: (name, whether a problem belongs, its length, the x axis).
+KINDS = (("Nq = Nk", lambda p: p.nq == p.nk, lambda p: p.nq, "sequence length N"),
+         ("Nq = 1 (decode)", lambda p: p.nq == 1 < p.nk, lambda p: p.nk, "key length Nk"))
+
+
 def curves(records) -> list[Curve]:
-    """Per dtype, max normalised error vs N (Nq = Nk, MHA) for the (D, distribution) family
-    with the most distinct N, per backend and causal mode, with the floor and the largest bounds."""
+    """Per kind of family and dtype, max normalised error vs length (MHA) for the (D,
+    distribution, variant) family with the most distinct lengths, per backend and causal mode,
+    with the floor and the largest bounds."""
     result = []
-    for dtype in sorted({r.problem.dtype for r in records}, key=DTYPE_NAMES.index):
-        square = [r for r in records if r.problem.dtype == dtype and r.out_errors is not None
-                  and r.problem.nq == r.problem.nk and r.problem.heads == r.problem.kv_heads]
-        families = defaultdict(list)
-        for r in square:
-            families[r.problem.head_dim, r.problem.distribution].append(r)
-        if not families:
-            continue
-        (dim, dist), family = max(
-            families.items(), key=lambda kv: (len({r.problem.nq for r in kv[1]}), -kv[0][0]))
-        if len({r.problem.nq for r in family}) < 2:
-            continue
-        backends = sorted({r.backend for r in family})
-        comparisons = [EXACTLY_ROUNDED] + [NAIVE_SAME_PRECISION] * (NAIVE_SAME_PRECISION not in backends)
-        series = []
-        for causal in (False, True):
-            mode = [r for r in family if r.problem.causal == causal]
-            for backend in backends:
-                runs = [r for r in mode if r.backend == backend]
-                series.append(Series(
-                    backend, causal, _largest((r.problem.nq, out_stat(r, "normalised", "max")) for r in runs),
-                    "backend", _largest((r.problem.nq, r.extra.get(LARGEST_BOUND_KEY)) for r in runs)))
-            for name in comparisons:
-                series.append(Series(
-                    name, causal, _largest((r.problem.nq, r.comparisons[name]["normalised"]["max"])
-                                           for r in mode if r.comparisons),
-                    "floor" if name == EXACTLY_ROUNDED else "comparison"))
-        result.append(Curve(dtype, f"Nq = Nk, D = {dim}, MHA, {dist} inputs",
-                            [s for s in series if s.points], by_family(backends)))
+    for kind, belongs, length, axis in KINDS:
+        for dtype in sorted({r.problem.dtype for r in records}, key=DTYPE_NAMES.index):
+            runs = [r for r in records if r.problem.dtype == dtype and r.out_errors is not None
+                    and belongs(r.problem) and r.problem.heads == r.problem.kv_heads]
+            curve = _curve(runs, kind, dtype, length, axis)
+            if curve is not None:
+                result.append(curve)
     return result
 
 
+def _curve(runs, kind: str, dtype: str, length, axis: str) -> Curve | None:
+    families = defaultdict(list)
+    for r in runs:
+        families[r.problem.head_dim, r.problem.distribution, r.problem.variant].append(r)
+    if not families:
+        return None
+    (dim, dist, variant), family = max(
+        families.items(), key=lambda kv: (len({length(r.problem) for r in kv[1]}), not kv[0][2], -kv[0][0]))
+    if len({length(r.problem) for r in family}) < 2:
+        return None
+    backends = sorted({r.backend for r in family})
+    comparisons = [EXACTLY_ROUNDED] + [NAIVE_SAME_PRECISION] * (NAIVE_SAME_PRECISION not in backends)
+    series = []
+    for causal in (False, True):
+        mode = [r for r in family if r.problem.causal == causal]
+        for backend in backends:
+            mine = [r for r in mode if r.backend == backend]
+            series.append(Series(
+                backend, causal, _largest((length(r.problem), out_stat(r, "normalised", "max")) for r in mine),
+                "backend", _largest((length(r.problem), r.extra.get(LARGEST_BOUND_KEY)) for r in mine)))
+        for name in comparisons:
+            series.append(Series(
+                name, causal, _largest((length(r.problem), r.comparisons[name]["normalised"]["max"])
+                                       for r in mode if r.comparisons),
+                "floor" if name == EXACTLY_ROUNDED else "comparison"))
+    return Curve(dtype, f"{kind}, D = {dim}, MHA, {dist} inputs", [s for s in series if s.points],
+                 by_family(backends), axis, variant)
+
+
 def _largest(pairs) -> list:
-    """(N, the largest value at N) sorted by N, missing values skipped."""
+    """(length, the largest value at it) sorted by length, missing values skipped."""
     best = {}
     for n, value in pairs:
         if value is not None:

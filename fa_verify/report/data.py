@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from fa_verify.precision import PrecisionModel
 from fa_verify.report.aggregate import geometric_mean, largest, out_stat, vs_rounded
-from fa_verify.report.buckets import Bucket, bucket_of, column_of
+from fa_verify.report.buckets import Bucket, bucket_of, column_of, variant_key, variant_name
 from fa_verify.report.cases import Case, worst_case, worst_cases
 from fa_verify.report.curves import curves
 from fa_verify.report.deviations import deviation_of
@@ -24,6 +24,7 @@ from fa_verify.report.fa3 import Fa3Table, fa3_table
 from fa_verify.report.histogram import merge
 from fa_verify.report.run_info import RunInfo
 from fa_verify.report.ulp import ulp_stat
+from fa_verify.results import ProblemDescriptor
 
 
 @dataclass
@@ -124,9 +125,9 @@ def _merged_histograms(records) -> dict | None:
 
 
 def shape_label(p) -> str:
-    """B×H×Nq×Nk×D, with H/Hkv where they differ."""
+    """B×H×Nq×Nk×D, with H/Hkv where they differ, then the variants' parameters if any."""
     heads = f"{p.heads}" if p.heads == p.kv_heads else f"{p.heads}/{p.kv_heads}"
-    return f"{p.batch}×{heads}×{p.nq}×{p.nk}×{p.head_dim}"
+    return f"{p.batch}×{heads}×{p.nq}×{p.nk}×{p.head_dim}" + (f" {p.variant}" if p.features else "")
 
 
 @dataclass
@@ -213,12 +214,64 @@ class SkipGroup:
 
 
 def skip_groups(info: RunInfo | None) -> list[SkipGroup]:
-    if info is None:
-        return []
+    return [] if info is None else _skip_groups(info.skips)
+
+
+def _skip_groups(skips) -> list[SkipGroup]:
     groups = defaultdict(list)
-    for s in info.skips:
+    for s in skips:
         groups[s.backend, s.kind].append(s)
     return [SkipGroup(b, k, len(skips), skips[0].reason) for (b, k), skips in sorted(groups.items())]
+
+
+@dataclass
+class FeatureGroup:
+    """The runs of one combination of variants ("window", "softcap", ..., "window + softcap +
+    alibi + sinks"; "dense" for none): the overview table, curves and histograms of its records
+    alone, the parameters they ran with, and the backends that do not implement it."""
+
+    name: str
+    #: the distinct variant parameters run (`ProblemDescriptor.variant`)
+    parameters: list
+    runs: int
+    failed: int
+    columns: list
+    #: ranked like the report's, over the group's records
+    sections: list
+    ranked_on: list
+    curves: list
+    distributions: list
+    #: SkipGroups of the backends that skipped the group's points as unsupported, with why
+    not_applicable: list
+
+
+def feature_groups(records, info: RunInfo | None, repro_dir=None) -> list[FeatureGroup]:
+    """One group per combination of variants among the records and the run's unsupported skips,
+    dense first; none when every record and skip is of a dense problem (a report of dense
+    problems is unchanged)."""
+    by_variant, skipped = defaultdict(list), defaultdict(list)
+    for r in records:
+        by_variant[r.problem.features].append(r)
+    for s in (info.skips if info is not None else ()):
+        if s.kind == "unsupported":
+            skipped[ProblemDescriptor(**s.problem).features].append(s)
+    if not any(by_variant.keys() | skipped.keys()):
+        return []
+    groups = []
+    for features in sorted(by_variant.keys() | skipped.keys(), key=variant_key):
+        mine = by_variant[features]
+        columns = sorted({column_of(r.problem) for r in mine})
+        backends = defaultdict(list)
+        for r in mine:
+            backends[r.backend].append(r)
+        sections, ranked_on = ranked([backend_section(name, runs, columns, repro_dir)
+                                      for name, runs in backends.items()], columns)
+        groups.append(FeatureGroup(
+            name=variant_name(features) or "dense", parameters=sorted({r.problem.variant for r in mine}),
+            runs=len(mine), failed=_failed(mine), columns=columns, sections=sections,
+            ranked_on=ranked_on, curves=curves(mine), distributions=distributions(mine),
+            not_applicable=_skip_groups(skipped[features])))
+    return groups
 
 
 @dataclass
@@ -285,6 +338,8 @@ class ReportData:
     #: the environment is the run's (run.json), not the renderer's
     environment_of_run: bool
     notes: list = field(default_factory=list)
+    #: per combination of variants, when some record or skip has one (`feature_groups`)
+    features: list = field(default_factory=list)
 
 
 def build(records, *, run: RunInfo | None = None, environment: dict | None = None,
@@ -313,7 +368,9 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
                       sweeps=sorted({r.sweep for r in records if r.sweep}),
                       first=stamps[0] if stamps else None, last=stamps[-1] if stamps else None),
         columns=columns, sections=sections, ranked_on=ranked_on,
-        fa3=fa3_table(records), curves=curves(records), distributions=distributions(records),
+        fa3=fa3_table(records), curves=curves([r for r in records if not r.problem.features]),
+        distributions=distributions(records),
         failures=failures, deviations=deviations(records), worst_passing=passing, skips=skip_groups(run), run=run,
         environment=(run.environment if run is not None and run.environment else environment or {}),
-        environment_of_run=bool(run is not None and run.environment), notes=notes)
+        environment_of_run=bool(run is not None and run.environment), notes=notes,
+        features=feature_groups(records, run, repro_dir))

@@ -64,7 +64,7 @@ def backend_colours(backends) -> dict:
 
 @_styled
 def curve_svg(curve, colours: dict) -> str:
-    """Max normalised error vs N, log-log: a panel per backend family (columns) and causal
+    """Max normalised error vs length (`curve.axis`), log-log: a panel per backend family (columns) and causal
     mode (rows); the exactly rounded floor, and per backend the region its error-model bound
     allows, shaded from the floor up to the bound's largest element."""
     modes = sorted({s.causal for s in curve.series})
@@ -101,14 +101,17 @@ def curve_svg(curve, colours: dict) -> str:
             ax.set_title(f"{family} · {'causal' if causal else 'full'}")
             ax.grid(True, which="major", alpha=0.3)
             if row == len(modes) - 1:
-                ax.set_xlabel("sequence length N")
+                ax.set_xlabel(curve.axis)
             if col == 0:
                 ax.set_ylabel("max normalised error")
     if clipped:
         axes[0][0].set_ylim(max(min(errors), 1e-17) / 1.5, top)  # the panels share it
     if any(s.bound for s in curve.series):
         handles["error-model bound, largest element\n(dash-dot; shaded down to the floor)"] = _band_key()
-    fig.suptitle(f"{curve.dtype}: error against sequence length ({curve.shape_family})")
+    quantity = curve.axis.rsplit(" ", 1)[0]  # "sequence length N" -> "sequence length"
+    # the variant's parameters on a line of their own: a lone panel is narrower than both
+    fig.suptitle(f"{curve.dtype}: error against {quantity} ({curve.shape_family})"
+                 + (f"\n{curve.variant}" if curve.variant else ""))
     fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=columns,
                fontsize=7, frameon=False)
     return _svg(fig)

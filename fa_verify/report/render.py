@@ -67,17 +67,26 @@ def environment() -> jinja2.Environment:
 
 
 def figures(data) -> dict:
-    """The SVG figures of the page: error-vs-N curves and histograms, per dtype."""
+    """The SVG figures of the page: error-vs-N curves and histograms, per dtype, of all
+    records and of each feature group (`data.features`, in its order)."""
     colours = backend_colours(s.name for s in data.sections)
-    return {"curves": [(c, Markup(curve_svg(c, colours))) for c in data.curves],
-            "histograms": [(d, Markup(histograms_svg(d.dtype, d.panels, colours)))
-                           for d in data.distributions]}
+
+    def drawn(curves, distributions) -> dict:
+        return {"curves": [(c, Markup(curve_svg(c, colours))) for c in curves],
+                "histograms": [(d, Markup(histograms_svg(d.dtype, d.panels, colours)))
+                               for d in distributions]}
+
+    return {**drawn(data.curves, data.distributions),
+            "features": [drawn(g.curves, g.distributions) for g in data.features]}
 
 
 def render_html(data, published=None) -> str:
     """index.html of `data`; `published`: the reproduced published results (`published.view`)."""
+    # each backend's section on the page, linked from every overview table
+    backend_index = {s.name: i for i, s in enumerate(data.sections, 1)}
     return environment().get_template("index.html").render(data=data, figures=figures(data),
-                                                           published=published)
+                                                           published=published,
+                                                           backend_index=backend_index)
 
 
 def render_markdown(data) -> str:

@@ -44,7 +44,6 @@ from fa_verify.results import (
     record_from_verdict,
     utc_now,
 )
-from fa_verify.strategies import make_problem
 from fa_verify.verdict import check_attention
 
 
@@ -165,7 +164,7 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
                     progress.skip("unsupported", planned=False)
             if all(skip is not None for skip in todo.values()):
                 continue
-            problem = _problem(point)
+            problem = point.problem()
             shared = None  # computed for the first backend that runs the point
             for backend in backends:
                 if todo[backend.name] is not None:
@@ -178,7 +177,7 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
                     continue
                 progress.begin(f"{backend.name} {point.dtype} "
                                f"{'causal' if point.causal else 'full'} {_seq(point.shape)} "
-                               f"D={point.shape.head_dim}")
+                               f"D={point.shape.head_dim} {point.variant.label}".rstrip())
                 if backend.name not in warmed:  # untimed: the first run may compile a kernel
                     warmed.add(backend.name)
                     _warm_up(backend, problem)
@@ -202,15 +201,10 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
 RECORDED = object()
 
 
-def _problem(point):
-    return make_problem(point.distribution, point.shape, point.dtype, point.seed,
-                        causal=point.causal)
-
-
 def _plan(point, backends, done):
     """(the point's ProblemDescriptor, {backend name: None to run it, RECORDED, or why the
     backend does not support it}), known before anything runs."""
-    problem = _problem(point)
+    problem = point.problem()
     descriptor = ProblemDescriptor.of(problem)
     return descriptor, {
         b.name: RECORDED if (b.name, descriptor.key()) in done else b.supports(problem)

@@ -29,7 +29,12 @@ from fa_verify.report.buckets import Bucket, Column
 #: output elements equal to the reference rounded to the output dtype; backends' "vs_rounded"
 #: (the rank) averages over "ranked_on", the columns every ranked backend has runs in (was:
 #: each backend's own columns).
-SUMMARY_VERSION = 5
+#: 6: "curves" gain "axis" (the x axis: "sequence length N", or "key length Nk" for decode, Nq =
+#: 1) and "variant" (the family's variant parameters, "" when dense); new "features": per combination of variants (window, softcap, ALiBi, sinks) its runs'
+#: overview ("sections", "columns", "ranked_on"), "curves", "distributions", "parameters" and the
+#: backends "not_applicable" to it (empty when every problem is dense); cells' "shapes" end
+#: with a problem's variant parameters.
+SUMMARY_VERSION = 6
 
 
 def _plain(value):
