@@ -446,6 +446,16 @@ def test_kernel_matches_oracle_through_pycuda(family_name, dtype, mode):
 
 
 @needs_pycuda
+@pytest.mark.parametrize("family_name, dtype, mode", list(variant_cases()))
+def test_kernel_variants_match_oracle_through_pycuda(family_name, dtype, mode):
+    backend = PyCudaKernelBackend(family_name)
+    for shape in VARIANT_SHAPES:
+        problem = make_problem(shape, dtype, seed=2, **VARIANT_MODES[mode](shape))
+        out, lse = backend.run(problem)
+        assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype))
+
+
+@needs_pycuda
 @needs_cpu_runner
 @pytest.mark.parametrize("family_name", ["fa2", "naive"])
 def test_pycuda_and_cpu_runner_agree_on_fp32(family_name):
