@@ -268,11 +268,13 @@ def test_sanitizer_run_is_clean(family_name):
     backend = CpuKernelBackend(family_name, sanitize=True)
     assert backend.name.endswith("-cpu-asan")
     dtype = backend.dtypes[0]
-    for mode in CAUSAL_MODES:
-        for shape in (SHAPES[0], SHAPES[1], SHAPES[5]):
-            problem = make_problem(shape, dtype, seed=3, **CAUSAL_MODES[mode])
-            out, lse = backend.run(problem)  # raises KernelSanitizerError on a report
-            assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype))
+    cases = [(shape, CAUSAL_MODES[mode]) for mode in CAUSAL_MODES for shape in (SHAPES[0], SHAPES[1], SHAPES[5])]
+    if backend.features:  # the slopes' batch stride, the sinks, key tiles skipped by the window
+        cases += [(shape, VARIANT_MODES[mode](shape)) for mode in ("alibi-per-batch", "all") for shape in VARIANT_SHAPES]
+    for shape, options in cases:
+        problem = make_problem(shape, dtype, seed=3, **options)
+        out, lse = backend.run(problem)  # raises KernelSanitizerError on a report
+        assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype))
 
 
 @needs_cpu_runner
