@@ -29,7 +29,7 @@ from fa_verify.kernels.mutants import load_mutants
 from fa_verify.kernels.pycuda_runner import PYCUDA_MISSING, device_properties, pycuda_availability
 from fa_verify.oracle import reference
 from fa_verify.precision import PrecisionModel
-from fa_verify.problem import AttentionProblem
+from fa_verify.problem import NO_WINDOW, AttentionProblem
 from fa_verify.verdict import assert_attention_close, check_attention
 
 CPU = cpu_runner_availability()
@@ -135,6 +135,7 @@ def test_launch_geometry():
     variants = fa2.launch(p.replace(window_size=(3, 1), softcap=2.5, alibi_slopes=np.ones((2, 4), np.float32),
                                     sinks=np.arange(4, dtype=np.float32)))
     assert variants.variant_args == (3, 1, 2.5, (1.0,) * 8, 4, (0.0, 1.0, 2.0, 3.0))
+    assert fa2.launch(p.replace(window_size=(2**40, 5))).variant_args[:2] == (70 + 33, 5)  # fits an int
     assert "naive does not implement window" in naive.supports(p.replace(window_size=(3, 1)))
     n = naive.launch(p)
     assert n.signature[-1] == "ptr" and len(n.signature) == 14 and n.variant_args == ()
@@ -227,6 +228,8 @@ def test_windowed_rows_without_keys_and_sinks():
     sinks = np.array([0.75, -3.0], np.float32)
     out, lse = backend.run(p.replace(sinks=sinks))
     assert np.all(out[0, :, :18] == 0) and np.array_equal(lse[0, :, :18], np.repeat(sinks[:, None], 18, axis=1))
+    dense, wide = backend.run(p.replace(window_size=NO_WINDOW)), backend.run(p.replace(window_size=(2**40, 2**40)))
+    assert all(np.array_equal(x, y) for x, y in zip(dense, wide))
 
 
 @needs_cpu_runner

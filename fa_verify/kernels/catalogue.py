@@ -225,7 +225,9 @@ class KernelFamily:
         variant_args = ()
         if self.features:
             slopes, sinks = (None if x is None else np.asarray(x, dtype=np.float32) for x in (alibi_slopes, sinks))
-            variant_args = (int(window_size[0]), int(window_size[1]), float(softcap),
+            # A side of Nq + Nk keys or more reaches every key: capped there, it fits the kernel's int.
+            left, right = (min(int(side), Nq + Nk) for side in window_size)
+            variant_args = (left, right, float(softcap),
                             None if slopes is None else tuple(map(float, slopes.ravel())),
                             H if slopes is not None and slopes.ndim == 2 else 0,
                             None if sinks is None else tuple(map(float, sinks.ravel())))
