@@ -14,7 +14,7 @@ and, for families that implement the variants (fa2: `features`), VARIANT_SIGNATU
     (int window_left, int window_right, float softcap, const float* alibi_slopes,
      int alibi_batch_stride, const float* sinks)
 
-(window_size as given, softcap 0 = off, null pointers = off; alibi_batch_stride is H for [B, H]
+(window_size with each side capped at Nq + Nk, softcap 0 = off, null pointers = off; alibi_batch_stride is H for [B, H]
 slopes, 0 for [H]). causal_offset is always the diagonal offset (Nk - Nq bottom-right, 0
 top-left): the window and ALiBi use it whether or not the problem is causal.
 The catalogue is the Python half of each family: its tile configuration per head dimension
