@@ -15,8 +15,9 @@
 // o = causal_offset: query i sees keys i + o - window_left ..= i + o + window_right (-1:
 // unbounded; causal means window_right = 0); key tiles outside every row's window are skipped.
 // ALiBi subtracts slope |i + o - j| (slopes [H], or [B, H] with alibi_batch_stride = H; null:
-// off). A sink (sinks [H]; null: off) starts each row's softmax state as one key of logit
-// sinks[h] and value 0: it joins the denominator only, and a row that sees no key gets lse = sink.
+// off). A sink (sinks [H]; null: off) joins each row's softmax after the last tile as one key
+// of logit sinks[h] and value 0 (FlashAttention's finalize): one more rescale of m, l and the
+// accumulator; it joins the denominator only, and a row that sees no key gets lse = sink.
 // Precision model: PrecisionModel.flash(dtype). Shared memory holds the tiles in fp32 with
 // rows padded by one float (conflict-free strided reads); the catalogue computes its size.
 
@@ -68,7 +69,7 @@ __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
 
     // Softmax state of row `tid` (threads tid < BLOCK_M) and this thread's accumulator entries
     // (rows warp + WARPS i, columns lane + 32 c).
-    float m_i = sinks ? sinks[h] : -INFINITY, l_i = sinks ? 1.0f : 0.0f;
+    float m_i = -INFINITY, l_i = 0.0f;
     float acc[O_ROWS][O_COLS] = {};
 
     // Key tiles wholly before the first row's window or at or past the last row's limit are
@@ -137,6 +138,22 @@ __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
             }
         }
         __syncthreads();  // the next tile overwrites K, V and S
+    }
+
+    // The sink: m, l and the accumulator rescaled to m_new = max(m, sink), l += exp(sink - m_new).
+    if (sinks) {
+        if (tid < BLOCK_M) {
+            const float m_new = fmaxf(m_i, sinks[h]);
+            const float alpha = expf(m_i - m_new);  // 0 for a row that saw no key
+            l_i = alpha * l_i + expf(sinks[h] - m_new);
+            m_i = m_new;
+            row_alpha[tid] = alpha;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < O_ROWS; ++i)
+#pragma unroll
+            for (int c = 0; c < O_COLS; ++c) acc[i][c] *= row_alpha[warp + i * WARPS];
     }
 
     // Epilogue: o = acc / l, lse = m + log l; rows that attended nothing get 0 and -inf.
