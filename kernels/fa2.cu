@@ -5,18 +5,36 @@
 // running max m, the running sum l (fp32, in the registers of the row's softmax thread) and
 // the output accumulator (fp32, in registers, each thread owning fixed (row, column) entries).
 // Per key tile:
-//   1. S = scale * Q K^T (fp32), masked entries -inf;
+//   1. S = scale * Q K^T (fp32), then softcap * tanhf(S / softcap) and the ALiBi bias, masked
+//      entries -inf;
 //   2. online softmax, one thread per row: m_new = max(m, rowmax S), alpha = exp(m - m_new),
 //      P = exp(S - m_new), l = alpha l + rowsum P (fp32 P, as FA2), P rounded to T for P V;
 //   3. acc = alpha acc + P V.
 // At the end o = acc / l (rounded to T) and lse = m + log l.
+// Variants, flash-attn 2's conventions (fa_verify/problem.py), with the diagonal offset
+// o = causal_offset: query i sees keys i + o - window_left ..= i + o + window_right (-1:
+// unbounded; causal means window_right = 0); key tiles outside every row's window are skipped.
+// ALiBi subtracts slope |i + o - j| (slopes [H], or [B, H] with alibi_batch_stride = H; null:
+// off). A sink (sinks [H]; null: off) joins each row's softmax after the last tile as one key
+// of logit sinks[h] and value 0 (FlashAttention's finalize): one more rescale of m, l and the
+// accumulator; it joins the denominator only, and a row that sees no key gets lse = sink.
 // Precision model: PrecisionModel.flash(dtype). Shared memory holds the tiles in fp32 with
 // rows padded by one float (conflict-free strided reads); the catalogue computes its size.
 
 #include "fa_common.cuh"
 
+// fa2's parameters after the common ABI (FA_PARAMS).
+#define FA2_VARIANT_PARAMS                                                                      \
+    int window_left, int window_right, float softcap, const float* __restrict__ alibi_slopes, \
+        int alibi_batch_stride, const float* __restrict__ sinks
+#define FA2_VARIANT_ARGS window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, sinks
+
+// The first key, and one past the last, that the query row with diagonal key `diag` sees.
+FA_DEVICE int fa2_first_key(int diag, int left) { return left < 0 ? 0 : max(diag - left, 0); }
+FA_DEVICE int fa2_key_limit(int diag, int right, int Nk) { return right < 0 ? Nk : max(0, min(diag + right + 1, Nk)); }
+
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS>
-__device__ void fa2_forward(FA_PARAMS(T)) {
+__device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
     static_assert(THREADS % 32 == 0 && THREADS >= BLOCK_M, "one softmax thread per query row");
     static_assert(THREADS % BLOCK_N == 0 && (BLOCK_M * BLOCK_N) % THREADS == 0, "S tile split");
     static_assert(BLOCK_M % (THREADS / 32) == 0, "P V rows split over warps");
@@ -43,6 +61,8 @@ __device__ void fa2_forward(FA_PARAMS(T)) {
     const T* q_head = q + fa_row_offset(b, h, H, Nq, 0, D);
     const T* k_head = k + fa_row_offset(b, kv_h, Hkv, Nk, 0, D);
     const T* v_head = v + fa_row_offset(b, kv_h, Hkv, Nk, 0, D);
+    const int right = causal ? 0 : window_right;
+    const float slope = alibi_slopes ? alibi_slopes[b * alibi_batch_stride + h] : 0.0f;
 
     // Q tile -> shared (fp32), rows past Nq zero.
     fa_load_rows<BLOCK_M, D, LD, THREADS>(Qs, q_head, q0, Nq);
@@ -52,10 +72,13 @@ __device__ void fa2_forward(FA_PARAMS(T)) {
     float m_i = -INFINITY, l_i = 0.0f;
     float acc[O_ROWS][O_COLS] = {};
 
-    // Key tiles at or past every row's limit are fully masked: stop before them.
-    const int n_end = fa_key_end(q0, BLOCK_M, Nq, Nk, causal, causal_offset);
+    // Key tiles wholly before the first row's window or at or past the last row's limit are
+    // fully masked: the loop runs over the others only.
+    const int last_row = min(q0 + BLOCK_M, Nq) - 1;
+    const int n_begin = fa2_first_key(q0 + causal_offset, window_left) / BLOCK_N * BLOCK_N;
+    const int n_end = fa2_key_limit(last_row + causal_offset, right, Nk);
 
-    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+    for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         // K, V tiles -> shared (fp32), keys past Nk zero.
         fa_load_rows<BLOCK_N, D, LD, THREADS>(Ks, k_head, Vs, v_head, n0, Nk);
         __syncthreads();
@@ -73,9 +96,12 @@ __device__ void fa2_forward(FA_PARAMS(T)) {
             }
 #pragma unroll
             for (int i = 0; i < S_PER_THREAD; ++i) {
-                int r = r0 + i * S_ROWS_STEP;
-                bool allowed = n0 + j < fa_key_limit(q0 + r, Nk, causal, causal_offset);
-                Ss[r * LDS + j] = allowed ? s[i] * scale : -INFINITY;
+                const int r = r0 + i * S_ROWS_STEP, diag = q0 + r + causal_offset, key = n0 + j;
+                float x = s[i] * scale;
+                if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                x -= slope * static_cast<float>(abs(diag - key));
+                bool allowed = fa2_first_key(diag, window_left) <= key && key < fa2_key_limit(diag, right, Nk);
+                Ss[r * LDS + j] = allowed ? x : -INFINITY;
             }
         }
         __syncthreads();
@@ -114,6 +140,22 @@ __device__ void fa2_forward(FA_PARAMS(T)) {
         __syncthreads();  // the next tile overwrites K, V and S
     }
 
+    // The sink: m, l and the accumulator rescaled to m_new = max(m, sink), l += exp(sink - m_new).
+    if (sinks) {
+        if (tid < BLOCK_M) {
+            const float m_new = fmaxf(m_i, sinks[h]);
+            const float alpha = expf(m_i - m_new);  // 0 for a row that saw no key
+            l_i = alpha * l_i + expf(sinks[h] - m_new);
+            m_i = m_new;
+            row_alpha[tid] = alpha;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < O_ROWS; ++i)
+#pragma unroll
+            for (int c = 0; c < O_COLS; ++c) acc[i][c] *= row_alpha[warp + i * WARPS];
+    }
+
     // Epilogue: o = acc / l, lse = m + log l; rows that attended nothing get 0 and -inf.
     fa_store_output<D, BLOCK_M>(acc, m_i, l_i, row_l, o, lse, b, h, H, Nq, q0);
 }
@@ -121,8 +163,9 @@ __device__ void fa2_forward(FA_PARAMS(T)) {
 // One extern "C" entry per (dtype, D): fa2_<dtype>_d<D>, with the tile configuration the
 // catalogue (fa_verify/kernels/catalogue.py, FA2) lists for that D.
 #define FA2_ENTRY(DT, T, D, BLOCK_M, BLOCK_N, THREADS)                                        \
-    extern "C" __global__ void __launch_bounds__(THREADS) fa2_##DT##_d##D(FA_PARAMS(T)) {    \
-        fa2_forward<T, D, BLOCK_M, BLOCK_N, THREADS>(FA_ARGS);                                \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                     \
+        fa2_##DT##_d##D(FA_PARAMS(T), FA2_VARIANT_PARAMS) {                                    \
+        fa2_forward<T, D, BLOCK_M, BLOCK_N, THREADS>(FA_ARGS, FA2_VARIANT_ARGS);              \
     }
 
 // FA_CONFIG(D, BLOCK_M, BLOCK_N, THREADS). fa2_key_tiles.cu includes this file for the template

@@ -13,8 +13,9 @@
 #include "fa2.cu"
 
 #define FA2_KEY_TILE_ENTRY(DT, T, D, BLOCK_M, BLOCK_N, THREADS)                                   \
-    extern "C" __global__ void __launch_bounds__(THREADS) fa2_k##BLOCK_N##_##DT##_d##D(FA_PARAMS(T)) { \
-        fa2_forward<T, D, BLOCK_M, BLOCK_N, THREADS>(FA_ARGS);                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                          \
+        fa2_k##BLOCK_N##_##DT##_d##D(FA_PARAMS(T), FA2_VARIANT_PARAMS) {                            \
+        fa2_forward<T, D, BLOCK_M, BLOCK_N, THREADS>(FA_ARGS, FA2_VARIANT_ARGS);                   \
     }
 
 // FA2_KEY_TILE_ENTRY(dtype, T, D, BLOCK_M, BLOCK_N, THREADS)

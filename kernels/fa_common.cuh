@@ -9,8 +9,10 @@
 //   T = __half (fp16), __nv_bfloat16 (bf16) or float (fp32); q [B,H,Nq,D], k and v [B,Hkv,Nk,D],
 //   o [B,H,Nq,D], lse [B,H,Nq] (float32, natural log), all contiguous. Query head h reads key/value
 //   head h / (H / Hkv). Query i attends key j iff !causal || j <= i + causal_offset, where
-//   causal_offset = Nk - Nq aligns the mask bottom-right and 0 top-left. A row that attends no
-//   key gets o = 0 and lse = -INFINITY, never NaN.
+//   causal_offset = Nk - Nq aligns the mask bottom-right and 0 top-left (passed whether or not
+//   the problem is causal: fa2's window and ALiBi use it too). A row that attends no key gets
+//   o = 0 and lse = -INFINITY, never NaN. fa2 takes the variants after these parameters
+//   (FA2_VARIANT_PARAMS in fa2.cu).
 //
 // The sources compile with nvcc and, through fa_verify's CUDA-on-CPU runner, with g++ and a
 // force-included shim: they use only threadIdx/blockIdx/blockDim/gridDim, __shared__ memory,

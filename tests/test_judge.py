@@ -34,7 +34,7 @@ needs_cpu_runner = pytest.mark.skipif(not CPU.available, reason=CPU.reason)
 
 MUTANTS = load_mutants()
 BY_NAME = {m.name: m for m in MUTANTS}
-#: Issue 5's bug classes, as mutants.toml names them: each must have a mutant.
+#: Issue 5's bug classes, then issue 15's for fa2's variants, as mutants.toml names them: each must have a mutant.
 REQUIRED_CLASSES = (
     "causal off-by-one", "causal alignment", "missing rescale of the accumulator",
     "missing rescale of the running sum", "running max initialised to 0", "scale applied twice",
@@ -42,6 +42,8 @@ REQUIRED_CLASSES = (
     "padding not masked", "P·V accumulated in fp16/bf16", "S computed in fp16/bf16", "LSE wrong",
     "wrong batch/head/GQA offset", "missing __syncthreads", "fully masked rows give NaN",
     "output rounded toward zero",
+    "window edge off by one", "window without the Nk - Nq offset", "softcap before the scale",
+    "ALiBi sign flipped", "ALiBi head index wrong", "sink counted in the numerator",
 )
 #: A small budget: CI runs every mutant once; the full campaign uses the ci profile's 20.
 SMALL = Selection.from_profile("ci", max_examples=8)

@@ -29,7 +29,7 @@ from fa_verify.kernels.mutants import load_mutants
 from fa_verify.kernels.pycuda_runner import PYCUDA_MISSING, device_properties, pycuda_availability
 from fa_verify.oracle import reference
 from fa_verify.precision import PrecisionModel
-from fa_verify.problem import AttentionProblem
+from fa_verify.problem import NO_WINDOW, AttentionProblem
 from fa_verify.verdict import assert_attention_close, check_attention
 
 CPU = cpu_runner_availability()
@@ -53,6 +53,29 @@ SHAPES = [
     (1, 2, 2, 129, 130, 128), # tile multiples + 1 and + 2, D = 128
     (1, 1, 1, 17, 40, 256),   # D = 256 (its own tile configuration)
 ]
+
+
+def _alibi_recipe(heads):
+    """ALiBi's slopes 2^(-8 h / H), h = 1 .. H, as float32 [H]."""
+    return (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32)
+
+
+#: The variants, for families that implement them: name -> options for a shape (B, H, ...).
+#: Windows cross tile edges and the diagonal; the softcap binds (scores ~ N(0, 1)); sinks lie
+#: above and below the row max.
+VARIANT_MODES = {
+    "window": lambda shape: dict(window_size=(9, 4)),
+    "causal-window-top-left": lambda shape: dict(causal=True, causal_alignment="top-left", window_size=(20, -1)),
+    "softcap": lambda shape: dict(softcap=0.5),
+    "alibi": lambda shape: dict(alibi_slopes=_alibi_recipe(shape[1])),
+    "alibi-per-batch": lambda shape: dict(alibi_slopes=np.linspace(0.05, 0.6, shape[0] * shape[1], dtype=np.float32)
+                                          .reshape(shape[0], shape[1])),
+    "sinks": lambda shape: dict(sinks=np.linspace(-1.0, 2.5, shape[1], dtype=np.float32)),
+    "all": lambda shape: dict(causal=True, window_size=(24, -1), softcap=2.0, alibi_slopes=_alibi_recipe(shape[1]),
+                              sinks=np.full(shape[1], 1.5, np.float32)),
+}
+#: Shapes for the variants: Nq > Nk and Nq < Nk (the offset Nk - Nq both ways), MQA and GQA.
+VARIANT_SHAPES = [SHAPES[0], SHAPES[1], (2, 4, 2, 40, 75, 32)]
 
 
 def make_problem(shape, dtype, seed=0, **causal) -> AttentionProblem:
@@ -104,12 +127,18 @@ def test_launch_geometry():
     assert launch.grid == (2, 4, 2) and launch.block == (128, 1, 1)
     assert launch.scalars == (2, 4, 2, 70, 33, pytest.approx(1 / 8), 1, 33 - 70)
     assert launch.shared_bytes == fa2.shared_bytes(64, "fp16") <= 48 * 1024
-    assert len(launch.signature) == 13 and launch.scratch_elements == 0
     top_left = fa2.launch(p.replace(causal_alignment="top-left"))
     assert top_left.scalars[-2:] == (1, 0)
-    assert fa2.launch(p.replace(causal=False)).scalars[-2:] == (0, 0)
+    assert fa2.launch(p.replace(causal=False)).scalars[-2:] == (0, 33 - 70)  # the window and ALiBi use it
+    assert launch.variant_args == (-1, -1, 0.0, None, 0, None)
+    assert len(launch.signature) == 13 + 6 and launch.scratch_elements == 0
+    variants = fa2.launch(p.replace(window_size=(3, 1), softcap=2.5, alibi_slopes=np.ones((2, 4), np.float32),
+                                    sinks=np.arange(4, dtype=np.float32)))
+    assert variants.variant_args == (3, 1, 2.5, (1.0,) * 8, 4, (0.0, 1.0, 2.0, 3.0))
+    assert fa2.launch(p.replace(window_size=(2**40, 5))).variant_args[:2] == (70 + 33, 5)  # fits an int
+    assert "naive does not implement window" in naive.supports(p.replace(window_size=(3, 1)))
     n = naive.launch(p)
-    assert n.signature[-1] == "ptr" and len(n.signature) == 14
+    assert n.signature[-1] == "ptr" and len(n.signature) == 14 and n.variant_args == ()
     assert n.scratch_elements == 2 * 4 * 70 * 33 and n.grid == (5, 4, 2) and n.shared_bytes == 0
     assert n.scratch_dtype == "fp32" and get_family("naive16").launch(p).scratch_dtype == "fp16"
     assert launch.scratch_dtype is None
@@ -169,6 +198,40 @@ def test_kernel_matches_oracle_on_cpu(family_name, dtype, mode):
     assert ran, f"{family_name} supports none of the grid's shapes"
 
 
+def variant_cases():
+    for family in FAMILIES.values():
+        if family.features:
+            for dtype in family.dtypes:
+                for mode in VARIANT_MODES:
+                    yield pytest.param(family.name, dtype, mode, id=f"{family.name}-{dtype}-{mode}")
+
+
+@needs_cpu_runner
+@pytest.mark.parametrize("family_name, dtype, mode", list(variant_cases()))
+def test_kernel_variants_match_oracle_on_cpu(family_name, dtype, mode):
+    backend = CpuKernelBackend(family_name)
+    assert set(backend.features) == {"window", "softcap", "alibi", "sinks"}
+    for shape in VARIANT_SHAPES:
+        problem = make_problem(shape, dtype, seed=zlib.crc32(f"{family_name}-{dtype}-{mode}".encode()),
+                               **VARIANT_MODES[mode](shape))
+        out, lse = backend.run(problem)
+        assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype))
+
+
+@needs_cpu_runner
+def test_windowed_rows_without_keys_and_sinks():
+    """Rows whose window holds no key: o = 0 and lse = -inf, or lse = the head's sink."""
+    backend = CpuKernelBackend("fa2")
+    p = make_problem((1, 2, 1, 40, 20, 32), "fp32", window_size=(2, 0))  # rows 0..19 end before key 0
+    out, lse = backend.run(p)
+    assert np.all(out[0, :, :18] == 0) and np.all(lse[0, :, :18] == -np.inf) and np.isfinite(lse[0, :, 20:]).all()
+    sinks = np.array([0.75, -3.0], np.float32)
+    out, lse = backend.run(p.replace(sinks=sinks))
+    assert np.all(out[0, :, :18] == 0) and np.array_equal(lse[0, :, :18], np.repeat(sinks[:, None], 18, axis=1))
+    dense, wide = backend.run(p.replace(window_size=NO_WINDOW)), backend.run(p.replace(window_size=(2**40, 2**40)))
+    assert all(np.array_equal(x, y) for x, y in zip(dense, wide))
+
+
 @needs_cpu_runner
 def test_causal_alignments_differ_and_rows_fully_masked():
     """Bottom-right with Nq > Nk masks whole rows (0, -inf); top-left does not: the offset is used."""
@@ -208,11 +271,13 @@ def test_sanitizer_run_is_clean(family_name):
     backend = CpuKernelBackend(family_name, sanitize=True)
     assert backend.name.endswith("-cpu-asan")
     dtype = backend.dtypes[0]
-    for mode in CAUSAL_MODES:
-        for shape in (SHAPES[0], SHAPES[1], SHAPES[5]):
-            problem = make_problem(shape, dtype, seed=3, **CAUSAL_MODES[mode])
-            out, lse = backend.run(problem)  # raises KernelSanitizerError on a report
-            assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype))
+    cases = [(shape, CAUSAL_MODES[mode]) for mode in CAUSAL_MODES for shape in (SHAPES[0], SHAPES[1], SHAPES[5])]
+    if backend.features:  # the slopes' batch stride, the sinks, key tiles skipped by the window
+        cases += [(shape, VARIANT_MODES[mode](shape)) for mode in ("alibi-per-batch", "all") for shape in VARIANT_SHAPES]
+    for shape, options in cases:
+        problem = make_problem(shape, dtype, seed=3, **options)
+        out, lse = backend.run(problem)  # raises KernelSanitizerError on a report
+        assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype))
 
 
 @needs_cpu_runner
@@ -253,21 +318,30 @@ def test_mutants_apply_to_the_current_sources(tmp_path):
         assert (path.parent / "fa_common.cuh").is_file()
 
 
+def oracle_grid(family):
+    """(mode, shape, options): SHAPES x causal modes, and VARIANT_SHAPES x the variants the family implements."""
+    for mode, options in CAUSAL_MODES.items():
+        for shape in SHAPES:
+            yield mode, shape, options
+    for mode, options in VARIANT_MODES.items() if family.features else ():
+        for shape in VARIANT_SHAPES:
+            yield mode, shape, options(shape)
+
+
 def oracle_failures(family, module, dtype="fp16"):
-    """Run the oracle grid (SHAPES x causal modes) on `module`; the failures it finds."""
+    """Run the oracle grid (oracle_grid) on `module`; the failures it finds."""
     failures = []
     dtype = dtype if dtype in family.dtypes else family.dtypes[0]
-    for mode in CAUSAL_MODES:
-        for shape in SHAPES:
-            problem = make_problem(shape, dtype, seed=5, **CAUSAL_MODES[mode])
-            if family.supports(problem) is not None:
-                continue
-            try:
-                o, lse = run_on_cpu(family, problem, module=module)
-                out = o.view(problem.q.dtype).reshape(problem.out_shape)
-                assert_attention_close(out, problem, lse=lse, precision=family.precision(dtype))
-            except (AttentionMismatch, BackendOutputError, KernelRunError) as exc:
-                failures.append(f"{mode} {shape}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    for mode, shape, options in oracle_grid(family):
+        problem = make_problem(shape, dtype, seed=5, **options)
+        if family.supports(problem) is not None:
+            continue
+        try:
+            o, lse = run_on_cpu(family, problem, module=module)
+            out = o.view(problem.q.dtype).reshape(problem.out_shape)
+            assert_attention_close(out, problem, lse=lse, precision=family.precision(dtype))
+        except (AttentionMismatch, BackendOutputError, KernelRunError) as exc:
+            failures.append(f"{mode} {shape}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
     return failures
 
 
@@ -374,6 +448,16 @@ def test_kernel_matches_oracle_through_pycuda(family_name, dtype, mode):
                                reference=reference(problem))
         ran += 1
     assert ran, f"{family_name} supports none of the grid's shapes"
+
+
+@needs_pycuda
+@pytest.mark.parametrize("family_name, dtype, mode", list(variant_cases()))
+def test_kernel_variants_match_oracle_through_pycuda(family_name, dtype, mode):
+    backend = PyCudaKernelBackend(family_name)
+    for shape in VARIANT_SHAPES:
+        problem = make_problem(shape, dtype, seed=2, **VARIANT_MODES[mode](shape))
+        out, lse = backend.run(problem)
+        assert_attention_close(out, problem, lse=lse, precision=backend.precision(dtype))
 
 
 @needs_pycuda

@@ -87,6 +87,30 @@ def test_fake_driver_runs_every_family_bit_identical_to_the_cpu_runner():
         assert same and passed, (name, dtype, same, passed)
 
 
+def test_fake_driver_runs_fa2_variants_bit_identical_to_the_cpu_runner():
+    """fa2-pycuda passes window, softcap, ALiBi slopes ([B, H]: the batch stride) and sinks as
+    fa2-cpu does (device copies of the arrays, null pointers when off): bit-identical outputs."""
+    answer = on_fake_driver("""
+        from fa_verify.backends.cuda_kernels import CpuKernelBackend, PyCudaKernelBackend
+        from fa_verify.verdict import check_attention
+        slopes = np.linspace(0.05, 0.6, 8, dtype=np.float32).reshape(2, 4)
+        variants = [dict(window_size=(9, 4)), dict(softcap=0.5), dict(alibi_slopes=slopes),
+                    dict(causal=True, window_size=(20, -1), softcap=2.0, alibi_slopes=slopes[0],
+                         sinks=np.linspace(-1, 2, 4, dtype=np.float32))]
+        rows = []
+        for options in variants:
+            p = problem(2, 4, 2, 70, 45, 32, "bf16", seed=len(rows), **options)
+            gpu, cpu = PyCudaKernelBackend("fa2"), CpuKernelBackend("fa2")
+            (o, lse), (o2, lse2) = gpu.run(p), cpu.run(p)
+            same = o.tobytes() == o2.tobytes() and lse.tobytes() == lse2.tobytes()
+            rows.append([p.describe(), same, check_attention(o, p, lse=lse, precision=gpu.precision("bf16")).passed])
+        answer(rows=rows)
+    """)
+    assert len(answer["rows"]) == 4
+    for what, same, passed in answer["rows"]:
+        assert same and passed, what
+
+
 @pytest.mark.slow
 def test_stub_driver_pycuda_compiles_every_kernel_for_sm80_and_sm90():
     """The compile path as the runner takes it (pycuda.compiler.compile, fa_verify's nvcc), with only the stub
@@ -134,6 +158,7 @@ def test_fake_driver_needs_the_shared_memory_opt_in_and_the_runner_sets_it():
         func = cuda.module_from_buffer(compile_cubin(FAMILIES["fa2"], "sm_80")).get_function(launch.entry)
         buffers = [cuda.mem_alloc(4 * 20 * 128) for _ in range(4)] + [cuda.mem_alloc(4 * 20)]
         scalars = [np.int32(x) for x in launch.scalars[:5]] + [np.float32(launch.scalars[5])] + [np.int32(x) for x in launch.scalars[6:]]
+        scalars += [np.int32(-1), np.int32(-1), np.float32(0), np.uintp(0), np.int32(0), np.uintp(0)]  # no variant
         try:
             func(*buffers, *scalars, grid=launch.grid, block=launch.block, shared=launch.shared_bytes)
             refused = ""

@@ -40,6 +40,7 @@ class KernelBackend(Backend):
         self.family = FAMILIES[family] if isinstance(family, str) else family
         self.name = f"{self.family.label}-{self.runner}"
         self.dtypes = self.family.dtypes
+        self.features = self.family.features
         self.notes = self.family.notes
 
     def precision(self, dtype) -> PrecisionModel:
@@ -129,6 +130,7 @@ def run_on_cpu(family: KernelFamily, problem: AttentionProblem, module=None,
     if launch.scratch_dtype:
         scratch = np.zeros(max(1, launch.scratch_elements), dtype=numpy_dtype(launch.scratch_dtype))
         args.append(_bits(scratch))
+    args += launch.variant_arguments()  # None: a null pointer
     # Opted in to what the launch needs, as the PyCUDA runner sets the attribute on the GPU.
     module.launch(launch.entry, launch.grid, launch.block, launch.shared_bytes, args,
                   shared_opt_in=launch.shared_bytes)  # writes o, lse

@@ -8,7 +8,15 @@ kernels/fa_common.cuh):
      int B, int H, int Hkv, int Nq, int Nk, float scale, int causal, int causal_offset)
 
 plus, for families with a `scratch` dtype (naive, naive16), a trailing pointer to B*H*Nq*Nk
-elements of that dtype ("fp32", or "input" for the problem dtype) where S and P are materialised.
+elements of that dtype ("fp32", or "input" for the problem dtype) where S and P are materialised,
+and, for families that implement the variants (fa2: `features`), VARIANT_SIGNATURE's parameters
+
+    (int window_left, int window_right, float softcap, const float* alibi_slopes,
+     int alibi_batch_stride, const float* sinks)
+
+(window_size with each side capped at Nq + Nk, softcap 0 = off, null pointers = off; alibi_batch_stride is H for [B, H]
+slopes, 0 for [H]). causal_offset is always the diagonal offset (Nk - Nq bottom-right, 0
+top-left): the window and ALiBi use it whether or not the problem is causal.
 The catalogue is the Python half of each family: its tile configuration per head dimension
 (which must match the instantiation lines `FA_FOR_EACH_*DTYPE(<FAMILY>_ENTRY, D, ...)` of the
 .cu; tests/test_kernels.py checks that they do), the launch grid, block and dynamic shared
@@ -23,6 +31,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 from fa_verify.dtypes import DTYPE_NAMES
 from fa_verify.errors import InvalidArgumentError
@@ -41,6 +51,8 @@ NVCC_OPTIONS = ("-std=c++17",)
 _ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 #: The parameter kinds of the common ABI, as the CPU runner's signatures spell them.
 BASE_SIGNATURE = ("ptr",) * 5 + ("int",) * 5 + ("float", "int", "int")
+#: The variants' parameters after the common ABI, for families with `features`.
+VARIANT_SIGNATURE = ("int", "int", "float", "ptr", "int", "ptr")
 
 
 def kernels_dir() -> Path:
@@ -92,6 +104,14 @@ class Launch:
     scratch_elements: int = 0
     #: numpy-ready dtype name of the scratch elements ("fp32", "fp16", "bf16"), None without one
     scratch_dtype: str | None = None
+    #: the variants' arguments (VARIANT_SIGNATURE) for families with features, else empty:
+    #: window_left, window_right, softcap, alibi slopes, alibi_batch_stride, sinks; an array
+    #: argument is a tuple of its float32 values (flattened), or None for a null pointer
+    variant_args: tuple = ()
+
+    def variant_arguments(self) -> list:
+        """The variant arguments as the kernel takes them: array tuples as float32 arrays."""
+        return [np.array(a, dtype=np.float32) if isinstance(a, tuple) else a for a in self.variant_args]
 
 
 @dataclass(frozen=True)
@@ -114,6 +134,9 @@ class KernelFamily:
     #: oldest GPU architecture the source compiles for (80 = sm_80; 0: whatever nvcc targets), and why
     min_arch: int = 0
     min_arch_reason: str = ""
+    #: the variants it implements (keys of fa_verify.problem.FEATURES); its entries then take
+    #: VARIANT_SIGNATURE's parameters
+    features: tuple = ()
 
     # --- what exists --------------------------------------------------------------------------
     @property
@@ -132,7 +155,7 @@ class KernelFamily:
 
     @property
     def signature(self) -> tuple[str, ...]:
-        return BASE_SIGNATURE + (("ptr",) if self.scratch else ())
+        return BASE_SIGNATURE + (("ptr",) if self.scratch else ()) + (VARIANT_SIGNATURE if self.features else ())
 
     def signatures(self) -> dict[str, list[str]]:
         """{entry: signature} for every entry, as the CPU runner's CpuKernelModule takes them."""
@@ -160,8 +183,9 @@ class KernelFamily:
         if problem.head_dim not in self.configs:
             return (f"{self.name} has no entry for D={problem.head_dim} "
                     f"(it has D in {', '.join(map(str, self.head_dims))})")
-        if problem.features:  # the variants are not in our kernels yet
-            return unsupported_features(self.name, problem, ())
+        missing = unsupported_features(self.name, problem, self.features)
+        if missing:
+            return missing
         if problem.heads > 65535 or problem.batch > 65535:
             return f"grid dimensions H={problem.heads}, B={problem.batch} exceed CUDA's limit of 65535"
         if shared_limit is not None:
@@ -178,26 +202,42 @@ class KernelFamily:
             raise InvalidArgumentError(f"cannot launch {problem.describe()}: {reason}")
         return self.launch_for(problem.batch, problem.heads, problem.kv_heads, problem.nq, problem.nk,
                                problem.head_dim, problem.dtype, causal=problem.causal,
-                               causal_alignment=problem.causal_alignment, scale=problem.scale_value)
+                               causal_alignment=problem.causal_alignment, scale=problem.scale_value,
+                               window_size=problem.window_size, softcap=problem.softcap,
+                               alibi_slopes=problem.alibi_slopes, sinks=problem.sinks)
 
     def launch_for(self, B: int, H: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: str, *,
                    causal: bool = False, causal_alignment: str = "bottom-right",
-                   scale: float | None = None) -> Launch:
-        """The launch for these shapes (e.g. of torch tensors), without an AttentionProblem."""
+                   scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                   alibi_slopes=None, sinks=None) -> Launch:
+        """The launch for these shapes (e.g. of torch tensors), without an AttentionProblem.
+        The variants, taken as given (AttentionProblem validates them), need a family with features."""
         if dtype not in self.dtypes:
             raise InvalidArgumentError(f"{self.name} has no {dtype} entry (it has {', '.join(self.dtypes)})")
         if causal_alignment not in ("bottom-right", "top-left"):
             raise InvalidArgumentError(f"causal_alignment={causal_alignment!r}; use 'bottom-right' or 'top-left'")
         cfg = self.config(D)
-        causal_offset = Nk - Nq if causal and causal_alignment == "bottom-right" else 0
+        causal_offset = Nk - Nq if causal_alignment == "bottom-right" else 0
         scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
         scalars = (B, H, Hkv, Nq, Nk, scale, int(bool(causal)), causal_offset)
         scratch = B * H * Nq * Nk if self.scratch else 0
         scratch_dtype = None if not self.scratch else dtype if self.scratch == "input" else self.scratch
+        variant_args = ()
+        if self.features:
+            slopes, sinks = (None if x is None else np.asarray(x, dtype=np.float32) for x in (alibi_slopes, sinks))
+            # A side of Nq + Nk keys or more reaches every key: capped there, it fits the kernel's int.
+            left, right = (min(int(side), Nq + Nk) for side in window_size)
+            variant_args = (left, right, float(softcap),
+                            None if slopes is None else tuple(map(float, slopes.ravel())),
+                            H if slopes is not None and slopes.ndim == 2 else 0,
+                            None if sinks is None else tuple(map(float, sinks.ravel())))
+        elif window_size != (-1, -1) or softcap or alibi_slopes is not None or sinks is not None:
+            raise InvalidArgumentError(f"{self.name} implements no variant (window_size, softcap, "
+                                       "alibi_slopes, sinks); leave them at their defaults")
         return Launch(entry=self.entry(dtype, D), grid=(math.ceil(Nq / cfg.block_m), H, B),
                       block=(cfg.threads, 1, 1), shared_bytes=self.shared_bytes(D, dtype),
                       signature=self.signature, scalars=scalars, scratch_elements=scratch,
-                      scratch_dtype=scratch_dtype)
+                      scratch_dtype=scratch_dtype, variant_args=variant_args)
 
 
 # --- the families ------------------------------------------------------------------------------------
@@ -239,7 +279,8 @@ FA2 = KernelFamily(
     dtypes=DTYPE_NAMES,
     configs={16: TileConfig(64, 32, 128), 32: TileConfig(64, 32, 128), 64: TileConfig(64, 32, 128),
              96: TileConfig(64, 32, 128), 128: TileConfig(64, 32, 128), 256: TileConfig(32, 16, 128)},
-    precision_model=PrecisionModel.flash, smem_regions=_fa2_smem)
+    precision_model=PrecisionModel.flash, smem_regions=_fa2_smem,
+    features=("window", "softcap", "alibi", "sinks"))
 
 WMMA = KernelFamily(
     name="wmma", label="wmma", source="wmma.cu",
@@ -293,7 +334,7 @@ def _fa2_key_tile(block_n: int) -> KernelFamily:
         name=f"fa2_k{block_n}", label=f"fa2-k{block_n}", source="fa2_key_tiles.cu",
         description=f"fa2's kernel with key tiles of {block_n} keys (bf16, D = 64)",
         dtypes=("bf16",), configs={64: TileConfig(64, block_n, 128)},
-        precision_model=PrecisionModel.flash, smem_regions=_fa2_smem,
+        precision_model=PrecisionModel.flash, smem_regions=_fa2_smem, features=FA2.features,
         notes="instantiated for the report's key-tile study (fa_verify.report.golden); not a "
               "backend of the sweeps")
 

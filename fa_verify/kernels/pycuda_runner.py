@@ -56,6 +56,7 @@ from fa_verify.kernels.catalogue import (
     DEFAULT_SHARED_LIMIT,
     FAMILIES,
     NVCC_OPTIONS,
+    VARIANT_SIGNATURE,
     KernelFamily,
     Launch,
     kernels_dir,
@@ -273,10 +274,22 @@ class PyCudaKernels:
                  np.float32(scale), np.int32(causal), np.int32(offset)]
         if family.scratch:
             args.append(_pointer(scratch))
-        func = self.function(family, launch)
-        func(*args, grid=tuple(int(g) for g in launch.grid), block=tuple(int(b) for b in launch.block),
-             shared=int(launch.shared_bytes))
-        self._cuda.Context.synchronize()  # every launch checked: a fault surfaces here
+        arrays = []  # the variants' arrays (ALiBi slopes, sinks), copied in for this launch
+        try:
+            for kind, value in zip(VARIANT_SIGNATURE, launch.variant_arguments()):
+                if kind == "ptr" and value is not None:
+                    arrays.append(self.allocate(value.nbytes, launch.entry))
+                    self._cuda.memcpy_htod(arrays[-1], value)
+                    value = arrays[-1]
+                args.append(np.uintp(0) if value is None else _pointer(value) if kind == "ptr"
+                            else np.int32(value) if kind == "int" else np.float32(value))
+            func = self.function(family, launch)
+            func(*args, grid=tuple(int(g) for g in launch.grid), block=tuple(int(b) for b in launch.block),
+                 shared=int(launch.shared_bytes))
+            self._cuda.Context.synchronize()  # every launch checked: a fault surfaces here
+        finally:
+            for buffer in arrays:
+                buffer.free()
 
     def allocate(self, nbytes: int, entry: str):
         """Device memory; running out is reported as BackendUnavailableError (the context stays usable)."""

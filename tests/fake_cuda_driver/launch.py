@@ -3,7 +3,7 @@
 fake_driver.c calls `run` with the GIL held, in the process that loaded the fake driver. The
 entry name says the kernel family, dtype and head dimension (`<family>_<dtype>_d<D>`, the
 catalogue's naming); the parameter buffer is unpacked by the catalogue's signature, each
-pointer becomes a numpy view of the fake device allocation it points into, and the same
+pointer becomes a numpy view of the fake device allocation it points into (a null one stays null), and the same
 entry of a CPU build of the same .cu (`fa_verify.backends.cuda_kernels.cpu_module`, which
 reads kernels_dir() as PyCUDA's compile did) runs the launch. What the kernel prints goes to
 file descriptor 1, as a driver flushes device printf. Returns a CUresult.
@@ -46,8 +46,6 @@ def _say(message: str) -> None:
 
 def _view(address: int, dtype) -> np.ndarray | int:
     """The allocation from `address` to its end as an array, or a CUresult when it is not one."""
-    if address == 0:
-        return CUDA_ERROR_ILLEGAL_ADDRESS
     found = _allocation(address)
     if found is None:
         _say(f"pointer {address:#x} is not in any allocation")
@@ -75,8 +73,10 @@ def _catalogued(entry: str):
     if family is None or entry not in family.entries():
         return None
     element = np.uint16 if dtype in ("fp16", "bf16") else np.float32
-    scratch = np.float32 if family.scratch == "fp32" else element
-    return cpu_module(family), entry, family.signature, (element, element, element, element, np.float32, scratch)
+    scratch = (np.float32 if family.scratch == "fp32" else element,) if family.scratch else ()
+    variants = (np.float32, np.float32) if family.features else ()  # ALiBi slopes, sinks
+    return (cpu_module(family), entry, family.signature,
+            (element, element, element, element, np.float32) + scratch + variants)
 
 
 def _spec_entry(symbol: str):
@@ -144,7 +144,7 @@ def run(entry: str, grid, block, shared: int, params: bytes, device: int) -> int
     values = list(struct.unpack(layout, params))
     pointers = [i for i, kind in enumerate(signature) if kind == "ptr"]
     for index, dtype_of in zip(pointers, pointer_dtypes):
-        if dtype_of is None and values[index] == 0:  # a spec's null parameter
+        if values[index] == 0:  # a null pointer reaches the kernel as null, as on a GPU
             values[index] = None
             continue
         view = _view(values[index], dtype_of or np.uint8)
