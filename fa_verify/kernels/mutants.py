@@ -38,7 +38,8 @@ class Mutant:
 
     @property
     def kernel_family(self) -> KernelFamily:
-        return FAMILIES[self.family]
+        """The mutated kernel: a catalogue family, or split_kv.cu (SplitKvKernel, its own ABI)."""
+        return mutable_kernels()[self.family]
 
     def mutate(self, source: str) -> str:
         count = source.count(self.find)
@@ -59,6 +60,14 @@ class Mutant:
         return path
 
 
+def mutable_kernels() -> dict:
+    """{family: kernel} of every kernel a mutant may edit: the catalogue's dense families, and
+    the split-KV kernel (fa_verify.kernels.split_kv), whose mutants run as ragged backends."""
+    from fa_verify.kernels.split_kv import SPLIT_KV
+
+    return {**FAMILIES, SPLIT_KV.name: SPLIT_KV}
+
+
 def load_mutants(path: str | Path | None = None, *, families=None, names=None) -> list[Mutant]:
     """The mutants listed in kernels/mutants/mutants.toml (or `path`), optionally only those of
     the given families and/or names (an unknown name, or a family without mutants, is an error)."""
@@ -70,7 +79,7 @@ def load_mutants(path: str | Path | None = None, *, families=None, names=None) -
             mutant = Mutant(**entry)
         except TypeError as exc:
             raise InvalidArgumentError(f"{path}: bad mutant entry {entry.get('name')!r}: {exc}") from None
-        if mutant.family not in FAMILIES:
+        if mutant.family not in mutable_kernels():
             raise InvalidArgumentError(f"{path}: mutant {mutant.name!r} names unknown family {mutant.family!r}")
         if mutant.caught_by not in CAUGHT_BY:
             raise InvalidArgumentError(f"{path}: mutant {mutant.name!r}: caught_by must be one of {CAUGHT_BY}")

@@ -173,8 +173,9 @@ def _bits(x: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SplitKvKernel:
-    """split_kv.cu as the mutant machinery (fa_verify.kernels.mutants) sees a kernel family:
-    a name, a source and the entries' signatures."""
+    """split_kv.cu as the mutant machinery (fa_verify.kernels.mutants) and the nvcc check
+    (fa_verify.kernels.nvcc.compile_file) see a kernel family: a name, a source, the entries,
+    their signatures and launch resources."""
 
     name: str = NAME
     label: str = LABEL
@@ -187,6 +188,16 @@ class SplitKvKernel:
 
     def signatures(self) -> dict[str, list[str]]:
         return signatures()
+
+    def entries(self) -> list[str]:
+        return list(signatures())
+
+    def resources(self, entry: str) -> tuple[int, int]:
+        """(threads per block, dynamic shared memory in bytes) that `entry` is launched with."""
+        head_dim = int(entry.rsplit("_d", 1)[1])
+        if entry.startswith(f"{NAME}_combine_"):
+            return COMBINE_THREADS, 0
+        return CONFIGS[head_dim].threads, shared_bytes(head_dim)
 
     def precision(self, dtype) -> PrecisionModel:
         return precision(dtype)
