@@ -90,15 +90,26 @@ def run_on_cpu(problem, inputs: dict, module, name: str) -> tuple[np.ndarray, np
 
 
 class SplitKvCpuBackend(SplitKvBackend):
-    """split_kv.cu compiled with g++ and run by the CUDA-on-CPU runner."""
+    """split_kv.cu compiled with g++ and run by the CUDA-on-CPU runner (sanitize: its
+    AddressSanitizer build, named "...-asan")."""
 
     runner = "cpu"
+
+    def __init__(self, layout: str = "paged", sanitize: bool = False):
+        super().__init__(layout)
+        self.sanitize = sanitize
+        if sanitize:
+            self.name += "-asan"
 
     def availability(self) -> Availability:
         return cpu_runner_availability()
 
     def module(self):
-        return cpu_module()
+        return cpu_module(sanitize=self.sanitize)
+
+    def build(self):
+        """Build (or fetch) the kernel module this backend launches."""
+        return self.module()
 
     def _run(self, problem, inputs):
         return run_on_cpu(problem, inputs, self.module(), self.name)

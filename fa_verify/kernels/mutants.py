@@ -35,6 +35,9 @@ class Mutant:
     #: grid fails), "sanitizer" (AddressSanitizer reports it), "property" (only the property
     #: suite's search finds it: tests/test_judge.py) or "race" (the race detector reports it)
     caught_by: str
+    #: split_kv's mutants only: the layout of the ragged backend that runs it, "paged" or "varlen"
+    #: (a bug one layout alone shows, such as the varlen LSE layout)
+    layout: str | None = None
 
     @property
     def kernel_family(self) -> KernelFamily:
@@ -81,6 +84,9 @@ def load_mutants(path: str | Path | None = None, *, families=None, names=None) -
             raise InvalidArgumentError(f"{path}: bad mutant entry {entry.get('name')!r}: {exc}") from None
         if mutant.family not in mutable_kernels():
             raise InvalidArgumentError(f"{path}: mutant {mutant.name!r} names unknown family {mutant.family!r}")
+        if (mutant.layout is not None) != (mutant.family == "split_kv") or mutant.layout not in (None, "paged", "varlen"):
+            raise InvalidArgumentError(f"{path}: mutant {mutant.name!r}: layout={mutant.layout!r}; split_kv's mutants "
+                                       "name the layout that runs them ('paged' or 'varlen'), other families' none")
         if mutant.caught_by not in CAUGHT_BY:
             raise InvalidArgumentError(f"{path}: mutant {mutant.name!r}: caught_by must be one of {CAUGHT_BY}")
         mutants.append(mutant)
