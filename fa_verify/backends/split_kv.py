@@ -23,6 +23,7 @@ from fa_verify.backends.ragged_base import RaggedBackend, output_buffers
 from fa_verify.errors import BackendOutputError, KernelRunError
 from fa_verify.kernels import split_kv
 from fa_verify.kernels.catalogue import DEFAULT_SHARED_LIMIT, kernels_dir
+from fa_verify.limits import Limits
 from fa_verify.precision import PrecisionModel
 
 
@@ -42,6 +43,7 @@ class SplitKvBackend(RaggedBackend):
     features = ()  # window, softcap, ALiBi and sinks are not in this kernel
     splits = True
     writes_buffers = True
+    limits = Limits(dtypes=split_kv.DTYPES, head_dims=tuple(split_kv.CONFIGS), lse=True)
 
     def __init__(self, layout: str = "paged"):
         self.layout = layout
