@@ -17,12 +17,17 @@
 //    sequence (as FlashAttention-2 splits) and each sequence's own Nk_b bounds its keys. It runs
 //    the FA2 tile loop of fa2.cu over them for every query tile of the sequence (fp32 scores and
 //    online softmax, P rounded to T before P V) and writes the split's partial result in fp32:
-//    o_partial [num_splits, total_q, H, D] = acc / l and lse_partial [num_splits, H, total_q] =
-//    m + log l; a split that sees no key of a row writes o = 0 and lse = -inf for it.
+//    o_partial [num_splits, total_q, H, D] = acc / l, and the split's LSE lse_s = m + log l as the
+//    pair it stands for, lse_partial [2, num_splits, H, total_q] = (m, l). A split that sees no
+//    key of a row writes o = 0, m = -inf, l = 0 for it. The pair, not m + log l rounded to fp32:
+//    an fp32 LSE of magnitude 200 is off by up to 8e-6, and the merge's weights exp(lse_s - lse)
+//    would pass that on to o as relative error (fp32 problems of large logits failed the honest-
+//    ensemble rule so; the pair keeps the weights as accurate as fa2.cu's rescaling).
 // 2. split_kv_combine_<layout>_<dtype>_d<D>, grid (B, H): the LSE-weighted merge of the splits,
-//    lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s (a -inf partial weighs 0; a row no
-//    split saw gets o = 0 and lse = -inf), o rounded to T into out [total_q, H, D] and lse into the
-//    layout's LSE: varlen [H, total_q], paged [B, H, Nq].
+//    with M = max_s m_s: w_s = l_s exp(m_s - M) = exp(lse_s - M), lse = M + log sum_s w_s,
+//    o = sum_s w_s o_s / sum_s w_s (a split that saw no key weighs 0; a row no split saw gets
+//    o = 0 and lse = -inf), o rounded to T into out [total_q, H, D] and lse into the layout's LSE:
+//    varlen [H, total_q], paged [B, H, Nq].
 // The host side (tile sizes, grids, shared memory, scratch, num_splits' heuristic) is
 // fa_verify/kernels/split_kv.py. Precision model: PrecisionModel.flash(dtype).
 
@@ -176,11 +181,14 @@ __device__ void split_kv_partial(SPLIT_KV_PARAMS(T)) {
             __syncthreads();  // the next tile overwrites K, V and S
         }
 
-        // The split's partial result: o = acc / l, lse = m + log l (0 and -inf for a row it saw no key of).
+        // The split's partial result: o = acc / l and (m, l) (0, -inf and 0 for a row it saw no key of).
         if (tid < BLOCK_M) {
             row_l[tid] = l_i;
-            if (q0 + tid < Nq)
-                lse_partial[(static_cast<size_t>(split) * H + h) * total_q + q_start + q0 + tid] = fa_lse(m_i, l_i);
+            if (q0 + tid < Nq) {
+                const size_t at = (static_cast<size_t>(split) * H + h) * total_q + q_start + q0 + tid;
+                lse_partial[at] = m_i;
+                lse_partial[static_cast<size_t>(num_splits) * H * total_q + at] = l_i;
+            }
         }
         __syncthreads();
 #pragma unroll
@@ -201,25 +209,28 @@ template <typename T, int D, bool PAGED>
 __device__ void split_kv_combine(SPLIT_KV_COMBINE_PARAMS(T)) {
     const int b = blockIdx.x, h = blockIdx.y;
     const int total_q = cu_seqlens_q[B];
+    const float* m_partial = lse_partial;                                          // [num_splits, H, total_q]
+    const float* l_partial = lse_partial + static_cast<size_t>(num_splits) * H * total_q;
     const int q_start = cu_seqlens_q[b], Nq = cu_seqlens_q[b + 1] - q_start;
     for (int i = 0; i < Nq; ++i) {
         const int row = q_start + i;
-        // Every thread merges the row's LSE itself (num_splits is small): no barrier needed.
+        // Every thread merges the row's (m, l) pairs itself (num_splits is small): no barrier needed.
         float m = -INFINITY;
-        for (int s = 0; s < num_splits; ++s) m = fmaxf(m, lse_partial[(static_cast<size_t>(s) * H + h) * total_q + row]);
+        for (int s = 0; s < num_splits; ++s) m = fmaxf(m, m_partial[(static_cast<size_t>(s) * H + h) * total_q + row]);
         const float shift = fa_softmax_shift(m);
-        float sum = 0.0f;
-        for (int s = 0; s < num_splits; ++s) sum += expf(lse_partial[(static_cast<size_t>(s) * H + h) * total_q + row] - shift);
-        const float row_lse = sum > 0.0f ? shift + logf(sum) : -INFINITY;
-        if (threadIdx.x == 0) lse[lse_index<PAGED>(b, h, H, q_start, i, Nq, total_q)] = row_lse;
+        // w_s = l_s exp(m_s - M): 0 for a split that saw no key (l_s = 0, m_s = -inf).
+        const auto weight = [&](int s) {
+            const size_t at = (static_cast<size_t>(s) * H + h) * total_q + row;
+            return l_partial[at] * expf(m_partial[at] - shift);
+        };
+        float l = 0.0f;
+        for (int s = 0; s < num_splits; ++s) l += weight(s);
+        if (threadIdx.x == 0) lse[lse_index<PAGED>(b, h, H, q_start, i, Nq, total_q)] = fa_lse(m, l);
         for (int c = threadIdx.x; c < D; c += blockDim.x) {
             float acc = 0.0f;
-            for (int s = 0; s < num_splits; ++s) {
-                const float lse_s = lse_partial[(static_cast<size_t>(s) * H + h) * total_q + row];
-                if (lse_s == -INFINITY) continue;  // a split that saw no key weighs nothing (its o is 0)
-                acc += expf(lse_s - row_lse) * o_partial[((static_cast<size_t>(s) * total_q + row) * H + h) * D + c];
-            }
-            o[(static_cast<size_t>(row) * H + h) * D + c] = from_float<T>(acc);
+            for (int s = 0; s < num_splits; ++s)
+                acc += weight(s) * o_partial[((static_cast<size_t>(s) * total_q + row) * H + h) * D + c];
+            o[(static_cast<size_t>(row) * H + h) * D + c] = from_float<T>(l > 0.0f ? acc / l : 0.0f);
         }
     }
 }

@@ -104,7 +104,7 @@ def test_plan_shapes_and_scratch_start_as_nan():
     total_q = sum(problem.seqlens_q)
     assert plan.num_splits == 3 and plan.split.grid == (3, 4, 3) and plan.combine.grid == (3, 4, 1)
     assert plan.buffers["o_partial"].shape == (3, total_q, 4, 64) and np.isnan(plan.buffers["o_partial"]).all()
-    assert plan.buffers["lse_partial"].shape == (3, 4, total_q) and np.isnan(plan.buffers["lse_partial"]).all()
+    assert plan.buffers["lse_partial"].shape == (2, 3, 4, total_q) and np.isnan(plan.buffers["lse_partial"]).all()
     assert list(plan.buffers["cu_seqlens_q"]) == [0, 4, 8, 12]
     assert len(plan.split.args) == len(split_kv.SPLIT_SIGNATURE)
     assert len(plan.combine.args) == len(split_kv.COMBINE_SIGNATURE)
@@ -112,7 +112,8 @@ def test_plan_shapes_and_scratch_start_as_nan():
 
 def test_unsupported_problems_are_named():
     backend = SplitKvCpuBackend("paged")
-    assert "no entry for D=32" in backend.supports(ragged("paged", [(1, 8)], D=32))
+    assert "D in {64, 128}" in backend.supports(ragged("paged", [(1, 8)], D=32))
+    assert "no entry for D=32" in split_kv.supports(ragged("paged", [(1, 8)], D=32))
     assert "takes the paged layout" in backend.supports(ragged("varlen", [(1, 8)]))
     top_left = RaggedProblem(tuple(s.replace(causal_alignment="top-left") for s in ragged("varlen", [(1, 8)]).sequences),
                              "varlen")

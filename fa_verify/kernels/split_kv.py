@@ -2,8 +2,8 @@
 
 A ragged problem (fa_verify.ragged.RaggedProblem) runs as
 1. `split_kv_<layout>_<dtype>_d<D>`, grid (num_splits, H, B): each block writes one split's
-   partial result in fp32 into scratch: o_partial [num_splits, total_q, H, D] and lse_partial
-   [num_splits, H, total_q];
+   partial result in fp32 into scratch: o_partial [num_splits, total_q, H, D] and its LSE as the
+   (row max, row sum) pair lse_partial [2, num_splits, H, total_q] (kernels/split_kv.cu says why);
 2. `split_kv_combine_<layout>_<dtype>_d<D>`, grid (B, H): the LSE-weighted merge into out
    [total_q, H, D] (the problem dtype) and LSE (varlen [H, total_q], paged [B, H, Nq]).
 A paged problem's q [B, Nq, H, D] is passed as packed rows with cu_seqlens_q = b * Nq.
@@ -151,7 +151,7 @@ def plan(problem, inputs: dict, out: np.ndarray, lse: np.ndarray) -> SplitKvPlan
         "seqlens_k": np.ascontiguousarray(seqlens_k, dtype=np.int32),
         "block_table": None if block_table is None else np.ascontiguousarray(block_table, dtype=np.int32),
         "o_partial": np.full((splits, total_q, H, D), np.nan, np.float32),
-        "lse_partial": np.full((splits, H, total_q), np.nan, np.float32),
+        "lse_partial": np.full((2, splits, H, total_q), np.nan, np.float32),
         "out": out, "lse": lse,
     }
     scale = 1.0 / math.sqrt(D) if problem.scale is None else float(problem.scale)
