@@ -160,10 +160,13 @@ def test_split_counts_agree_within_the_merge():
 # --- mutants ----------------------------------------------------------------------------------------------
 
 MUTANTS = load_mutants(families=["split_kv"])
+#: The first in the default run, the others marked slow (a build each; `python3 -m pytest -m slow`
+#: and .ci/run run them), as tests/test_judge.py does; `fa_verify mutants --family split_kv` kills all.
+GRID_MUTANTS = [pytest.param(m, id=m.name, marks=[pytest.mark.slow] if i else []) for i, m in enumerate(MUTANTS)]
 
 
 @needs_cpu_runner
-@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
+@pytest.mark.parametrize("mutant", GRID_MUTANTS)
 def test_mutant_is_caught_by_the_grid(mutant, tmp_path):
     source = mutant.materialise(tmp_path)
     module = cpu_module(source, tmp_path)
@@ -189,3 +192,16 @@ def test_split_kv_compiles_with_nvcc(arch):
     for e in result.entries:
         assert 0 < e.registers <= 255 and e.static_smem == 0
         assert e.dynamic_smem == (0 if "_combine_" in e.entry else split_kv.shared_bytes(int(e.entry.rsplit("_d", 1)[1])))
+
+
+# --- the mutants' layouts ------------------------------------------------------------------------------------
+
+def test_a_split_kv_mutant_must_name_its_layout(tmp_path):
+    entry = '[[mutant]]\nname = "m"\nfamily = "split_kv"\nbug_class = "b"\ndescription = "d"\nfind = "f"\nreplace = "r"\n' \
+            'caught_by = "oracle"\n'
+    (tmp_path / "m.toml").write_text(entry)
+    with pytest.raises(InvalidArgumentError, match="name the layout"):
+        load_mutants(tmp_path / "m.toml")
+    (tmp_path / "m.toml").write_text(entry.replace('family = "split_kv"', 'family = "fa2"\nlayout = "paged"'))
+    with pytest.raises(InvalidArgumentError, match="other families' none"):
+        load_mutants(tmp_path / "m.toml")
