@@ -10,6 +10,7 @@ layout (kernels/mutants/mutants.toml) must catch it.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,10 +21,13 @@ from fa_verify.errors import BackendOutputError, InvalidArgumentError, KernelRun
 from fa_verify.kernels import split_kv
 from fa_verify.kernels.mutants import load_mutants
 from fa_verify.problem import AttentionProblem
+from fa_verify.properties import Selection
 from fa_verify.ragged import PageLayout, RaggedProblem
 from fa_verify.verdict import check_attention
 
 CPU = cpu_runner_availability()
+#: The ci profile with few examples, seeded: the suite's runs here take seconds.
+SMALL = replace(Selection.from_profile("ci"), seed=0, max_examples=6)
 needs_cpu_runner = pytest.mark.skipif(not CPU.available, reason=CPU.reason)
 BLOCK_N = split_kv.CONFIGS[64].block_n
 
@@ -194,7 +198,7 @@ def test_split_kv_compiles_with_nvcc(arch):
         assert e.dynamic_smem == (0 if "_combine_" in e.entry else split_kv.shared_bytes(int(e.entry.rsplit("_d", 1)[1])))
 
 
-# --- the mutants' layouts ------------------------------------------------------------------------------------
+# --- helper ragged's properties, and the mutants' layouts ------------------------------------------------
 
 def test_a_split_kv_mutant_must_name_its_layout(tmp_path):
     entry = '[[mutant]]\nname = "m"\nfamily = "split_kv"\nbug_class = "b"\ndescription = "d"\nfind = "f"\nreplace = "r"\n' \
@@ -205,3 +209,13 @@ def test_a_split_kv_mutant_must_name_its_layout(tmp_path):
     (tmp_path / "m.toml").write_text(entry.replace('family = "split_kv"', 'family = "fa2"\nlayout = "paged"'))
     with pytest.raises(InvalidArgumentError, match="other families' none"):
         load_mutants(tmp_path / "m.toml")
+
+
+@needs_cpu_runner
+@pytest.mark.parametrize("layout", ["paged", "varlen"])
+def test_the_ragged_properties_pass_the_kernel(layout):
+    from fa_verify.judge import run_suite
+
+    run = run_suite(SplitKvCpuBackend(layout), SMALL)
+    assert not run.killed, run.detail
+    assert {p["status"] for p in run.properties} <= {"passed", "not applicable"} and run.examples > 0

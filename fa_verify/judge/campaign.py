@@ -26,8 +26,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from fa_verify.backends.ragged_base import RaggedBackend
 from fa_verify.check import check_backend
-from fa_verify.properties import FAILED, PROPERTIES, Property, Selection, get_property
+from fa_verify.properties import (FAILED, PROPERTIES, RAGGED_PROPERTIES, Property, Selection, get_property,
+                                  get_ragged_property)
 from fa_verify.properties._result import not_applicable
 from fa_verify.strategies import Shape
 
@@ -165,11 +167,7 @@ def run_suite(backend, selection: Selection = Selection(), *, properties=None, s
     after each property. control: a backend (the unmutated kernel) that must pass an example
     for the target's failure on it to count.
     """
-    from fa_verify.backends.ragged_base import RaggedBackend
-
     if isinstance(backend, RaggedBackend):  # a ragged target (a split_kv mutant) gets the ragged properties
-        from fa_verify.properties.registry import RAGGED_PROPERTIES, get_ragged_property
-
         props = list(RAGGED_PROPERTIES if properties is None else map(get_ragged_property, properties))
     else:
         props = CAMPAIGN_PROPERTIES if properties is None else [get_property(p) for p in properties]
