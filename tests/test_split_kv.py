@@ -161,6 +161,17 @@ def test_split_counts_agree_within_the_merge():
     assert np.abs(outs[0] - outs[1]).max() < 2e-3 and np.abs(outs[0] - outs[2]).max() < 2e-3
 
 
+@needs_cpu_runner
+def test_address_sanitizer_and_race_detector_are_clean():
+    """The paged gather with a shuffled table under AddressSanitizer; the varlen layout with fully
+    masked rows and empty splits under the race detector (a KernelRaceError would fail it)."""
+    paged = case("paged-spec-p64-split3")
+    assert failures_of(paged, lambda p, inputs: SplitKvCpuBackend("paged", sanitize=True).run(p)) == []
+    varlen = case("varlen-masked-rows-split2")
+    racecheck = cpu_module(racecheck=True)
+    assert failures_of(varlen, lambda p, inputs: run_on_cpu(p, inputs, racecheck, "split-kv-race")) == []
+
+
 # --- mutants ----------------------------------------------------------------------------------------------
 
 MUTANTS = load_mutants(families=["split_kv"])
