@@ -18,7 +18,7 @@ import numpy as np
 
 from fa_verify.backends.base import Availability
 from fa_verify.backends.buffers import GuardedOutput
-from fa_verify.backends.cuda_kernels import cpu_runner_availability
+from fa_verify.backends.cuda_kernels import _bits, cpu_runner_availability
 from fa_verify.backends.ragged_base import RaggedBackend, output_buffers
 from fa_verify.errors import BackendOutputError, KernelRunError
 from fa_verify.kernels import split_kv
@@ -83,7 +83,7 @@ def run_on_cpu(problem, inputs: dict, module, name: str) -> tuple[np.ndarray, np
 
     buffers = output_buffers(problem, split_kv.precision(problem.dtype).output)
     o, lse = buffers
-    plan = split_kv.plan(problem, inputs, Inside(split_kv._bits(o.buffer), o.offset), Inside(lse.buffer, lse.offset))
+    plan = split_kv.plan(problem, inputs, Inside(_bits(o.buffer), o.offset), Inside(lse.buffer, lse.offset))
     for launch in plan.launches:
         args = [plan.buffers[a] if isinstance(a, str) else a for a in launch.args]
         module.launch(launch.entry, launch.grid, launch.block, launch.shared_bytes, args,

@@ -115,9 +115,9 @@ class SplitKvPlan:
     num_splits: int
     split: KernelLaunch
     combine: KernelLaunch
-    #: {name: numpy array}: inputs (q, k, v, int32 metadata), scratch (o_partial, lse_partial,
-    #: NaN-filled: a partial never written shows in the output) and outputs (out, lse), in the
-    #: shapes the kernel reads them
+    #: {name: buffer}: inputs (q, k, v, int32 metadata; block_table None for varlen), scratch
+    #: (o_partial, lse_partial, NaN-filled: a partial never written shows in the output) as numpy
+    #: arrays in the shapes the kernel reads them, and the outputs (out, lse) as `plan` got them
     buffers: dict
 
     @property
@@ -125,9 +125,12 @@ class SplitKvPlan:
         return self.split, self.combine
 
 
-def plan(problem, inputs: dict, out: np.ndarray, lse: np.ndarray) -> SplitKvPlan:
+def plan(problem, inputs: dict, out, lse) -> SplitKvPlan:
     """The launches of `problem` (a RaggedProblem) on `inputs` (`problem.inputs()`: the layout's
-    arrays), writing into `out` and `lse` (the layout's shapes; the caller pre-fills them)."""
+    arrays), writing into `out` and `lse`: the layout's shapes, pre-filled by the caller, passed
+    as the runner takes them (arrays, the CPU runner's `Inside` pointers, `GuardedOutput`s)."""
+    from fa_verify.backends.cuda_kernels import _bits
+
     reason = supports(problem)
     if reason is not None:
         raise InvalidArgumentError(f"cannot launch {problem.describe()}: {reason}")
@@ -154,7 +157,7 @@ def plan(problem, inputs: dict, out: np.ndarray, lse: np.ndarray) -> SplitKvPlan
         "lse_partial": np.full((2, splits, H, total_q), np.nan, np.float32),
         "out": out, "lse": lse,
     }
-    scale = 1.0 / math.sqrt(D) if problem.scale is None else float(problem.scale)
+    scale = problem.first.scale_value
     split = KernelLaunch(
         split_entry(layout, dtype, D), (splits, H, B), (cfg.threads, 1, 1), shared_bytes(D), SPLIT_SIGNATURE,
         ("q", "k", "v", "o_partial", "lse_partial", "cu_seqlens_q", "seqlens_k", "block_table",
@@ -163,12 +166,6 @@ def plan(problem, inputs: dict, out: np.ndarray, lse: np.ndarray) -> SplitKvPlan
         combine_entry(layout, dtype, D), (B, H, 1), (COMBINE_THREADS, 1, 1), 0, COMBINE_SIGNATURE,
         ("o_partial", "lse_partial", "out", "lse", "cu_seqlens_q", B, H, splits))
     return SplitKvPlan(splits, split, combine, buffers)
-
-
-def _bits(x: np.ndarray) -> np.ndarray:
-    """A contiguous array as the kernel reads it: fp16/bf16 as their uint16 bits."""
-    x = np.ascontiguousarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x
 
 
 @dataclass(frozen=True)
