@@ -74,7 +74,7 @@ class Counterexample:
         """(B,H,Nq,Nk,D), with H/Hkv when they differ; a ragged problem's Nq and Nk per sequence."""
         s = self.shape
         heads = f"{s.heads}" if s.kv_heads == s.heads else f"{s.heads}/{s.kv_heads}"
-        nq, nk = (s.nq, s.nk) if self.seqlens is None else ("|".join(map(str, n)) for n in self.seqlens)
+        nq, nk = (s.nq, s.nk) if self.seqlens is None else (f"[{' '.join(map(str, n))}]" for n in self.seqlens)
         return f"({s.batch},{heads},{nq},{nk},{s.head_dim})" + (f" {self.layout}" if self.layout else "")
 
     def as_dict(self) -> dict:
