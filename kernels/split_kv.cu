@@ -10,6 +10,13 @@
 //     j % page_size of page block_table[b * max_blocks + j / page_size]; Nk_b = seqlens_k[b]
 //     (seqlens_k = cache_seqlens, [B]).
 // Query head h reads key/value head h / (H / Hkv).
+// Variants, flash-attn 2's conventions (fa_verify/problem.py) with each sequence's own diagonal
+// offset o = Nk_b - Nq_b: query i sees keys i + o - window_left ..= i + o + window_right (-1:
+// unbounded; causal means window_right = 0); scores are scale q.k, then softcap tanh(s / softcap)
+// when softcap > 0, then minus slope |i + o - j| (alibi_slopes [H], or [B, H] with
+// alibi_batch_stride = H; null: off). A sink (sinks [H]; null: off) joins the merged softmax's
+// denominator once, in the combine kernel: counted in every split it would be counted
+// num_splits times.
 //
 // 1. split_kv_<layout>_<dtype>_d<D>, grid (num_splits, H, B): block (s, h, b) takes the key
 //    tiles s * tiles_per_split .. (s + 1) * tiles_per_split - 1 of sequence b, where
@@ -38,15 +45,18 @@
         float* __restrict__ o_partial, float* __restrict__ lse_partial,                              \
         const int* __restrict__ cu_seqlens_q, const int* __restrict__ seqlens_k,                     \
         const int* __restrict__ block_table, int B, int H, int Hkv, int max_seqlen_k, int max_blocks, \
-        int page_size, int num_splits, float scale, int causal
+        int page_size, int num_splits, float scale, int causal, int window_left, int window_right,   \
+        float softcap, const float* __restrict__ alibi_slopes, int alibi_batch_stride
 #define SPLIT_KV_ARGS                                                                                \
     q, k, v, o_partial, lse_partial, cu_seqlens_q, seqlens_k, block_table, B, H, Hkv, max_seqlen_k,  \
-        max_blocks, page_size, num_splits, scale, causal
+        max_blocks, page_size, num_splits, scale, causal, window_left, window_right, softcap,        \
+        alibi_slopes, alibi_batch_stride
 
 #define SPLIT_KV_COMBINE_PARAMS(T)                                                                   \
     const float* __restrict__ o_partial, const float* __restrict__ lse_partial, T* __restrict__ o,   \
-        float* __restrict__ lse, const int* __restrict__ cu_seqlens_q, int B, int H, int num_splits
-#define SPLIT_KV_COMBINE_ARGS o_partial, lse_partial, o, lse, cu_seqlens_q, B, H, num_splits
+        float* __restrict__ lse, const int* __restrict__ cu_seqlens_q, int B, int H, int num_splits,   \
+        const float* __restrict__ sinks
+#define SPLIT_KV_COMBINE_ARGS o_partial, lse_partial, o, lse, cu_seqlens_q, B, H, num_splits, sinks
 
 // Keys of sequence b: cache_seqlens[b] (paged), or the difference of cu_seqlens_k (varlen).
 template <bool PAGED> FA_DEVICE int sequence_keys(const int* seqlens_k, int b) {
@@ -61,6 +71,11 @@ FA_DEVICE size_t key_row(const int* seqlens_k, const int* block_table, int max_b
     const int page = block_table[static_cast<size_t>(b) * max_blocks + j / page_size];
     return static_cast<size_t>(page) * page_size + j % page_size;
 }
+
+// Keys key_lo .. key_hi - 1 that the query row with diagonal key `diag` (i + Nk - Nq) sees in
+// the window (left, right) (-1: unbounded; causal passes right = 0), within the sequence's Nk.
+FA_DEVICE int window_key_lo(int diag, int left) { return left < 0 ? 0 : max(diag - left, 0); }
+FA_DEVICE int window_key_hi(int diag, int right, int Nk) { return right < 0 ? Nk : max(0, min(diag + right + 1, Nk)); }
 
 // Index in the layout's LSE of row i of sequence b (its first packed row q_start), head h.
 template <bool PAGED> FA_DEVICE size_t lse_index(int b, int h, int H, int q_start, int i, int Nq, int total_q) {
@@ -95,7 +110,9 @@ __device__ void split_kv_partial(SPLIT_KV_PARAMS(T)) {
     const int total_q = cu_seqlens_q[B];
     const int q_start = cu_seqlens_q[b], Nq = cu_seqlens_q[b + 1] - q_start;
     const int Nk = sequence_keys<PAGED>(seqlens_k, b);
-    const int causal_offset = causal ? Nk - Nq : 0;
+    const int offset = Nk - Nq;                        // bottom-right diagonal of the sequence
+    const int right = causal ? 0 : window_right;
+    const float slope = alibi_slopes ? alibi_slopes[b * alibi_batch_stride + h] : 0.0f;
 
     // This split's keys: the same tile range in every sequence, cut at the sequence's own end.
     const int tiles_per_split = ((max_seqlen_k + BLOCK_N - 1) / BLOCK_N + num_splits - 1) / num_splits;
@@ -110,7 +127,7 @@ __device__ void split_kv_partial(SPLIT_KV_PARAMS(T)) {
         }
         float m_i = -INFINITY, l_i = 0.0f;
         float acc[O_ROWS][O_COLS] = {};
-        const int n_end = min(split_end, fa_key_end(q0, BLOCK_M, Nq, Nk, causal, causal_offset));
+        const int n_end = min(split_end, window_key_hi(min(q0 + BLOCK_M, Nq) - 1 + offset, right, Nk));
 
         for (int n0 = split_begin; n0 < n_end; n0 += BLOCK_N) {
             // K, V tiles -> shared (fp32), gathered key by key; keys past the split zero.
@@ -141,9 +158,14 @@ __device__ void split_kv_partial(SPLIT_KV_PARAMS(T)) {
                 }
 #pragma unroll
                 for (int i = 0; i < S_PER_THREAD; ++i) {
-                    const int r = r0 + i * S_ROWS_STEP;
-                    const bool allowed = n0 + j < min(n_end, fa_key_limit(q0 + r, Nk, causal, causal_offset));
-                    Ss[r * LDS + j] = allowed ? s[i] * scale : -INFINITY;
+                    const int r = r0 + i * S_ROWS_STEP, diag = q0 + r + offset, key = n0 + j;
+                    const bool allowed = key < n_end && window_key_lo(diag, window_left) <= key &&
+                                         key < window_key_hi(diag, right, Nk);
+                    // flash-attn 2's order: scale, then the soft cap, then the ALiBi bias.
+                    float x = s[i] * scale;
+                    if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                    x -= slope * fabsf(static_cast<float>(diag - key));
+                    Ss[r * LDS + j] = allowed ? x : -INFINITY;
                 }
             }
             __syncthreads();
@@ -215,7 +237,8 @@ __device__ void split_kv_combine(SPLIT_KV_COMBINE_PARAMS(T)) {
     for (int i = 0; i < Nq; ++i) {
         const int row = q_start + i;
         // Every thread merges the row's (m, l) pairs itself (num_splits is small): no barrier needed.
-        float m = -INFINITY;
+        // A sink joins the merged softmax once, as one more split of max sinks[h] and sum 1.
+        float m = sinks ? sinks[h] : -INFINITY;
         for (int s = 0; s < num_splits; ++s) m = fmaxf(m, m_partial[(static_cast<size_t>(s) * H + h) * total_q + row]);
         const float shift = fa_softmax_shift(m);
         // w_s = l_s exp(m_s - M): 0 for a split that saw no key (l_s = 0, m_s = -inf).
@@ -223,7 +246,7 @@ __device__ void split_kv_combine(SPLIT_KV_COMBINE_PARAMS(T)) {
             const size_t at = (static_cast<size_t>(s) * H + h) * total_q + row;
             return l_partial[at] * expf(m_partial[at] - shift);
         };
-        float l = 0.0f;
+        float l = sinks ? expf(sinks[h] - shift) : 0.0f;
         for (int s = 0; s < num_splits; ++s) l += weight(s);
         if (threadIdx.x == 0) lse[lse_index<PAGED>(b, h, H, q_start, i, Nq, total_q)] = fa_lse(m, l);
         for (int c = threadIdx.x; c < D; c += blockDim.x) {

@@ -32,13 +32,19 @@ needs_cpu_runner = pytest.mark.skipif(not CPU.available, reason=CPU.reason)
 BLOCK_N = split_kv.CONFIGS[64].block_n
 
 
-def ragged(layout, lens, *, H=4, Hkv=2, D=64, dtype="fp16", causal=True, page_size=16, splits=0, seed=0):
+def ragged(layout, lens, *, H=4, Hkv=2, D=64, dtype="fp16", causal=True, page_size=16, splits=0, seed=0,
+           alibi=False, **variants):
     """A ragged problem of sequences (Nq_b, Nk_b) with standard normal inputs; paged problems get a
-    shuffled page table with spare pages (entries past a sequence's pages are random)."""
+    shuffled page table with spare pages (entries past a sequence's pages are random). variants:
+    window_size, softcap, sinks as AttentionProblem takes them; alibi: random slopes per sequence."""
     rng = np.random.default_rng(seed)
+    if "sinks" in variants:
+        variants["sinks"] = np.asarray(variants["sinks"], np.float32)
     sequences = tuple(
         AttentionProblem.from_float(rng.standard_normal((1, H, nq, D)), rng.standard_normal((1, Hkv, nk, D)),
-                                    rng.standard_normal((1, Hkv, nk, D)), dtype, causal=causal)
+                                    rng.standard_normal((1, Hkv, nk, D)), dtype, causal=causal,
+                                    alibi_slopes=rng.uniform(0, 0.5, H).astype(np.float32) if alibi else None,
+                                    **variants)
         for nq, nk in lens)
     if layout == "varlen":
         return RaggedProblem(sequences, "varlen", num_splits=splits)
@@ -50,7 +56,8 @@ def ragged(layout, lens, *, H=4, Hkv=2, D=64, dtype="fp16", causal=True, page_si
 #: The grid: decode (Nq = 1) and speculative decode (Nq = 4, 8), Nk = 257 (one key past 8 tiles)
 #: beside short sequences (fewer keys than splits: empty splits), page sizes below, equal to and
 #: above the kernel's key tile (16, 32, 64 vs 32), splits 1, 2, 3 and the kernel's own choice,
-#: GQA, MQA and MHA, rows that see no key (varlen Nq_b > Nk_b, causal), each dtype and head dim.
+#: GQA, MQA and MHA, rows that see no key (varlen Nq_b > Nk_b, causal), each dtype and head dim,
+#: and each variant.
 CASES = {
     "paged-decode-p16-auto": ("paged", [(1, 257), (1, 5), (1, 64)], dict(page_size=16)),
     "paged-decode-p32-split2": ("paged", [(1, 257), (1, 33)], dict(page_size=BLOCK_N, splits=2)),
@@ -61,6 +68,11 @@ CASES = {
     "varlen-noncausal-mqa-split4": ("varlen", [(2, 257), (1, 1)], dict(splits=4, causal=False, Hkv=1)),
     "paged-bf16-d128-auto": ("paged", [(2, 90), (2, 257)], dict(page_size=32, dtype="bf16", D=128)),
     "varlen-fp32-d128-split2": ("varlen", [(1, 130), (4, 33)], dict(splits=2, dtype="fp32", D=128)),
+    # the variants: a window crossing split and tile edges, a binding softcap, per-sequence ALiBi
+    # slopes, sinks above and below the scores (rows without keys: LSE = sink)
+    "varlen-window-softcap-split3": ("varlen", [(4, 150), (6, 3)],
+                                     dict(splits=3, causal=False, window_size=(40, 2), softcap=1.5)),
+    "paged-alibi-sinks-p16-auto": ("paged", [(2, 257), (2, 20)], dict(alibi=True, sinks=[3.0, -2.0, 0.0, 9.0])),
 }
 
 
@@ -129,7 +141,7 @@ def test_unsupported_problems_are_named():
 def test_backends_are_ragged_split_kv_backends():
     names = [b.name for b in split_kv_backends()]
     assert names == ["split-kv-cpu", "split-kv-varlen-cpu", "split-kv-pycuda", "split-kv-varlen-pycuda"]
-    assert all(b.splits and b.features == () and b.writes_buffers for b in split_kv_backends())
+    assert all(b.splits and b.features == split_kv.FEATURES and b.writes_buffers for b in split_kv_backends())
 
 
 # --- the kernel against the oracle ---------------------------------------------------------------------

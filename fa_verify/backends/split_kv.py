@@ -40,7 +40,7 @@ class SplitKvBackend(RaggedBackend):
 
     runner: str
     dtypes = split_kv.DTYPES
-    features = ()  # window, softcap, ALiBi and sinks are not in this kernel
+    features = split_kv.FEATURES
     splits = True
     writes_buffers = True
     limits = Limits(dtypes=split_kv.DTYPES, head_dims=tuple(split_kv.CONFIGS), lse=True)
@@ -180,7 +180,8 @@ class SplitKvPyCudaBackend(SplitKvBackend):
             pointers = {name: np.uintp(int(buf)) for name, buf in device.items()}
             pointers["out"] = np.uintp(int(device["out"]) + o.offset * o.buffer.itemsize)
             pointers["lse"] = np.uintp(int(device["lse"]) + lse.offset * 4)
-            pointers["block_table"] = pointers.get("block_table", np.uintp(0))
+            for optional in ("block_table", "alibi_slopes", "sinks"):  # null when unused
+                pointers.setdefault(optional, np.uintp(0))
             for launch in plan.launches:
                 args = [pointers[a] if isinstance(a, str) else np.float32(a) if kind == "float" else np.int32(a)
                         for a, kind in zip(launch.args, launch.signature)]

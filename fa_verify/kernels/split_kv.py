@@ -34,8 +34,10 @@ HEURISTIC_SMS = 108
 #: combine's reads outweigh the gain).
 MAX_AUTO_SPLITS = 32
 #: Parameter kinds of the split entries and of the combine entries (the CPU runner's signatures).
-SPLIT_SIGNATURE = ("ptr",) * 8 + ("int",) * 7 + ("float", "int")
-COMBINE_SIGNATURE = ("ptr",) * 5 + ("int",) * 3
+SPLIT_SIGNATURE = ("ptr",) * 8 + ("int",) * 7 + ("float", "int", "int", "int", "float", "ptr", "int")
+COMBINE_SIGNATURE = ("ptr",) * 5 + ("int",) * 3 + ("ptr",)
+#: The variants the kernel implements (keys of fa_verify.problem.FEATURES).
+FEATURES = ("window", "softcap", "alibi", "sinks")
 LAYOUTS = ("varlen", "paged")
 
 
@@ -115,7 +117,8 @@ class SplitKvPlan:
     num_splits: int
     split: KernelLaunch
     combine: KernelLaunch
-    #: {name: buffer}: inputs (q, k, v, int32 metadata; block_table None for varlen), scratch
+    #: {name: buffer}: inputs (q, k, v, int32 metadata; block_table None for varlen; float32
+    #: alibi_slopes and sinks, None when off), scratch
     #: (o_partial, lse_partial, NaN-filled: a partial never written shows in the output) as numpy
     #: arrays in the shapes the kernel reads them, and the outputs (out, lse) as `plan` got them
     buffers: dict
@@ -158,13 +161,21 @@ def plan(problem, inputs: dict, out, lse) -> SplitKvPlan:
         "out": out, "lse": lse,
     }
     scale = problem.first.scale_value
+    # Window sides capped at every key (Nq + Nk) so that any size fits the kernel's int.
+    cap = problem.max_seqlen_q + problem.max_seqlen_k
+    left, right = (-1 if side < 0 else min(side, cap) for side in problem.window_size)
+    slopes = problem.alibi_slopes
+    buffers["alibi_slopes"] = None if slopes is None else np.ascontiguousarray(slopes, dtype=np.float32)
+    buffers["sinks"] = None if problem.sinks is None else np.ascontiguousarray(problem.sinks, dtype=np.float32)
+    alibi_batch_stride = H if slopes is not None and slopes.ndim == 2 else 0
     split = KernelLaunch(
         split_entry(layout, dtype, D), (splits, H, B), (cfg.threads, 1, 1), shared_bytes(D), SPLIT_SIGNATURE,
         ("q", "k", "v", "o_partial", "lse_partial", "cu_seqlens_q", "seqlens_k", "block_table",
-         B, H, Hkv, problem.max_seqlen_k, max_blocks, page_size, splits, scale, int(problem.causal)))
+         B, H, Hkv, problem.max_seqlen_k, max_blocks, page_size, splits, scale, int(problem.causal),
+         left, right, float(problem.softcap), "alibi_slopes", alibi_batch_stride))
     combine = KernelLaunch(
         combine_entry(layout, dtype, D), (B, H, 1), (COMBINE_THREADS, 1, 1), 0, COMBINE_SIGNATURE,
-        ("o_partial", "lse_partial", "out", "lse", "cu_seqlens_q", B, H, splits))
+        ("o_partial", "lse_partial", "out", "lse", "cu_seqlens_q", B, H, splits, "sinks"))
     return SplitKvPlan(splits, split, combine, buffers)
 
 

@@ -89,10 +89,10 @@ def _split_kv_entry(entry: str):
     if signature is None:
         return None
     element = np.float32 if entry.rsplit("_", 2)[1] == "fp32" else np.uint16
-    if entry.startswith(f"{split_kv.NAME}_combine_"):  # o_partial, lse_partial, o, lse, cu_seqlens_q
-        pointers = (np.float32, np.float32, element, np.float32, np.int32)
-    else:  # q, k, v, o_partial, lse_partial, cu_seqlens_q, seqlens_k, block_table (null for varlen)
-        pointers = (element,) * 3 + (np.float32, np.float32, np.int32, np.int32, np.int32)
+    if entry.startswith(f"{split_kv.NAME}_combine_"):  # o_partial, lse_partial, o, lse, cu_seqlens_q, sinks
+        pointers = (np.float32, np.float32, element, np.float32, np.int32, np.float32)
+    else:  # q, k, v, o_partial, lse_partial, cu_seqlens_q, seqlens_k, block_table, alibi_slopes (null: unused)
+        pointers = (element,) * 3 + (np.float32, np.float32, np.int32, np.int32, np.int32, np.float32)
     return cpu_module(), entry, signature, pointers
 
 
