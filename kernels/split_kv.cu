@@ -32,8 +32,8 @@
 //    ensemble rule so; the pair keeps the weights as accurate as fa2.cu's rescaling).
 // 2. split_kv_combine_<layout>_<dtype>_d<D>, grid (B, H): the LSE-weighted merge of the splits,
 //    with M = max_s m_s: w_s = l_s exp(m_s - M) = exp(lse_s - M), lse = M + log sum_s w_s,
-//    o = sum_s w_s o_s / sum_s w_s (a split that saw no key weighs 0; a row no split saw gets
-//    o = 0 and lse = -inf), o rounded to T into out [total_q, H, D] and lse into the layout's LSE:
+//    o = sum_s w_s o_s / sum_s w_s, a sink adding e^(sink - M) to the sum (a split that saw no
+//    key weighs 0; a row no split saw gets o = 0 and lse = -inf, or the sink), o rounded to T into out [total_q, H, D] and lse into the layout's LSE:
 //    varlen [H, total_q], paged [B, H, Nq].
 // The host side (tile sizes, grids, shared memory, scratch, num_splits' heuristic) is
 // fa_verify/kernels/split_kv.py. Precision model: PrecisionModel.flash(dtype).
