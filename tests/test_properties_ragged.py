@@ -109,3 +109,21 @@ def test_head_dims_are_probed_through_supports_when_none_are_declared():
     backend.run = lambda problem, fill=np.nan: seen.add(problem.head_dim) or run(problem, fill)
     outcome = search_ragged(backend, "ragged_agreement", FEW)
     assert outcome.status == PASSED and outcome.examples == 10 and seen == {24}
+
+
+def test_sequence_independence_keeps_the_keys_of_pages_two_other_sequences_share():
+    """Sequences 0 and 1 share a page and sequence 2 is kept (seed 0; seed 1 keeps sequence 1):
+    the new values of the others must leave the shared slots alone (new values drawn per
+    sequence would disagree there: an invalid problem)."""
+    from fa_verify.problem import AttentionProblem
+    from fa_verify.properties.ragged import check_sequence_independence
+    from fa_verify.ragged import PageLayout, RaggedProblem
+
+    rng = np.random.default_rng(0)
+    k_shared, v_shared = rng.standard_normal((1, 1, 4, 8)), rng.standard_normal((1, 1, 4, 8))
+    sequences = tuple(AttentionProblem.from_float(rng.standard_normal((1, 1, 1, 8)), k, v, "fp32")
+                      for k, v in ((k_shared, v_shared), (k_shared, v_shared),
+                                   (rng.standard_normal((1, 1, 4, 8)), rng.standard_normal((1, 1, 4, 8)))))
+    problem = RaggedProblem(sequences, "paged", pages=PageLayout(4, np.array([[1], [1], [0]], np.int32), 2))
+    for seed in (0, 1):
+        assert check_sequence_independence(NumpyRaggedBackend("paged"), problem, seed=seed).passed

@@ -131,6 +131,27 @@ def test_stub_driver_pycuda_compiles_every_kernel_for_sm80_and_sm90():
         assert magic == "\x7fELF" and sm == int(what[-2:]) and entries, what
 
 
+def test_fake_driver_runs_split_kv_bit_identical_to_the_cpu_runner():
+    """split-kv-pycuda and split-kv-varlen-pycuda (two launches, int32 metadata, a null block
+    table for varlen, ALiBi slopes and sinks or null pointers, fp32 scratch) on the fake driver return what the -cpu backends return, bit
+    for bit, and leave no row unwritten."""
+    answer = on_fake_driver("""
+        sys.path.insert(0, "tests")
+        from test_split_kv import case
+        from fa_verify.backends.split_kv import SplitKvCpuBackend, SplitKvPyCudaBackend
+        rows = {}
+        for name in ("paged-spec-p64-split3", "varlen-masked-rows-split2", "paged-alibi-sinks-p16-auto"):
+            problem = case(name)
+            gpu = SplitKvPyCudaBackend(problem.layout).run(problem)
+            cpu = SplitKvCpuBackend(problem.layout).run(problem)
+            rows[name] = [all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(gpu, cpu)),
+                          len(problem.unwritten_rows(gpu[0]))]
+        answer(rows=rows)
+    """)
+    assert answer["rows"] == {"paged-spec-p64-split3": [True, 0], "varlen-masked-rows-split2": [True, 0],
+                              "paged-alibi-sinks-p16-auto": [True, 0]}
+
+
 @pytest.mark.slow
 def test_fake_driver_runs_the_pycuda_tests_of_test_kernels():
     """tests/test_kernels.py's PyCUDA tests (every family x dtype x causal mode against the oracle, and

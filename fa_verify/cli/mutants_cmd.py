@@ -29,7 +29,8 @@ def add_parser(sub) -> None:
                     "killed and no false positive; 1: a mutant survived the suite or a correct kernel "
                     "failed it; 2: usage or setup error.")
     cmd.add_argument("--family", action="append", metavar="FAMILY",
-                     help="only mutants of this kernel family (repeatable: fa2, wmma, mma_ptx, naive, naive16)")
+                     help="only mutants of this kernel family (repeatable: fa2, wmma, mma_ptx, naive, naive16, "
+                          "split_kv)")
     cmd.add_argument("--mutant", action="append", metavar="NAME", help="only this mutant (repeatable)")
     cmd.add_argument("--seeds", type=int_at_least(0), default=20, metavar="N",
                      help="Hypothesis seeds for the suite on the unmutated kernels (default 20; 0 skips "
@@ -59,14 +60,15 @@ def add_parser(sub) -> None:
 def _run(args) -> int:
     from fa_verify.backends.cuda_kernels import cpu_runner_availability
     from fa_verify.errors import BackendUnavailableError, InvalidArgumentError
-    from fa_verify.kernels.mutants import load_mutants
+    from fa_verify.kernels.mutants import load_mutants, mutable_kernels
     from fa_verify.judge.report import run_campaign
     from fa_verify.judge.rules import RULES, get_rule
     from fa_verify.kernels.catalogue import get_family
     from fa_verify.properties import Selection
 
     for family in args.family or ():
-        get_family(family)  # an unknown family is a usage error before "no mutant of it"
+        if family not in mutable_kernels():
+            get_family(family)  # an unknown family is a usage error before "no mutant of it"
     if args.mutants_file is not None and not Path(args.mutants_file).exists():
         raise InvalidArgumentError(f"--mutants-file {args.mutants_file!r}: no such file")
     mutants = load_mutants(args.mutants_file, families=args.family, names=args.mutant)

@@ -26,8 +26,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from fa_verify.backends.ragged_base import RaggedBackend
 from fa_verify.check import check_backend
-from fa_verify.properties import FAILED, PROPERTIES, Property, Selection, get_property
+from fa_verify.properties import (FAILED, PROPERTIES, RAGGED_PROPERTIES, Property, Selection, get_property,
+                                  get_ragged_property)
 from fa_verify.properties._result import not_applicable
 from fa_verify.strategies import Shape
 
@@ -42,30 +44,46 @@ CAMPAIGN_PROPERTIES = tuple(p for p in PROPERTIES if p.name != "address_sanitize
 class Counterexample:
     """The minimal failing problem of a kill, as its shape and options."""
 
+    #: a ragged problem's: B, H, Hkv, the longest sequence's Nq and Nk, and D
     shape: Shape
     dtype: str
     causal: str
     distribution: str | None
     scale: str
+    #: a ragged problem's layout ("varlen" or "paged"), None for a dense one
+    layout: str | None = None
+    #: a ragged problem's per-sequence lengths: (seqlens_q, seqlens_k)
+    seqlens: tuple | None = None
 
     @classmethod
     def of(cls, problem) -> "Counterexample":
-        return cls(Shape.of(problem), problem.dtype, problem.causal_alignment if problem.causal else "no",
+        from fa_verify.ragged import RaggedProblem
+
+        ragged = isinstance(problem, RaggedProblem)
+        dense = problem.first if ragged else problem
+        shape = (Shape(problem.batch, problem.heads, problem.kv_heads, problem.max_seqlen_q, problem.max_seqlen_k,
+                       problem.head_dim) if ragged else Shape.of(problem))
+        return cls(shape, problem.dtype, dense.causal_alignment if dense.causal else "no",
                    dict(problem.tags).get("distribution"),
-                   "1/sqrt(D)" if problem.scale is None else f"{problem.scale:g}")
+                   "1/sqrt(D)" if dense.scale is None else f"{dense.scale:g}",
+                   layout=problem.layout if ragged else None,
+                   seqlens=(problem.seqlens_q, problem.seqlens_k) if ragged else None)
 
     @property
     def size(self) -> str:
-        """(B,H,Nq,Nk,D), with H/Hkv when they differ."""
+        """(B,H,Nq,Nk,D), with H/Hkv when they differ; a ragged problem's Nq and Nk per sequence."""
         s = self.shape
         heads = f"{s.heads}" if s.kv_heads == s.heads else f"{s.heads}/{s.kv_heads}"
-        return f"({s.batch},{heads},{s.nq},{s.nk},{s.head_dim})"
+        nq, nk = (s.nq, s.nk) if self.seqlens is None else (f"[{' '.join(map(str, n))}]" for n in self.seqlens)
+        return f"({s.batch},{heads},{nq},{nk},{s.head_dim})" + (f" {self.layout}" if self.layout else "")
 
     def as_dict(self) -> dict:
         s = self.shape
         return {"B": s.batch, "H": s.heads, "Hkv": s.kv_heads, "Nq": s.nq, "Nk": s.nk, "D": s.head_dim,
                 "dtype": self.dtype, "causal": self.causal, "distribution": self.distribution,
-                "scale": self.scale, "size": self.size}
+                "scale": self.scale, "size": self.size,
+                **({"layout": self.layout, "seqlens_q": list(self.seqlens[0]), "seqlens_k": list(self.seqlens[1])}
+                   if self.layout else {})}
 
 
 @dataclass
@@ -149,7 +167,10 @@ def run_suite(backend, selection: Selection = Selection(), *, properties=None, s
     after each property. control: a backend (the unmutated kernel) that must pass an example
     for the target's failure on it to count.
     """
-    props = CAMPAIGN_PROPERTIES if properties is None else [get_property(p) for p in properties]
+    if isinstance(backend, RaggedBackend):  # a ragged target (a split_kv mutant) gets the ragged properties
+        props = list(RAGGED_PROPERTIES if properties is None else map(get_ragged_property, properties))
+    else:
+        props = CAMPAIGN_PROPERTIES if properties is None else [get_property(p) for p in properties]
     run = SuiteRun(target=backend.name, seed=selection.seed)
     start = time.perf_counter()
     before = 0  # examples judged by the properties already searched
@@ -257,18 +278,17 @@ def judge_mutant(mutant, selection: Selection = Selection(), *, sanitizer: bool 
     """Run the property suite on `mutant` (fa_verify.kernels.mutants.Mutant) through the CPU runner; if it
     survives and `sanitizer`, again on its AddressSanitizer build. Either kill counts only on an
     example the unmutated kernel passes."""
-    from fa_verify.backends.cuda_kernels import CpuKernelBackend
-    from fa_verify.judge.mutants import MutantBackend
+    from fa_verify.judge.mutants import mutant_backend, unmutated_backend
 
-    backend = MutantBackend(mutant)
-    control = CpuKernelBackend(mutant.kernel_family)
+    backend = mutant_backend(mutant)
+    control = unmutated_backend(mutant)
     began = time.perf_counter()
     backend.build()
     build_seconds = time.perf_counter() - began
     plain = run_suite(backend, selection, stop_at_first=stop_at_first, progress=progress, control=control)
     verdict = MutantVerdict(mutant.name, mutant.family, mutant.bug_class, mutant.description, build_seconds, plain)
     if not plain.killed and sanitizer:
-        asan = MutantBackend(mutant, sanitize=True)
+        asan = mutant_backend(mutant, sanitize=True)
         asan.build()
         run = run_suite(asan, selection, stop_at_first=True, progress=progress, control=control)
         if run.killed:

@@ -2,7 +2,9 @@
 
 `MutantBackend(mutant)` runs a mutated kernel (fa_verify.kernels.mutants) exactly as
 `CpuKernelBackend` runs the original: same catalogue launch, same precision model, same runner,
-only the module differs.
+only the module differs. A mutant of split_kv.cu runs as `RaggedMutantBackend`, the ragged
+backend `SplitKvCpuBackend` of the mutant's layout with the mutated module; `mutant_backend` and
+`unmutated_backend` pick the right one for any mutant.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from fa_verify.backends.cuda_kernels import CpuKernelBackend
+from fa_verify.backends.split_kv import SplitKvCpuBackend
 from fa_verify.kernels.mutants import Mutant
 
 
@@ -61,3 +64,25 @@ class MutantBackend(CpuKernelBackend):
     def module(self, racecheck: bool = False):
         """The mutated kernel's module, or its race detector build."""
         return mutant_module(self.mutant, sanitize=self.sanitize and not racecheck, racecheck=racecheck)
+
+
+class RaggedMutantBackend(SplitKvCpuBackend):
+    """A mutant of split_kv.cu, run as `SplitKvCpuBackend` runs the kernel in the mutant's layout."""
+
+    def __init__(self, mutant: Mutant, sanitize: bool = False):
+        super().__init__(mutant.layout, sanitize=sanitize)
+        self.mutant = mutant
+        self.name = f"{mutant.name}-cpu" + ("-asan" if sanitize else "")
+
+    def module(self):
+        return mutant_module(self.mutant, sanitize=self.sanitize)
+
+
+def mutant_backend(mutant: Mutant, sanitize: bool = False):
+    """The backend running `mutant`: dense (MutantBackend) or ragged (RaggedMutantBackend)."""
+    return (RaggedMutantBackend if mutant.layout else MutantBackend)(mutant, sanitize=sanitize)
+
+
+def unmutated_backend(mutant: Mutant):
+    """The backend of the kernel `mutant` edits, unedited: the control its kills are judged against."""
+    return SplitKvCpuBackend(mutant.layout) if mutant.layout else CpuKernelBackend(mutant.kernel_family)

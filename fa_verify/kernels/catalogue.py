@@ -164,6 +164,11 @@ class KernelFamily:
     def precision(self, dtype) -> PrecisionModel:
         return self.precision_model(dtype)
 
+    def resources(self, entry: str) -> tuple[int, int]:
+        """(threads per block, dynamic shared memory in bytes) that `entry` is launched with."""
+        _, dtype, d = entry.rsplit("_", 2)
+        return self.config(int(d[1:])).threads, self.shared_bytes(int(d[1:]), dtype)
+
     # --- per problem --------------------------------------------------------------------------
     def config(self, head_dim: int) -> TileConfig:
         if head_dim not in self.configs:

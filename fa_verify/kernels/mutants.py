@@ -35,10 +35,14 @@ class Mutant:
     #: grid fails), "sanitizer" (AddressSanitizer reports it), "property" (only the property
     #: suite's search finds it: tests/test_judge.py) or "race" (the race detector reports it)
     caught_by: str
+    #: split_kv's mutants only: the layout of the ragged backend that runs it, "paged" or "varlen"
+    #: (a bug one layout alone shows, such as the varlen LSE layout)
+    layout: str | None = None
 
     @property
     def kernel_family(self) -> KernelFamily:
-        return FAMILIES[self.family]
+        """The mutated kernel: a catalogue family, or split_kv.cu (SplitKvKernel, its own ABI)."""
+        return mutable_kernels()[self.family]
 
     def mutate(self, source: str) -> str:
         count = source.count(self.find)
@@ -59,6 +63,14 @@ class Mutant:
         return path
 
 
+def mutable_kernels() -> dict:
+    """{family: kernel} of every kernel a mutant may edit: the catalogue's dense families, and
+    the split-KV kernel (fa_verify.kernels.split_kv), whose mutants run as ragged backends."""
+    from fa_verify.kernels.split_kv import SPLIT_KV
+
+    return {**FAMILIES, SPLIT_KV.name: SPLIT_KV}
+
+
 def load_mutants(path: str | Path | None = None, *, families=None, names=None) -> list[Mutant]:
     """The mutants listed in kernels/mutants/mutants.toml (or `path`), optionally only those of
     the given families and/or names (an unknown name, or a family without mutants, is an error)."""
@@ -70,8 +82,11 @@ def load_mutants(path: str | Path | None = None, *, families=None, names=None) -
             mutant = Mutant(**entry)
         except TypeError as exc:
             raise InvalidArgumentError(f"{path}: bad mutant entry {entry.get('name')!r}: {exc}") from None
-        if mutant.family not in FAMILIES:
+        if mutant.family not in mutable_kernels():
             raise InvalidArgumentError(f"{path}: mutant {mutant.name!r} names unknown family {mutant.family!r}")
+        if (mutant.layout is not None) != (mutant.family == "split_kv") or mutant.layout not in (None, "paged", "varlen"):
+            raise InvalidArgumentError(f"{path}: mutant {mutant.name!r}: layout={mutant.layout!r}; split_kv's mutants "
+                                       "name the layout that runs them ('paged' or 'varlen'), other families' none")
         if mutant.caught_by not in CAUGHT_BY:
             raise InvalidArgumentError(f"{path}: mutant {mutant.name!r}: caught_by must be one of {CAUGHT_BY}")
         mutants.append(mutant)

@@ -196,10 +196,9 @@ def compile_file(families: list[KernelFamily], arch: str, nvcc: Path, extra_opti
     for family, entry in expected:
         if entry not in usage:
             continue
-        _, dtype, d = entry.rsplit("_", 2)
-        head_dim = int(d[1:])
-        result.entries.append(EntryUsage(entry=entry, arch=arch, threads=family.config(head_dim).threads,
-                                         dynamic_smem=family.shared_bytes(head_dim, dtype), **usage[entry]))
+        threads, dynamic_smem = family.resources(entry)
+        result.entries.append(EntryUsage(entry=entry, arch=arch, threads=threads, dynamic_smem=dynamic_smem,
+                                         **usage[entry]))
     return result
 
 

@@ -138,7 +138,7 @@ def check_sequence_independence(backend, problem: RaggedProblem, *, seed: int = 
         return not_applicable("sequence_independence", problem, "a batch of one sequence")
     rng = np.random.default_rng(seed)
     kept = int(rng.integers(problem.batch))
-    shared = _shared_keys(problem, kept)  # keys in the kept sequence's pages stay
+    shared = _shared_keys(problem)  # keys in pages sequences share stay (the cache holds one value)
     changed = tuple(seq if b == kept else
                     seq.replace(q=fresh_values(rng, seq.q, np.ones(1, bool)),
                                 k=fresh_values(rng, seq.k, ~shared[b][None, None, :, None]),
@@ -152,8 +152,9 @@ def check_sequence_independence(backend, problem: RaggedProblem, *, seed: int = 
     return passed("sequence_independence", problem)
 
 
-def _shared_keys(problem: RaggedProblem, kept: int) -> list:
-    """Per sequence, boolean [Nk]: its keys in the page slots of sequence `kept`'s keys."""
+def _shared_keys(problem: RaggedProblem) -> list:
+    """Per sequence, boolean [Nk]: its keys in page slots another sequence's keys use too (new
+    values there would have to agree between the sequences; the kept one's must not change)."""
     if problem.layout != "paged":
         return [np.zeros(seq.nk, bool) for seq in problem.sequences]
 
@@ -161,7 +162,9 @@ def _shared_keys(problem: RaggedProblem, kept: int) -> list:
         page, slot = problem.pages.key_slots(b, problem.sequences[b].nk)
         return page * problem.pages.page_size + slot
 
-    return [np.isin(slots(b), slots(kept)) for b in range(problem.batch)]
+    every = [slots(b) for b in range(problem.batch)]
+    return [np.isin(every[b], np.concatenate([s for c, s in enumerate(every) if c != b]))
+            for b in range(problem.batch)]
 
 
 def check_page_placement(backend, problem: RaggedProblem, *, seed: int = 0) -> PropertyResult:

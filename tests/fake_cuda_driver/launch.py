@@ -5,7 +5,8 @@ entry name says the kernel family, dtype and head dimension (`<family>_<dtype>_d
 catalogue's naming); the parameter buffer is unpacked by the catalogue's signature, each
 pointer becomes a numpy view of the fake device allocation it points into (a null one stays null), and the same
 entry of a CPU build of the same .cu (`fa_verify.backends.cuda_kernels.cpu_module`, which
-reads kernels_dir() as PyCUDA's compile did) runs the launch. What the kernel prints goes to
+reads kernels_dir() as PyCUDA's compile did) runs the launch; split_kv.cu's entries (its own
+ABI: fa_verify.kernels.split_kv) likewise. What the kernel prints goes to
 file descriptor 1, as a driver flushes device printf. Returns a CUresult.
 """
 
@@ -79,6 +80,22 @@ def _catalogued(entry: str):
             (element, element, element, element, np.float32) + scratch + variants)
 
 
+def _split_kv_entry(entry: str):
+    """(CPU module, entry, signature, pointer dtypes) of an entry of split_kv.cu, or None."""
+    from fa_verify.backends.split_kv import cpu_module
+    from fa_verify.kernels import split_kv
+
+    signature = split_kv.signatures().get(entry)
+    if signature is None:
+        return None
+    element = np.float32 if entry.rsplit("_", 2)[1] == "fp32" else np.uint16
+    if entry.startswith(f"{split_kv.NAME}_combine_"):  # o_partial, lse_partial, o, lse, cu_seqlens_q, sinks
+        pointers = (np.float32, np.float32, element, np.float32, np.int32, np.float32)
+    else:  # q, k, v, o_partial, lse_partial, cu_seqlens_q, seqlens_k, block_table, alibi_slopes (null: unused)
+        pointers = (element,) * 3 + (np.float32, np.float32, np.int32, np.int32, np.int32, np.float32)
+    return cpu_module(), entry, signature, pointers
+
+
 def _spec_entry(symbol: str):
     """(CPU module, entry, signature, pointer dtypes) of an entry of $FA_FAKE_CUDA_SPEC's kernel, or None.
 
@@ -132,9 +149,10 @@ def run(entry: str, grid, block, shared: int, params: bytes, device: int) -> int
         KernelDeadlockError,
         KernelTimeoutError,
     )
-    target = _catalogued(entry) or _spec_entry(entry)
+    target = _catalogued(entry) or _split_kv_entry(entry) or _spec_entry(entry)
     if target is None:
-        _say(f"{entry} is not a catalogued kernel entry nor one of ${SPEC_ENV}'s; the fake driver runs only those")
+        _say(f"{entry} is not a catalogued kernel entry, a split_kv.cu entry nor one of ${SPEC_ENV}'s; "
+             "the fake driver runs only those")
         return CUDA_ERROR_NOT_SUPPORTED
     module, name, signature, pointer_dtypes = target
     layout = "".join(_KINDS[kind] for kind in signature)
