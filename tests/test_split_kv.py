@@ -221,7 +221,7 @@ def test_split_kv_compiles_with_nvcc(arch):
         assert e.dynamic_smem == (0 if "_combine_" in e.entry else split_kv.shared_bytes(int(e.entry.rsplit("_d", 1)[1])))
 
 
-# --- helper ragged's properties, and the mutants' layouts ------------------------------------------------
+# --- the varlen/paged properties, and the mutants' layouts ------------------------------------------------
 
 def test_a_split_kv_mutant_must_name_its_layout(tmp_path):
     entry = '[[mutant]]\nname = "m"\nfamily = "split_kv"\nbug_class = "b"\ndescription = "d"\nfind = "f"\nreplace = "r"\n' \
