@@ -61,7 +61,9 @@ class ConventionsRestored(Backend):
 
     def __init__(self, inner: Backend, conventions):
         self.inner, self.restored = inner, conventions
-        self.name, self.dtypes, self.limits, self.features = inner.name, inner.dtypes, inner.limits, inner.features
+        # Its own name: a search's example database is keyed by it, and the target's is left as it is.
+        self.name = f"{inner.name} with fa_verify's conventions put back"
+        self.dtypes, self.limits, self.features = inner.dtypes, inner.limits, inner.features
         self.judged_under = inner.judged_under
 
     def precision(self, dtype):
