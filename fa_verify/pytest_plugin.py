@@ -25,7 +25,9 @@ Fixtures:
   fa_search    fa_search(target, property) searches one property on a target (a Backend or a
                run(problem) function): a failure fails the test with the minimal counterexample
                and the command running its reproducer script, "not applicable" skips it; a
-               RaggedBackend (varlen / paged) gets a ragged property (`search_ragged`)
+               RaggedBackend (varlen / paged) gets a ragged property (`search_ragged`). Under the
+               marker fa_known_deviation(KnownDeviation(...)) a failure that it explains is an
+               expected failure (xfail), any other still fails
   fa_oracle    the certified reference: fa_oracle.reference(problem),
                fa_oracle.assert_close(out, problem, lse=..., precision=..., name=...)
   fa_profile   the `fa_verify.profiles.Profile` in effect
@@ -59,6 +61,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     from fa_verify.cli.check_cmd import resolve_seed
+
+    config.addinivalue_line("markers", "fa_known_deviation(deviation): fa_search expects the failure that a "
+                                       "fa_verify.properties.known_deviation.KnownDeviation describes, and no other")
 
     # Drawn once here: pytest-xdist hands the parsed options, this seed included, to its workers.
     config.option.fa_seed, config.stash[_SEED_DRAWN] = resolve_seed(config.getoption("fa_seed"))
@@ -158,6 +163,8 @@ def fa_oracle(pytestconfig):
 
 @pytest.fixture
 def fa_search(request, fa_profile):
+    from dataclasses import replace
+
     from hypothesis import settings
 
     from fa_verify.backends.ragged_base import RaggedBackend
@@ -166,13 +173,17 @@ def fa_search(request, fa_profile):
     from fa_verify.properties.reproduce import default_folder
 
     results = request.config.getoption("fa_results")
-    # A known failure (xfail) needs no minimal counterexample, nor a reproducer nobody sees.
-    known = request.node.get_closest_marker("xfail") is not None
+    marker = request.node.get_closest_marker("fa_known_deviation")
+    known = marker.args[0] if marker else None
+    # A known failure needs no reproducer nobody sees. One declared by conventions needs no minimal
+    # counterexample either (searching again with them put back tells what else fails); one
+    # declared by rules does: failures of other kinds are searched for only while shrinking.
     repro_dir = None if known else (request.config.getoption("fa_repro_dir")
                                     or default_folder(request.config.rootpath))
-    selection = Selection.from_profile(fa_profile.name, database=settings().database, shrink=not known,
+    selection = Selection.from_profile(fa_profile.name, database=settings().database,
                                        seed=request.config.getoption("fa_seed"),
                                        shapes=request.config.getoption("fa_shapes"))
+    first = selection if known is None or known.rules else replace(selection, shrink=False)
 
     def search(target, prop):
         if isinstance(target, RaggedBackend):  # a varlen or paged target: the ragged properties
@@ -180,11 +191,18 @@ def fa_search(request, fa_profile):
         else:
             backend = as_backend(target)
             record = results_recorder(results, backend, "pytest", seed=selection.seed) if results else None
-            outcome = search_property(backend, prop, selection, on_result=record, repro_dir=repro_dir)
+            outcome = search_property(backend, prop, first, on_result=record, repro_dir=repro_dir)
         if outcome.status == NOT_APPLICABLE:
             pytest.skip(outcome.message())
         if outcome.status == FAILED:
-            pytest.fail(outcome.message(), pytrace=False)
+            unexplained = outcome.message() if known is None else known.unexplained(
+                as_backend(target), outcome, lambda other: search_property(other, prop, selection))
+            if unexplained:
+                pytest.fail(unexplained, pytrace=False)
+            pytest.xfail(f"known deviation: {known.reason}")
+        if known is not None and known.always:
+            pytest.fail(f"known deviation ({known.reason}) did not show: {outcome.message()}; "
+                        "its declaration is out of date", pytrace=False)
         return outcome
 
     return search

@@ -5,25 +5,34 @@
     python3 -m pytest properties --fa-backend mymodule:attention   # a callable-protocol function
 
 Options and fixtures come from the fa_verify pytest plugin (fa_verify/pytest_plugin.py). Each
-test is named test_<property>; a known deviation of a backend is an expected failure, strict
-where the ci profile's examples always show it (if it stops failing, the table is out of date).
+test is named test_<property>; a known deviation of a backend is an expected failure when it
+fails only in the declared way (`KnownDeviation`: by its verdict rules, or by the backend's
+declared conventions), and a failure when it fails in any other way, or when a deviation
+declared `always` (the ci profile's examples always show it) stops failing.
 """
 
 import pytest
 
-LSE_ZERO = "torch's CPU flash kernel returns LSE 0, not -inf, for fully masked rows"
-#: (backend, property) -> (why it fails, strict). Findings about third-party code, kept visible.
+from fa_verify.backends.torch_sdpa import MASKED_ROW_LSE_ZERO
+from fa_verify.properties.known_deviation import KnownDeviation
+
+LSE_ZERO = f"torch's CPU flash kernel, declared convention {MASKED_ROW_LSE_ZERO.name}: {MASKED_ROW_LSE_ZERO.differs}"
+#: (backend, property) -> its KnownDeviation. Findings about third-party code, kept visible.
 KNOWN_DEVIATIONS = {
-    ("torch-sdpa-flash-cpu", "lse_agreement"): (LSE_ZERO, True),  # an edge case has such rows
-    ("torch-sdpa-flash-cpu", "fully_masked_rows"): (LSE_ZERO, True),
+    # an edge case has fully masked rows
+    ("torch-sdpa-flash-cpu", "lse_agreement"): KnownDeviation(LSE_ZERO, conventions=(MASKED_ROW_LSE_ZERO,),
+                                                              always=True),
+    ("torch-sdpa-flash-cpu", "fully_masked_rows"): KnownDeviation(LSE_ZERO, conventions=(MASKED_ROW_LSE_ZERO,),
+                                                                  always=True),
     # only key chunks that some causal rows cannot see show it; not every search draws one
-    ("torch-sdpa-flash-cpu", "merge_law"): (LSE_ZERO + ": merging weighs their output 0 as a state", False),
+    ("torch-sdpa-flash-cpu", "merge_law"): KnownDeviation(
+        LSE_ZERO + "; merging weighs their output 0 as a state", conventions=(MASKED_ROW_LSE_ZERO,)),
     # Ours, by design of the "finite" rule: a softcap flattens P, so over V near fp16's maximum
     # an fp16 P·V accumulator overflows; every honest implementation of that precision model
     # overflows too (the verdict says so), yet an overflow is never passed. Not every search draws it.
-    ("naive-same-precision", "variant_agreement"): (
+    ("naive-same-precision", "variant_agreement"): KnownDeviation(
         "fp16 P·V accumulation overflows on fp16-extreme V under a binding softcap, as its precision model does",
-        False),
+        rules=("finite",)),
 }
 
 
@@ -33,4 +42,4 @@ def pytest_collection_modifyitems(items):
         prop = item.originalname.removeprefix("test_")
         known = backend is not None and KNOWN_DEVIATIONS.get((backend.name, prop))
         if known:
-            item.add_marker(pytest.mark.xfail(reason=known[0], strict=known[1]))
+            item.add_marker(pytest.mark.fa_known_deviation(known))

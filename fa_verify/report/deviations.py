@@ -18,7 +18,7 @@ import numpy as np
 KEY = "declared_deviation"
 
 
-def _restored(problem, lse, conventions):
+def restored_lse(problem, lse, conventions):
     """lse with -inf put back in the fully masked rows where a convention's value stands, and
     the conventions that changed something."""
     masked = problem.masked_rows[None, None, :]
@@ -39,7 +39,7 @@ def declared_deviation(conventions, problem, out, lse, recheck) -> list | None:
     """
     if lse is None or not conventions:
         return None
-    restored, used = _restored(problem, lse, conventions)
+    restored, used = restored_lse(problem, lse, conventions)
     if not used or not recheck(out, restored).passed:
         return None
     return [asdict(c) for c in used]
