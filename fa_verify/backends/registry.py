@@ -1,4 +1,4 @@
-"""The built-in backends by name, and the table `fa_verify backends` prints."""
+"""The built-in backends by name, and the tables `fa_verify backends` prints."""
 
 from __future__ import annotations
 
@@ -53,5 +53,26 @@ def backend_table() -> list[dict]:
             "dtypes": list(backend.dtypes),
             "precision": {dtype: backend.precision(dtype).as_dict() for dtype in backend.dtypes},
             "notes": backend.notes,
+        })
+    return rows
+
+
+def ragged_backend_table() -> list[dict]:
+    """One JSON-ready row per built-in ragged backend (varlen / paged KV): as `backend_table`'s
+    rows, plus its layout, the variants it implements and whether it splits the keys."""
+    from fa_verify.backends.ragged_base import builtin_ragged_backends
+
+    rows = []
+    for backend in builtin_ragged_backends():
+        availability = backend.availability()
+        rows.append({
+            "name": backend.name,
+            "layout": backend.layout,
+            "available": availability.available,
+            "reason": availability.reason,
+            "dtypes": list(backend.dtypes),
+            "precision": {dtype: backend.precision(dtype).as_dict() for dtype in backend.dtypes},
+            "features": list(backend.features),
+            "splits": backend.splits,
         })
     return rows
