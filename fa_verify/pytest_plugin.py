@@ -145,7 +145,7 @@ def _backends(config) -> list:
                 isolation = {name: default if given[name] is None else given[name]
                              for name, default in ISOLATION_DEFAULTS.items()}
                 if layout is not None:
-                    backends = _ragged_backends(config, names, layout, limits, isolation)
+                    backends = _ragged_backends(config, names, layout, limits, conventions, isolation)
                 else:
                     backends = [CallableBackend(load_callable(n), name=n, limits=limits, conventions=conventions,
                                                 **isolation) if ":" in n
@@ -170,12 +170,12 @@ def _check_ragged_options(config, names, layout, conventions) -> None:
     if not names or any(":" not in n for n in names):
         raise pytest.UsageError(f"--fa-layout {layout} checks MODULE:FUNC functions with flash-attn's {layout} "
                                 f"signature; name them with --fa-backend MODULE:FUNC (got {names or 'none'})")
-    if conventions != Conventions():
-        raise pytest.UsageError(f"--fa-lse-base, --fa-masked-rows, ... cannot be used with --fa-layout {layout}: "
-                                "varlen and paged functions are judged under fa_verify's conventions; drop them")
+    if conventions.scale_precision != Conventions().scale_precision:
+        raise pytest.UsageError(f"--fa-scale-precision cannot be used with --fa-layout {layout}: varlen and paged "
+                                "functions are judged with the exact scale (not yet); drop it")
 
 
-def _ragged_backends(config, names, layout, limits, isolation) -> list:
+def _ragged_backends(config, names, layout, limits, conventions, isolation) -> list:
     from fa_verify.backends import load_callable
     from fa_verify.backends.ragged_callable import RaggedCallableBackend
     from fa_verify.errors import InvalidArgumentError
@@ -186,8 +186,8 @@ def _ragged_backends(config, names, layout, limits, isolation) -> list:
         page_sizes = None if given is None else _positive_set(given)
     except (ValueError, InvalidArgumentError):
         raise pytest.UsageError(f"--fa-page-sizes={given!r} is not valid: page sizes >= 1, e.g. 16,256") from None
-    return [RaggedCallableBackend(load_callable(n), layout, name=n, limits=limits, page_sizes=page_sizes, **isolation)
-            for n in names]
+    return [RaggedCallableBackend(load_callable(n), layout, name=n, limits=limits, page_sizes=page_sizes,
+                                  conventions=conventions, **isolation) for n in names]
 
 
 def pytest_generate_tests(metafunc):

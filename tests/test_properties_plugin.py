@@ -99,7 +99,7 @@ def test_fa_layout_checks_varlen_and_paged_functions(pytester):
                           (("--fa-layout", "varlen", "--fa-backend", "ragged_kernels:varlen_attention",
                             "--fa-page-sizes", "16"), "*give --fa-layout paged (not varlen)*"),
                           (("--fa-layout", "paged", "--fa-backend", "ragged_kernels:paged_attention",
-                            "--fa-lse-base", "2"), "*--fa-lse-base*cannot be used with --fa-layout paged*")):
+                            "--fa-scale-precision", "input"), "*--fa-scale-precision cannot be used*")):
         result = pytester.runpytest_subprocess(*argv)
         assert result.ret == pytest.ExitCode.USAGE_ERROR
         result.stderr.fnmatch_lines([message])

@@ -122,7 +122,8 @@ def ragged_callable_options(backend, dtype: str) -> dict:
     is judged, for problems of `dtype` (as `callable_options`)."""
     return {"layout": backend.layout, "array": backend.array, "precision": precision_spec(backend.precision(dtype)),
             "dtypes": list(backend.dtypes), "limits": backend.limits.as_dict(), "features": list(backend.features),
-            "page_sizes": None if backend.page_sizes is None else list(backend.page_sizes)}
+            "page_sizes": None if backend.page_sizes is None else list(backend.page_sizes),
+            "conventions": backend.judged_under.as_dict()}
 
 
 @dataclass(frozen=True)
