@@ -91,4 +91,4 @@ def test_a_declared_lse_base_is_judged_per_sequence(capsys):
     code, out, err = run_cli(capsys, *argv)
     assert code == 1 and "FAIL ragged_agreement" in out, out + err
     code, out, err = run_cli(capsys, *argv, "--lse-base", "2")
-    assert code == 0 and "PASS ragged_agreement" in out, out + err
+    assert code == 0 and "PASS ragged_agreement" in out and "judged under: LSE base 2" in out, out + err

@@ -45,6 +45,8 @@ def search_ragged(backend: RaggedBackend, prop, selection: Selection = Selection
         raise InvalidArgumentError(f"backend={backend!r} must be a RaggedBackend (a varlen or paged target)")
     prop = get_ragged_property(prop)
     outcome = PropertyOutcome(property=prop.name, backend=backend.name)
+    if backend.judged_under.declared:
+        outcome.judged_under = backend.judged_under.describe()
     reason = _not_applicable(prop, backend, selection)
     if reason:
         outcome.status, outcome.reason = NOT_APPLICABLE, reason
