@@ -46,6 +46,7 @@ def test_backends_json_lists_availability_and_reasons(capsys):
     assert (paged["layout"], paged["splits"], paged["available"]) == ("paged", False, True)
     assert set(paged["features"]) == {"window", "softcap", "alibi", "sinks"}
     assert table["numpy-ragged-varlen"]["layout"] == "varlen"
+    assert table["split-kv-cpu"]["splits"] and table["split-kv-varlen-cpu"]["layout"] == "varlen"
 
 
 def test_backends_table_lists_ragged_backends_with_layout(capsys):

@@ -29,7 +29,7 @@ def _run(args) -> int:
     width = max(len(row["name"]) for row in dense + ragged)
     for row in dense:
         print(f"{row['name']:<{width}}  {','.join(row['dtypes']):<15}  {_status(row)}")
-    print("\nragged (check MODULE:FUNC --layout varlen|paged):")
+    print("\nragged backends (varlen / paged KV; a function of yours: check MODULE:FUNC --layout varlen|paged):")
     for row in ragged:
         features = ",".join(row["features"]) or "no variants"
         splits = "split-KV" if row["splits"] else "no split"
