@@ -4,7 +4,7 @@
 ones named) on the target and returns a `CheckOutcome`: per property passed, failed (with
 the minimal counterexample, examples-to-failure and, given a folder, a reproducer script) or not
 applicable. A ragged target (varlen or paged, `RaggedBackend`) gets the ragged properties
-(`RAGGED_PROPERTIES`, searched by `search_ragged`; no reproducers or result records yet).
+(`RAGGED_PROPERTIES`, searched by `search_ragged`; reproducers, no result records).
 `results_recorder` turns every oracle verdict, and every failing example, into a record of a
 `ResultsStore`, for reports.
 """
@@ -68,7 +68,7 @@ def check_backend(backend: Backend | RaggedBackend, selection: Selection = Selec
     """Search each property (all, or those named in `properties`) on `backend`.
 
     progress(outcome) is called after each property; on_result and repro_dir (the folder for
-    failures' reproducers) as in `search_property` (dense targets only).
+    failures' reproducers) as in `search_property` (on_result: dense targets only).
     """
     ragged = isinstance(backend, RaggedBackend)
     lookup = get_ragged_property if ragged else get_property
@@ -76,7 +76,7 @@ def check_backend(backend: Backend | RaggedBackend, selection: Selection = Selec
     outcome = CheckOutcome(backend=backend.name)
     start = time.perf_counter()
     for prop in props:
-        result: PropertyOutcome = (search_ragged(backend, prop, selection) if ragged else
+        result: PropertyOutcome = (search_ragged(backend, prop, selection, repro_dir=repro_dir) if ragged else
                                    search_property(backend, prop, selection, on_result=on_result,
                                                    repro_dir=repro_dir))
         outcome.properties.append(result)

@@ -3,6 +3,11 @@
 Options:
   --fa-backend NAME   a built-in backend, or MODULE:FUNC following the callable protocol
                       (repeatable; default: every available built-in backend)
+  --fa-layout varlen|paged   the MODULE:FUNC backends take flash-attn's varlen
+                      (flash_attn_varlen_func) or paged (flash_attn_with_kvcache) signature, as
+                      `fa_verify check --layout`: fa_ragged_backend runs them, fa_backend's
+                      (dense) tests are skipped
+  --fa-page-sizes SIZES   the page sizes a --fa-layout paged function runs (e.g. 16,256)
   --fa-profile NAME   ci (default), thorough or gpu: examples per property, problem sizes;
                       also loads the Hypothesis profile "fa_verify-NAME" for @given tests
   --fa-results FILE   append every oracle comparison's metrics to FILE, for `fa_verify report`
@@ -22,6 +27,8 @@ Options:
                       the declared conventions of MODULE:FUNC backends (`fa_verify.conventions`)
 Fixtures:
   fa_backend   parametrises a test over the selected backends
+  fa_ragged_backend   parametrises a test over the selected ragged backends: the --fa-layout
+               MODULE:FUNC ones, else the built-in ones (skipped when --fa-backend selects dense ones)
   fa_search    fa_search(target, property) searches one property on a target (a Backend or a
                run(problem) function): a failure fails the test with the minimal counterexample
                and the command running its reproducer script, "not applicable" skips it; a
@@ -38,6 +45,7 @@ from __future__ import annotations
 import pytest
 
 _BACKENDS = pytest.StashKey[list]()
+_RAGGED_LAYOUTS = ("varlen", "paged")
 _SEED_DRAWN = pytest.StashKey[bool]()
 
 
@@ -54,6 +62,11 @@ def pytest_addoption(parser):
         group.addoption(f"--fa-{name}", **kwargs)
     group.addoption("--fa-seed", type=parse_seed, default=None, metavar="N|random",
                     help=SEED_HELP.replace("--seed", "--fa-seed") + " (default: the profile's)")
+    group.addoption("--fa-layout", default=None, choices=_RAGGED_LAYOUTS,
+                    help="the --fa-backend MODULE:FUNC functions take flash-attn's varlen or paged (kvcache) "
+                         "signature: the ragged properties check them (fa_ragged_backend)")
+    group.addoption("--fa-page-sizes", default=None, metavar="SIZES",
+                    help="declared limit of a --fa-layout paged function: the page sizes it runs, e.g. 16,256")
     add_isolation_options(group.addoption, prefix="fa-")
     for name, kwargs in {**limit_arguments(), **convention_arguments()}.items():
         group.addoption(f"--fa-{name}", **kwargs)
@@ -119,6 +132,9 @@ def _backends(config) -> list:
             raise pytest.UsageError("--fa-dtype, --fa-head-dims, ... --fa-limits and --fa-lse-base, ... declare the "
                                     "limits and conventions of MODULE:FUNC backends only; name one with "
                                     "--fa-backend MODULE:FUNC")
+        layout = config.getoption("fa_layout")
+        if layout is not None or config.getoption("fa_page_sizes") is not None:
+            _check_ragged_options(config, names, layout, conventions)
         try:
             if names is None:
                 backends = [b for b in builtin_backends() if b.availability().available]
@@ -128,9 +144,12 @@ def _backends(config) -> list:
                 given = {name: config.getoption(f"fa_{name}") for name in ISOLATION_DEFAULTS}
                 isolation = {name: default if given[name] is None else given[name]
                              for name, default in ISOLATION_DEFAULTS.items()}
-                backends = [CallableBackend(load_callable(n), name=n, limits=limits, conventions=conventions,
-                                            **isolation) if ":" in n
-                            else get_backend(n) for n in names]
+                if layout is not None:
+                    backends = _ragged_backends(config, names, layout, limits, conventions, isolation)
+                else:
+                    backends = [CallableBackend(load_callable(n), name=n, limits=limits, conventions=conventions,
+                                                **isolation) if ":" in n
+                                else get_backend(n) for n in names]
         except FaVerifyError as exc:
             raise pytest.UsageError(f"--fa-backend: {exc}") from None
         for backend in backends:
@@ -141,10 +160,56 @@ def _backends(config) -> list:
     return config.stash[_BACKENDS]
 
 
+def _check_ragged_options(config, names, layout, conventions) -> None:
+    """UsageError unless --fa-layout names MODULE:FUNC functions, and --fa-page-sizes a paged one."""
+    from fa_verify.conventions import Conventions
+
+    if config.getoption("fa_page_sizes") is not None and layout != "paged":
+        raise pytest.UsageError(f"--fa-page-sizes declares the page sizes of a paged function: give "
+                                f"--fa-layout paged (not {layout or 'no --fa-layout'}), or drop --fa-page-sizes")
+    if not names or any(":" not in n for n in names):
+        raise pytest.UsageError(f"--fa-layout {layout} checks MODULE:FUNC functions with flash-attn's {layout} "
+                                f"signature; name them with --fa-backend MODULE:FUNC (got {names or 'none'})")
+    if conventions.scale_precision != Conventions().scale_precision:
+        raise pytest.UsageError(f"--fa-scale-precision cannot be used with --fa-layout {layout}: varlen and paged "
+                                "functions are judged with the exact scale (not yet); drop it")
+
+
+def _ragged_backends(config, names, layout, limits, conventions, isolation) -> list:
+    from fa_verify.backends import load_callable
+    from fa_verify.backends.ragged_callable import RaggedCallableBackend
+    from fa_verify.errors import InvalidArgumentError
+    from fa_verify.limits import _positive_set
+
+    given = config.getoption("fa_page_sizes")
+    try:
+        page_sizes = None if given is None else _positive_set(given)
+    except (ValueError, InvalidArgumentError):
+        raise pytest.UsageError(f"--fa-page-sizes={given!r} is not valid: page sizes >= 1, e.g. 16,256") from None
+    return [RaggedCallableBackend(load_callable(n), layout, name=n, limits=limits, page_sizes=page_sizes,
+                                  conventions=conventions, **isolation) for n in names]
+
+
 def pytest_generate_tests(metafunc):
+    config = metafunc.config
+    ragged = config.getoption("fa_layout") is not None
     if "fa_backend" in metafunc.fixturenames:
-        backends = _backends(metafunc.config)
-        metafunc.parametrize("fa_backend", backends, ids=[b.name for b in backends], scope="session")
+        backends = [] if ragged else _backends(config)
+        metafunc.parametrize("fa_backend", backends or [_skipped("--fa-layout selects varlen/paged functions; "
+                                                                 "the dense properties do not apply")],
+                             ids=[b.name for b in backends] or ["ragged-layout"], scope="session")
+    if "fa_ragged_backend" in metafunc.fixturenames:
+        from fa_verify.backends.ragged_base import builtin_ragged_backends
+
+        dense = config.getoption("fa_backend") is not None and not ragged
+        backends = _backends(config) if ragged else [] if dense else builtin_ragged_backends()
+        metafunc.parametrize("fa_ragged_backend", backends or [_skipped(
+            "--fa-backend selects dense targets; give --fa-layout varlen|paged to check varlen/paged functions")],
+                             ids=[b.name for b in backends] or ["dense-targets"], scope="session")
+
+
+def _skipped(reason: str):
+    return pytest.param(None, marks=pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")
@@ -187,7 +252,7 @@ def fa_search(request, fa_profile):
 
     def search(target, prop):
         if isinstance(target, RaggedBackend):  # a varlen or paged target: the ragged properties
-            outcome = search_ragged(target, prop, selection)
+            outcome = search_ragged(target, prop, selection, repro_dir=repro_dir)
         else:
             backend = as_backend(target)
             record = results_recorder(results, backend, "pytest", seed=selection.seed) if results else None

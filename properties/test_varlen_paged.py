@@ -1,20 +1,17 @@
-"""Ragged batches (varlen, paged KV, split-KV): every ragged property on every built-in ragged
-backend (fa_verify.backends.ragged_base), drawn by fa_verify.strategies.ragged_problems within
-each backend's limits; not applicable ones (a page table for a varlen target, splits for one
-without num_splits) are skipped with the reason, and so is every one when --fa-backend selects
-(dense) targets."""
+"""Ragged batches (varlen, paged KV, split-KV): every ragged property on every selected ragged
+backend (fa_ragged_backend: the --fa-backend MODULE:FUNC functions of --fa-layout varlen|paged,
+else the built-in ones of fa_verify.backends.ragged_base), drawn by
+fa_verify.strategies.ragged_problems within each backend's limits; not applicable ones (a page
+table for a varlen target, splits for one without num_splits) are skipped with the reason, and
+so is every one when --fa-backend selects (dense) targets."""
 
 import pytest
 
-from fa_verify.backends.ragged_base import builtin_ragged_backends
 
-
-@pytest.fixture(params=builtin_ragged_backends(), ids=lambda b: b.name)
-def ragged_search(request, fa_search):
-    """fa_search on each built-in ragged backend."""
-    if request.config.getoption("fa_backend"):
-        pytest.skip("--fa-backend selects dense targets; the built-in ragged backends run without it")
-    return lambda prop: fa_search(request.param, prop)
+@pytest.fixture
+def ragged_search(fa_ragged_backend, fa_search):
+    """fa_search on each selected ragged backend."""
+    return lambda prop: fa_search(fa_ragged_backend, prop)
 
 
 def test_ragged_agreement(ragged_search):

@@ -41,6 +41,18 @@ def test_backends_json_lists_availability_and_reasons(capsys):
     assert table["numpy-tiled"]["available"] is True
     for row in table.values():
         assert row["available"] or row["reason"]
+    assert table["numpy-tiled"]["layout"] == "dense"
+    paged = table["numpy-ragged-paged"]
+    assert (paged["layout"], paged["splits"], paged["available"]) == ("paged", False, True)
+    assert set(paged["features"]) == {"window", "softcap", "alibi", "sinks"}
+    assert table["numpy-ragged-varlen"]["layout"] == "varlen"
+    assert table["split-kv-cpu"]["splits"] and table["split-kv-varlen-cpu"]["layout"] == "varlen"
+
+
+def test_backends_table_lists_ragged_backends_with_layout(capsys):
+    code, out, _ = _run(capsys, "backends")
+    line = next(line for line in out.splitlines() if line.startswith("numpy-ragged-varlen"))
+    assert code == 0 and "varlen" in line.split()[1] and "no split" in line and "available" in line
 
 
 def test_bench_oracle_json_reports_ratio_and_bound(capsys):

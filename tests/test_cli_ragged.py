@@ -54,7 +54,8 @@ def test_paged_page_sizes_are_declared_limits(capsys):
     (("ragged_kernels:varlen_attention", "--page-sizes", "16"), "give --layout paged (not bhsd)"),
     (("ragged_kernels:paged_attention", "--layout", "paged", "--page-sizes", "0"), "--page-sizes='0' is not valid"),
     (("ragged_kernels:paged_attention", "--layout", "paged", "--property", "oracle_agreement"), "no ragged property"),
-    (("ragged_kernels:paged_attention", "--layout", "paged", "--lse-base", "2"), "--lse-base cannot be used"),
+    (("ragged_kernels:paged_attention", "--layout", "paged", "--scale-precision", "input"),
+     "--scale-precision cannot be used"),
     (("ragged_kernels:paged_attention", "--layout", "paged", "--shapes", "2"), "--shapes cannot be used"),
 ])
 def test_misuse_exits_2_naming_the_option(capsys, argv, message):
@@ -83,3 +84,11 @@ def test_ragged_functions_run_isolated_a_crash_fails_the_example():
                                     isolate=True)
     outcome = search_ragged(backend, "ragged_agreement", Selection(max_examples=1, shrink=False))
     assert outcome.status == "failed" and "crashed the worker process: SIGSEGV" in outcome.failure.detail
+
+
+def test_a_declared_lse_base_is_judged_per_sequence(capsys):
+    argv = ("check", "ragged_kernels:varlen_lse_base2", "--layout", "varlen", *QUICK, "--property", "ragged_agreement")
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 1 and "FAIL ragged_agreement" in out, out + err
+    code, out, err = run_cli(capsys, *argv, "--lse-base", "2")
+    assert code == 0 and "PASS ragged_agreement" in out and "judged under: LSE base 2" in out, out + err

@@ -74,8 +74,35 @@ def test_the_property_suite_runs_against_a_callable(pytester):
     result = pytester.runpytest_subprocess("properties", "--fa-backend", "attention_variants:split_kv",
                                            "-p", "no:cacheprovider")
     # not applicable: races and address_sanitizer (no CUDA kernel) and the variant properties; skipped: the
-    # 16 ragged tests of the built-in ragged backends (properties/test_varlen_paged.py), --fa-backend given
-    result.assert_outcomes(passed=15, skipped=7 + 16)
+    # 8 ragged tests (properties/test_varlen_paged.py), --fa-backend selecting a dense target
+    result.assert_outcomes(passed=15, skipped=7 + 8)
+
+
+def test_fa_layout_checks_varlen_and_paged_functions(pytester):
+    for name in ("ragged_kernels.py", "feature_kernels.py"):
+        shutil.copy(FIXTURES / name, pytester.path)
+    pytester.makepyfile(test_kernel="""
+        def test_agreement(fa_ragged_backend, fa_search):
+            fa_search(fa_ragged_backend, "ragged_agreement")
+
+        def test_dense(fa_backend, fa_search):
+            fa_search(fa_backend, "oracle_agreement")
+    """)
+    quick = ("--fa-page-sizes", "16", "--fa-dtype", "fp16", "--fa-no-isolate", "-p", "no:cacheprovider", "-rs")
+    result = pytester.runpytest_subprocess("--fa-layout", "paged", "--fa-backend", "ragged_kernels:paged_attention",
+                                           "--fa-backend", "ragged_kernels:paged_page_boundary", *quick)
+    result.assert_outcomes(passed=1, failed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*ragged_agreement: FAILED after * examples*", "*page_size=16*",
+                                 "*reproduce: python3 *repro_ragged_agreement_*.py*",
+                                 "*--fa-layout selects varlen/paged functions*"])
+    for argv, message in ((("--fa-layout", "varlen", "--fa-backend", "numpy-tiled"), "*checks MODULE:FUNC functions*"),
+                          (("--fa-layout", "varlen", "--fa-backend", "ragged_kernels:varlen_attention",
+                            "--fa-page-sizes", "16"), "*give --fa-layout paged (not varlen)*"),
+                          (("--fa-layout", "paged", "--fa-backend", "ragged_kernels:paged_attention",
+                            "--fa-scale-precision", "input"), "*--fa-scale-precision cannot be used*")):
+        result = pytester.runpytest_subprocess(*argv)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines([message])
 
 
 def test_the_example_ci_file_passes(pytester):

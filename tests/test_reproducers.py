@@ -177,6 +177,15 @@ def test_every_option_of_the_callable_protocol_is_carried():
     how_it_runs = {"isolate", "timeout", "memory_limit"}
     parameters = set(inspect.signature(CallableBackend).parameters) - {"fn", "name", "dtypes"} - how_it_runs
     assert set(callable_options(CallableBackend(user_kernels.float64_then_round), "fp32")) == parameters
+    import ragged_kernels
+
+    from fa_verify.backends.ragged_base import builtin_ragged_backends
+    from fa_verify.backends.ragged_callable import RaggedCallableBackend
+
+    ragged = Target.of(RaggedCallableBackend(ragged_kernels.paged_attention, "paged", page_sizes=(16,)), "fp16")
+    parameters = set(inspect.signature(RaggedCallableBackend).parameters) - {"fn", "name"} - how_it_runs
+    assert ragged.kind == "ragged" and set(ragged.options) == parameters and ragged.options["page_sizes"] == [16]
+    assert Target.of(builtin_ragged_backends()[1], "fp16").kind == "ragged-builtin"
 
 
 def test_repro_dir_naming_a_file_is_a_usage_error(tmp_path, capsys):
@@ -184,3 +193,63 @@ def test_repro_dir_naming_a_file_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["check", "numpy-tiled", "--repro-dir", str(tmp_path / "taken")])
     assert exit_.value.code == 2 and "--repro-dir" in capsys.readouterr().err
+
+
+#: A user's paged kernel: it reads the last key of each page from the next page until a file
+#: FIXED lies beside it.
+RAGGED_KERNEL = '''
+import os
+from ragged_kernels_copy import paged_attention
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def paged(q, k_cache, v_cache, *, cache_seqlens, block_table, causal, softmax_scale, return_softmax_lse=False):
+    bug = None if os.path.exists(os.path.join(HERE, "FIXED")) else "page_boundary"
+    return paged_attention(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, causal=causal,
+                           softmax_scale=softmax_scale, return_softmax_lse=return_softmax_lse, bug=bug)
+'''
+
+
+def test_a_ragged_failure_writes_a_reproducer_that_fails_from_any_folder_and_passes_once_fixed(
+        capsys, project, tmp_path):
+    shutil.copy(FIXTURES / "ragged_kernels.py", project / "ragged_kernels_copy.py")
+    shutil.copy(FIXTURES / "feature_kernels.py", project / "feature_kernels.py")  # ragged_kernels' import
+    (project / "my_paged.py").write_text(RAGGED_KERNEL)
+    try:
+        code = main(["check", "my_paged:paged", "--layout", "paged", "--property", "ragged_agreement",
+                     "--dtype", "fp16", "--max-examples", "10", "--page-sizes", "4", "--repro-dir", "repro", "--json"])
+    finally:
+        for name in ("my_paged", "ragged_kernels_copy"):
+            sys.modules.pop(name, None)
+    [prop] = json.loads(capsys.readouterr().out)["targets"][0]["properties"]
+    assert code == 1 and prop["status"] == "failed", prop
+    script = Path(prop["reproducer_files"]["script"])
+    assert re.fullmatch(r"repro_ragged_agreement_[0-9a-f]{10}\.py", script.name)
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    rerun = _replay(script, elsewhere)
+    assert rerun.returncode == 1, rerun.stdout + rerun.stderr
+    assert "property 'ragged_agreement' failed" in rerun.stdout
+    (project / "FIXED").touch()
+    rerun = _replay(script, elsewhere)
+    assert rerun.returncode == 0 and "property 'ragged_agreement' passed" in rerun.stdout, rerun.stdout + rerun.stderr
+
+
+def test_a_paged_example_round_trips_bit_exactly(tmp_path):
+    from hypothesis import given, settings
+
+    from fa_verify.strategies import ragged_problems
+
+    @settings(max_examples=3, deadline=None, database=None)
+    @given(problem=ragged_problems("paged", ("bf16",), features=("window", "softcap", "alibi", "sinks")))
+    def round_trip(problem):
+        save_problem(problem, tmp_path / "p.npz")
+        loaded = load_problem(tmp_path / "p.npz")
+        assert loaded.describe() == problem.describe() and loaded.num_splits == problem.num_splits
+        assert np.array_equal(loaded.pages.block_table, problem.pages.block_table)
+        for ours, theirs in zip(loaded.inputs(0.0).values(), problem.inputs(0.0).values()):
+            assert np.array_equal(np.asarray(ours).view(np.uint8), np.asarray(theirs).view(np.uint8))
+
+    round_trip()

@@ -50,7 +50,8 @@ class RaggedBackend(ABC):
     #: for a paged target: the same kernel taking the varlen layout, if it has one (the
     #: paged_contiguous property compares the two on the same sequences)
     contiguous: "RaggedBackend | None" = None
-    #: the conventions it is judged under: fa_verify's (ragged targets declare none yet)
+    #: the conventions it is judged under, per sequence (`fa_verify.conventions`; the scale's
+    #: precision excepted): run() converts what it returns to fa_verify's
     judged_under: Conventions = Conventions()
 
     @abstractmethod
@@ -79,7 +80,8 @@ class RaggedBackend(ABC):
 
     def run(self, problem: RaggedProblem, fill=np.nan) -> tuple[np.ndarray, np.ndarray | None]:
         """(out, LSE or None) in the layout's shapes: out in the precision model's output dtype,
-        LSE float32. A paged cache's slots that no sequence uses hold `fill`.
+        LSE float32, in fa_verify's conventions (the declared ones, `judged_under`, converted per
+        sequence as `Backend.run` does). A paged cache's slots that no sequence uses hold `fill`.
 
         Raises BackendOutputError if the run changed a bit of its inputs or returned the wrong
         shapes or dtypes."""
@@ -91,8 +93,12 @@ class RaggedBackend(ABC):
             raise InvalidArgumentError(f"backend {self.name!r} cannot run {problem.describe()}: {reason}")
         inputs = problem.inputs(fill)
         out, lse = leaving_inputs_unchanged(self.name, inputs, lambda: self._run(problem, inputs))
-        check_ragged_output(self.name, problem, out, lse, self.precision(problem.dtype).output)
-        return out, lse
+        precision = self.precision(problem.dtype)
+        check_ragged_output(self.name, problem, out, lse, precision.output, precision.lse)
+        if not self.judged_under.declared:
+            return out, lse
+        return problem.join([self.judged_under.normalise(seq, *pair, precision)
+                             for seq, pair in zip(problem.sequences, problem.split(out, lse))])
 
     @abstractmethod
     def _run(self, problem: RaggedProblem, inputs: dict) -> tuple[np.ndarray, np.ndarray | None]:
@@ -120,11 +126,11 @@ def output_buffers(problem: RaggedProblem, out_dtype) -> tuple[GuardedOutput, Gu
             GuardedOutput.allocate("lse", problem.lse_shape, np.float32))
 
 
-def check_ragged_output(name: str, problem: RaggedProblem, out, lse, out_dtype) -> None:
+def check_ragged_output(name: str, problem: RaggedProblem, out, lse, out_dtype, lse_dtype="fp32") -> None:
     """Raise BackendOutputError unless out / lse have the layout's shapes and dtypes."""
     labels = {"varlen": ("[total_q,H,D]", "[H,total_q]"), "paged": ("[B,Nq,H,D]", "[B,H,Nq]")}[problem.layout]
     for what, x, shape, dtype, label in (("out", out, problem.out_shape, numpy_dtype(out_dtype), labels[0]),
-                                         ("lse", lse, problem.lse_shape, np.dtype(np.float32), labels[1])):
+                                         ("lse", lse, problem.lse_shape, numpy_dtype(lse_dtype), labels[1])):
         if x is None and what == "lse":
             continue
         if not isinstance(x, np.ndarray):

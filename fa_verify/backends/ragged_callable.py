@@ -37,6 +37,7 @@ from fa_verify.backends.user_callable import (
     output_parameters,
     variant_parameters,
 )
+from fa_verify.conventions import of as conventions_of
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name
 from fa_verify.errors import BackendOutputError, InvalidArgumentError
 from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
@@ -53,12 +54,12 @@ POSITIONAL = {"varlen": ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seq
 class RaggedCallableBackend(RaggedBackend):
     """Adapts a varlen or paged function (see the module's doc) to `RaggedBackend`.
 
-    precision, dtypes, limits, features, array, isolate, timeout and memory_limit as for
-    `CallableBackend`; `page_sizes` (None: any) declares the page sizes a paged function supports."""
+    precision, dtypes, limits, features, array, conventions (per sequence; the scale's precision
+    excepted), isolate, timeout and memory_limit as for `CallableBackend`; `page_sizes` (None: any) declares the page sizes a paged function supports."""
 
     def __init__(self, fn, layout: str, name: str | None = None, precision: str | None = None, dtypes=None,
                  limits: Limits | dict | None = None, features=None, array: str = "numpy",
-                 page_sizes=None, isolate: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                 page_sizes=None, conventions=None, isolate: bool = False, timeout: float = DEFAULT_TIMEOUT,
                  memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT):
         if not callable(fn):
             raise InvalidArgumentError(f"fn={fn!r} is not callable")
@@ -79,12 +80,17 @@ class RaggedCallableBackend(RaggedBackend):
         self._asks_lse = "return_softmax_lse" in keywords
         self.writes_buffers = bool(self.fills)
         self.page_sizes = None if page_sizes is None else tuple(int(p) for p in page_sizes)
+        self.judged_under = conventions_of(conventions)
+        if self.judged_under.scale_precision != "exact":
+            raise InvalidArgumentError("scale-precision input is not supported for varlen and paged targets yet (their "
+                                       "problem is judged with the exact scale); drop it, or declare the scores' "
+                                       "precision instead (precision='input-scores')")
         self._worker = isolated_worker(fn, name, isolate, timeout, memory_limit, dict(
             name=self.name, layout=layout, precision=precision, dtypes=self.dtypes, features=self.features,
             array=array))
 
     def precision(self, dtype) -> PrecisionModel:
-        return parse_precision(self._precision, dtype)
+        return self.judged_under.precision(parse_precision(self._precision, dtype))
 
     def availability(self):
         return torch_availability() if self.array == "torch" else AVAILABLE

@@ -1,4 +1,4 @@
-"""The built-in backends by name, and the table `fa_verify backends` prints."""
+"""The built-in backends by name, and the tables `fa_verify backends` prints."""
 
 from __future__ import annotations
 
@@ -43,15 +43,22 @@ def get_backend(name: str) -> Backend:
 
 def backend_table() -> list[dict]:
     """One JSON-ready row per built-in backend: availability, dtypes, precision per dtype, notes."""
-    rows = []
-    for backend in builtin_backends():
-        availability = backend.availability()
-        rows.append({
-            "name": backend.name,
-            "available": availability.available,
-            "reason": availability.reason,
+    return [{**_row(backend), "notes": backend.notes} for backend in builtin_backends()]
+
+
+def ragged_backend_table() -> list[dict]:
+    """One JSON-ready row per built-in ragged backend (varlen / paged KV): as `backend_table`'s
+    rows, plus its layout, the variants it implements and whether it splits the keys: the numpy
+    reference ones and our split-KV kernel's."""
+    from fa_verify.backends.ragged_base import builtin_ragged_backends
+    from fa_verify.backends.split_kv import split_kv_backends
+
+    return [{**_row(backend), "layout": backend.layout, "features": list(backend.features), "splits": backend.splits}
+            for backend in builtin_ragged_backends() + split_kv_backends()]
+
+
+def _row(backend) -> dict:
+    availability = backend.availability()
+    return {"name": backend.name, "available": availability.available, "reason": availability.reason,
             "dtypes": list(backend.dtypes),
-            "precision": {dtype: backend.precision(dtype).as_dict() for dtype in backend.dtypes},
-            "notes": backend.notes,
-        })
-    return rows
+            "precision": {dtype: backend.precision(dtype).as_dict() for dtype in backend.dtypes}}

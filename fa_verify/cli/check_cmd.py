@@ -213,14 +213,16 @@ def _ragged_target(args):
     unsupported = {"--causal-alignment": args.causal_alignment not in (None, "bottom-right"),
                    "--page-sizes": args.page_sizes is not None and args.layout != "paged",
                    **{f"--{name}": getattr(args, name.replace("-", "_")) is not None
-                      for name in ("results", "shapes", "repro-dir")},
-                   **{f"--{name}": getattr(args, name.replace("-", "_")) is not None for name in convention_arguments()}}
+                      for name in ("results", "shapes", "scale-precision")}}
     given = [option for option, bad in unsupported.items() if bad]
     if given:
         raise InvalidArgumentError(
             f"{', '.join(given)} cannot be used with --layout {args.layout}: varlen and paged functions are "
-            "bottom-right aligned per sequence, judged under fa_verify's conventions, without result records, "
-            f"shape budgets or reproducer scripts (not yet), and only a paged one has pages; drop {' and '.join(given)}")
+            "bottom-right aligned per sequence and judged with the exact scale (--scale-precision: not yet); "
+            "--results records are one "
+            "dense [B,H,N,D] verdict each (a ragged batch has B lengths: not recorded yet); --shapes budgets dense "
+            "shape tuples (a ragged batch draws B lengths, pages and splits, which it does not count); only a paged "
+            f"one has pages; drop {' and '.join(given)}")
     try:
         page_sizes = None if args.page_sizes is None else _positive_set(args.page_sizes)
     except (ValueError, InvalidArgumentError):
@@ -230,6 +232,7 @@ def _ragged_target(args):
     isolation = {name: ISOLATION_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
                  for name in ISOLATION_DEFAULTS}
     return RaggedCallableBackend(load_callable(args.target), args.layout, name=args.target, limits=_limits(args),
+                                 conventions=_conventions(args),
                                  precision=args.precision, array=args.array or "numpy", page_sizes=page_sizes,
                                  **isolation)
 

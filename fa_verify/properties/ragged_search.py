@@ -3,7 +3,8 @@
 `search_ragged(backend, prop, selection)` draws ragged batches within what the backend runs (its
 layout, dtypes, per-sequence `Limits`, variants, page sizes, splits; `strategies.ragged_problems`),
 judges each with the property and returns a `PropertyOutcome` as `search_property` does: passed,
-failed with the minimal counterexample Hypothesis shrank to, or not applicable. A target that
+failed with the minimal counterexample Hypothesis shrank to (and its reproducer script), or not
+applicable. A target that
 raises fails the example; other fa_verify errors (setup, misuse) are raised.
 """
 
@@ -23,7 +24,7 @@ from fa_verify.limits import Limits, _layout
 from fa_verify.profiles import RELAXED_HEALTH_CHECKS
 from fa_verify.properties._result import NOT_APPLICABLE, PASSED
 from fa_verify.properties.registry import get_ragged_property
-from fa_verify.properties.search import PropertyOutcome, _target_failure
+from fa_verify.properties.search import PropertyOutcome, _target_failure, _write_reproducer
 from fa_verify.properties.selection import Selection
 from fa_verify.ragged import PageLayout, RaggedProblem
 from fa_verify.strategies import Shape, make_problem, ragged_problems
@@ -35,14 +36,17 @@ class _Failed(Exception):
 
 
 def search_ragged(backend: RaggedBackend, prop, selection: Selection = Selection(), *,
-                  tile: int = DEFAULT_TILE) -> PropertyOutcome:
+                  tile: int = DEFAULT_TILE, repro_dir=None) -> PropertyOutcome:
     """Search `prop` (a ragged Property, its name or check) on `backend`; `tile` is the key tile
     whose edges lengths and windows straddle; the selection's dtypes, causal modes, examples,
-    seed, shrinking and max_seq (the longest sequence) apply."""
+    seed, shrinking and max_seq (the longest sequence) apply. A failing example's reproducer
+    is written into the folder `repro_dir` (none when None), as `search_property` does."""
     if not isinstance(backend, RaggedBackend):
         raise InvalidArgumentError(f"backend={backend!r} must be a RaggedBackend (a varlen or paged target)")
     prop = get_ragged_property(prop)
     outcome = PropertyOutcome(property=prop.name, backend=backend.name)
+    if backend.judged_under.declared:
+        outcome.judged_under = backend.judged_under.describe()
     reason = _not_applicable(prop, backend, selection)
     if reason:
         outcome.status, outcome.reason = NOT_APPLICABLE, reason
@@ -95,6 +99,8 @@ def search_ragged(backend: RaggedBackend, prop, selection: Selection = Selection
     except _Failed:
         outcome.status = "failed"
         outcome.problem, outcome.seed, outcome.failure = found[0]
+        if repro_dir is not None:
+            _write_reproducer(outcome, backend, prop, repro_dir, selection.seed)
     outcome.seconds = time.perf_counter() - start
     outcome.worst_ratio = max(ratios, default=None)
     outcome.notes = tuple(sorted(notes))
