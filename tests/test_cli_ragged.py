@@ -32,6 +32,14 @@ def test_correct_varlen_and_paged_functions_pass(capsys, target, layout, applica
     assert "PASS ragged_agreement: passed, 5 examples" in out
 
 
+def test_a_builtin_ragged_backend_is_checked_by_name(capsys):
+    """Our split-KV kernel on the CPU runner, paged, against its varlen twin among the rest."""
+    code, out, err = run_cli(capsys, "check", "split-kv-cpu", *QUICK)
+    assert code == 0, out + err
+    assert "PASS paged_contiguous: passed" in out
+    assert "PASS split-kv-cpu: 8 passed, 0 failed, 0 not applicable" in out
+
+
 def test_a_buggy_varlen_function_fails_naming_the_sequence(capsys):
     code, out, _ = run_cli(capsys, "check", "ragged_kernels:varlen_global_seqlen_k", "--layout", "varlen", *QUICK,
                         "--property", "ragged_agreement", "--json")
@@ -57,6 +65,8 @@ def test_paged_page_sizes_are_declared_limits(capsys):
     (("ragged_kernels:paged_attention", "--layout", "paged", "--scale-precision", "input"),
      "--scale-precision cannot be used"),
     (("ragged_kernels:paged_attention", "--layout", "paged", "--shapes", "2"), "--shapes cannot be used"),
+    (("split-kv-cpu", "--results", "r.jsonl"), "--results cannot be used with 'split-kv-cpu', a paged backend"),
+    (("numpy-ragged-varlen", "--property", "oracle_agreement"), "no ragged property"),
 ])
 def test_misuse_exits_2_naming_the_option(capsys, argv, message):
     code, _, err = run_cli(capsys, "check", *argv)

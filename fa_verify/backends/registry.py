@@ -34,8 +34,20 @@ def builtin_backends() -> list[Backend]:
     return [make() for make in _BUILTINS]
 
 
-def get_backend(name: str) -> Backend:
+def builtin_ragged() -> list:
+    """Every built-in ragged backend (varlen / paged KV), available or not: the numpy references
+    and our split-KV kernel's."""
+    from fa_verify.backends.ragged_base import builtin_ragged_backends
+    from fa_verify.backends.split_kv import split_kv_backends
+
+    return builtin_ragged_backends() + split_kv_backends()
+
+
+def get_backend(name: str, ragged: bool = False):
+    """The built-in backend `name`; with `ragged`, the ragged ones are looked up too."""
     backends = {backend.name: backend for backend in builtin_backends()}
+    if ragged and name not in backends:
+        backends.update((backend.name, backend) for backend in builtin_ragged())
     if name not in backends:
         raise InvalidArgumentError(f"backend={name!r} is unknown; built-in backends: {', '.join(backends)}")
     return backends[name]
@@ -50,11 +62,8 @@ def ragged_backend_table() -> list[dict]:
     """One JSON-ready row per built-in ragged backend (varlen / paged KV): as `backend_table`'s
     rows, plus its layout, the variants it implements and whether it splits the keys: the numpy
     reference ones and our split-KV kernel's."""
-    from fa_verify.backends.ragged_base import builtin_ragged_backends
-    from fa_verify.backends.split_kv import split_kv_backends
-
     return [{**_row(backend), "layout": backend.layout, "features": list(backend.features), "splits": backend.splits}
-            for backend in builtin_ragged_backends() + split_kv_backends()]
+            for backend in builtin_ragged()]
 
 
 def _row(backend) -> dict:

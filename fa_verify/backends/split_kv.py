@@ -202,5 +202,11 @@ class SplitKvPyCudaBackend(SplitKvBackend):
 
 
 def split_kv_backends() -> list[RaggedBackend]:
-    """Both layouts on both runners."""
-    return [cls(layout) for cls in (SplitKvCpuBackend, SplitKvPyCudaBackend) for layout in ("paged", "varlen")]
+    """Both layouts on both runners; each paged one has its runner's varlen one as its contiguous
+    twin (the property paged_contiguous compares them)."""
+    backends = []
+    for cls in (SplitKvCpuBackend, SplitKvPyCudaBackend):
+        paged, varlen = cls("paged"), cls("varlen")
+        paged.contiguous = varlen
+        backends += [paged, varlen]
+    return backends

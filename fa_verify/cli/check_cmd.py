@@ -164,6 +164,7 @@ def add_parser(sub) -> None:
 
 def _targets(args):
     from fa_verify.backends import CallableBackend, builtin_backends, get_backend, load_callable
+    from fa_verify.backends.ragged_base import RaggedBackend
     from fa_verify.errors import BackendUnavailableError, InvalidArgumentError
 
     if args.spec is not None or args.target.endswith((".cu", ".cuh")):
@@ -190,7 +191,13 @@ def _targets(args):
             f"(see 'fa_verify backends'): drop {' and '.join(given)}, or check your function as MODULE:FUNC")
     if args.target == "all":
         return [b for b in builtin_backends() if b.availability().available]
-    backend = get_backend(args.target)
+    backend = get_backend(args.target, ragged=True)
+    given = [f"--{name}" for name in ("results", "shapes") if getattr(args, name) is not None]
+    if given and isinstance(backend, RaggedBackend):
+        raise InvalidArgumentError(
+            f"{' and '.join(given)} cannot be used with {backend.name!r}, a {backend.layout} backend: --results records "
+            "are one dense [B,H,N,D] verdict each and --shapes budgets dense shape tuples (a ragged batch draws B "
+            f"lengths, pages and splits); drop {' and '.join(given)}")
     availability = backend.availability()
     if not availability.available:
         raise BackendUnavailableError(f"backend {backend.name!r} is unavailable: {availability.reason}")
@@ -328,17 +335,20 @@ def _run(args) -> int:
     from fa_verify.properties import Selection, get_property
     from fa_verify.properties.reproduce import default_folder
 
+    from fa_verify.backends.ragged_base import RaggedBackend
     from fa_verify.properties.registry import get_ragged_property
 
-    lookup = get_ragged_property if args.layout in RAGGED_LAYOUTS else get_property
-    for name in args.properties or ():
-        lookup(name)  # an unknown name is a usage error before anything runs
+    targets = _targets(args)
+    for backend in targets:
+        lookup = get_ragged_property if isinstance(backend, RaggedBackend) else get_property
+        for name in args.properties or ():
+            lookup(name)  # an unknown name is a usage error before anything runs
     seed, drawn = resolve_seed(args.seed)
     if drawn:  # first, so that even a run that dies later can be replayed
         print(f"seed {seed} (--seed random; replay with --seed {seed})", flush=True,
               file=sys.stderr if args.json else sys.stdout)
     outcomes, documents, skipped = [], [], []
-    for backend in _targets(args):
+    for backend in targets:
         dtypes = tuple(d for d in (args.dtype or backend.dtypes) if d in backend.dtypes)
         if not dtypes:
             skipped.append(f"{backend.name} runs {', '.join(backend.dtypes)}, not --dtype {', '.join(args.dtype)}")
@@ -346,7 +356,7 @@ def _run(args) -> int:
         selection = Selection.from_profile(args.profile or DEFAULT_PROFILE, dtypes=dtypes,
                                            causal=CAUSAL_CHOICES[args.causal or "both"],
                                            max_examples=args.max_examples,
-                                           max_seq=args.max_seq or (RAGGED_MAX_SEQ if args.layout in RAGGED_LAYOUTS
+                                           max_seq=args.max_seq or (RAGGED_MAX_SEQ if isinstance(backend, RaggedBackend)
                                                                     else None),
                                            seed=seed, shapes=args.shapes)
         record = results_recorder(args.results, backend, "check", seed=seed) if args.results else None
