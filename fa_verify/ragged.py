@@ -39,6 +39,12 @@ LAYOUTS = ("varlen", "paged")
 SHARED_OPTIONS = ("causal", "causal_alignment", "scale", "window_size", "softcap")
 
 
+
+def _shared(name: str) -> property:
+    """A property of the batch that every sequence has alike: the first sequence's `name`."""
+    return property(lambda self: getattr(self.first, name), doc=f"The sequences' {name} (equal in all).")
+
+
 @dataclass(frozen=True, eq=False)
 class PageLayout:
     """Where a paged KV cache keeps each sequence's keys (see the module's doc)."""
@@ -328,41 +334,16 @@ class RaggedProblem:
     def first(self) -> AttentionProblem:
         return self.sequences[0]
 
-    @property
-    def heads(self) -> int:
-        return self.first.heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.first.kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.first.head_dim
-
-    @property
-    def dtype(self) -> str:
-        return self.first.dtype
-
-    @property
-    def causal(self) -> bool:
-        return self.first.causal
-
-    @property
-    def scale(self):
-        return self.first.scale
-
-    @property
-    def window_size(self) -> tuple:
-        return self.first.window_size
-
-    @property
-    def softcap(self) -> float:
-        return self.first.softcap
-
-    @property
-    def sinks(self):
-        return self.first.sinks
+    # What every sequence shares (checked at construction), read from the first.
+    heads = _shared('heads')
+    kv_heads = _shared('kv_heads')
+    head_dim = _shared('head_dim')
+    dtype = _shared('dtype')
+    causal = _shared('causal')
+    scale = _shared('scale')
+    window_size = _shared('window_size')
+    softcap = _shared('softcap')
+    sinks = _shared('sinks')
 
     @property
     def alibi_slopes(self) -> np.ndarray | None:
