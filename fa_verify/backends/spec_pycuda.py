@@ -91,20 +91,15 @@ class SpecPyCudaBackend(SpecKernelBackend):
         """(context, module, {entry: symbol}), built and loaded once."""
         with self._gpu_lock:
             if self._gpu is None:
-                import pycuda.driver as cuda
+                from fa_verify.kernels.pycuda_runner import load_in_primary_context
 
-                from fa_verify.kernels.pycuda_runner import _properties, selected_device
+                entries = [self.spec.entry_for(dtype, d or 0) for dtype, d in self.spec.entries()]
 
-                cuda.init()
-                context = cuda.Device(selected_device()).retain_primary_context()
-                context.push()
-                try:
-                    arch = _properties(context.get_device())[0]
-                    entries = [self.spec.entry_for(dtype, d or 0) for dtype, d in self.spec.entries()]
+                def load(cuda, arch):
                     cubin = self._cubin(arch, entries)
-                    module = cuda.module_from_buffer(cubin)
-                finally:
-                    cuda.Context.pop()
+                    return cuda.module_from_buffer(cubin), cubin
+
+                context, (module, cubin) = load_in_primary_context(load)
                 self._gpu = (context, module, entry_names(cubin_symbols(cubin), entries))
             return self._gpu
 

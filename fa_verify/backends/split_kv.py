@@ -145,21 +145,16 @@ class SplitKvPyCudaBackend(SplitKvBackend):
         """(context, module), compiled (cached on disk) and loaded once per process."""
         with cls._gpu_lock:
             if cls._gpu is None:
-                import pycuda.driver as cuda
+                from fa_verify.kernels.pycuda_runner import cached_cubin, load_in_primary_context
 
-                from fa_verify.kernels.pycuda_runner import _properties, cached_cubin, selected_device
+                folder = kernels_dir()
 
-                cuda.init()
-                context = cuda.Device(selected_device()).retain_primary_context()
-                context.push()
-                try:
-                    arch = _properties(context.get_device())[0]
-                    folder = kernels_dir()
-                    cubin = cached_cubin(split_kv.SPLIT_KV.source_path.read_text(), split_kv.SOURCE, arch,
-                                         [str(folder)], key_parts=[(folder / "fa_common.cuh").read_text()])
-                    cls._gpu = (context, cuda.module_from_buffer(cubin))
-                finally:
-                    cuda.Context.pop()
+                def load(cuda, arch):
+                    return cuda.module_from_buffer(cached_cubin(
+                        split_kv.SPLIT_KV.source_path.read_text(), split_kv.SOURCE, arch, [str(folder)],
+                        key_parts=[(folder / "fa_common.cuh").read_text()]))
+
+                cls._gpu = load_in_primary_context(load)
             return cls._gpu
 
     def _run(self, problem, inputs):

@@ -162,6 +162,21 @@ def _properties(dev) -> tuple[str, str, int]:
     return f"sm_{major}{minor}", dev.name(), limit
 
 
+def load_in_primary_context(load):
+    """(context, load(cuda, arch)): the selected device's primary context, retained, and what `load`
+    makes in it (modules are loaded into the current context); popped again, for callers that push
+    it around each launch."""
+    import pycuda.driver as cuda
+
+    cuda.init()
+    context = cuda.Device(selected_device()).retain_primary_context()
+    context.push()
+    try:
+        return context, load(cuda, _properties(context.get_device())[0])
+    finally:
+        cuda.Context.pop()
+
+
 def arch_problem(family: KernelFamily, arch: str) -> str | None:
     """Why `family` cannot be built for `arch`, or None."""
     if int(arch[3:]) < family.min_arch:
