@@ -3,10 +3,10 @@
 `check_backend(backend, selection)` searches every property of `fa_verify.properties` (or the
 ones named) on the target and returns a `CheckOutcome`: per property passed, failed (with
 the minimal counterexample, examples-to-failure and, given a folder, a reproducer script) or not
-applicable. A ragged target (varlen or paged, `RaggedBackend`) gets the ragged properties
-(`RAGGED_PROPERTIES`, searched by `search_ragged`; reproducers, no result records).
+applicable; the properties about the kinds of problem the target runs (`properties_for`).
 `results_recorder` turns every oracle verdict, and every failing example, into a record of a
-`ResultsStore`, for reports.
+`ResultsStore`, for reports: one per part of the problem (a ragged batch's sequence, named in
+the record).
 """
 
 from __future__ import annotations
@@ -15,19 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from fa_verify.backends import Backend
-from fa_verify.backends.ragged_base import RaggedBackend
 from fa_verify.problem import AttentionProblem
-from fa_verify.properties import (
-    FAILED,
-    NOT_APPLICABLE,
-    PASSED,
-    PROPERTIES,
-    RAGGED_PROPERTIES,
-    Selection,
-    get_property,
-    get_ragged_property,
-    search_ragged,
-)
+from fa_verify.properties import FAILED, NOT_APPLICABLE, PASSED, Selection, get_property, properties_for
 from fa_verify.properties.reproduce import NotReproducible, Target
 from fa_verify.properties.search import PropertyOutcome, search_property
 
@@ -63,22 +52,18 @@ class CheckOutcome:
                 "properties": [p.as_dict() for p in self.properties]}
 
 
-def check_backend(backend: Backend | RaggedBackend, selection: Selection = Selection(), properties=None,
+def check_backend(backend: Backend, selection: Selection = Selection(), properties=None,
                   on_result=None, progress=None, repro_dir=None) -> CheckOutcome:
-    """Search each property (all, or those named in `properties`) on `backend`.
+    """Search each property about what `backend` runs (or those named in `properties`) on it.
 
     progress(outcome) is called after each property; on_result and repro_dir (the folder for
-    failures' reproducers) as in `search_property` (on_result: dense targets only).
+    failures' reproducers) as in `search_property`.
     """
-    ragged = isinstance(backend, RaggedBackend)
-    lookup = get_ragged_property if ragged else get_property
-    props = (RAGGED_PROPERTIES if ragged else PROPERTIES) if properties is None else [lookup(p) for p in properties]
+    props = properties_for(backend) if properties is None else [get_property(p) for p in properties]
     outcome = CheckOutcome(backend=backend.name)
     start = time.perf_counter()
     for prop in props:
-        result: PropertyOutcome = (search_ragged(backend, prop, selection, repro_dir=repro_dir) if ragged else
-                                   search_property(backend, prop, selection, on_result=on_result,
-                                                   repro_dir=repro_dir))
+        result = search_property(backend, prop, selection, on_result=on_result, repro_dir=repro_dir)
         outcome.properties.append(result)
         if progress is not None:
             progress(result)
@@ -119,13 +104,26 @@ def results_recorder(path, backend: Backend, source: str, seed: int | None = Non
         if seed is not None:
             extra["search_seed"] = seed
         precision = backend.precision(problem.dtype)
-        for verdict in result.verdicts:
-            store.append(record_from_verdict(problem, backend.name, precision, verdict, seconds, source,
-                                             extra=extra))
+        parts = problem.parts()
+
+        def about(index):
+            """The problem a record is about: the whole, or a part of it (a ragged batch's
+            sequence), named in its extra."""
+            if parts == (problem,):
+                return problem, extra
+            index = index or 0
+            return parts[index], {**extra, "kind": problem.kind, "part": index, "parts": len(parts),
+                                  "where": problem.part_label(index)}
+
+        for index, verdict in zip(result.verdict_parts or [None] * len(result.verdicts), result.verdicts):
+            part, part_extra = about(index)
+            store.append(record_from_verdict(part, backend.name, precision, verdict, seconds, source,
+                                             extra=part_extra))
         if result.failed and all(v.passed for v in result.verdicts):
             rule = RUN_ERROR if result.detail.startswith(TARGET_RAISED) else result.name
-            store.append(record_from_failure(problem, backend.name, precision, rule, result.detail,
-                                             seconds, source, extra=extra))
+            part, part_extra = about(result.part if result.part is not None else 0)
+            store.append(record_from_failure(part, backend.name, precision, rule, result.detail,
+                                             seconds, source, extra=part_extra))
 
     return record
 

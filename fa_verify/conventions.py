@@ -96,11 +96,16 @@ class Conventions:
         return replace(model, lse=lse, ftz=self.ftz)
 
     def problem(self, problem):
-        """The problem as the target computes it: its scale rounded to the input dtype if declared."""
+        """The problem (of any kind) as the target computes it: each part's scale rounded to the
+        input dtype if declared."""
         if self.scale_precision == "exact":
             return problem
-        rounded = float(round_to(problem.scale_value, problem.dtype))
-        return problem if rounded == problem.scale else problem.replace(scale=rounded)
+
+        def rounded(part):
+            scale = float(round_to(part.scale_value, part.dtype))
+            return part if scale == part.scale else part.replace(scale=scale)
+
+        return problem.map_parts(rounded)
 
     def normalise(self, problem, out, lse, precision):
         """(out, lse) in fa_verify's conventions: LSE in base e and widened, fully masked rows

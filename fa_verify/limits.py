@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name
 from fa_verify.errors import InvalidArgumentError
+from fa_verify.shape import Shape
 
 #: Head layouts: Hkv == H, 1 < Hkv < H, Hkv == 1.
 HEAD_LAYOUTS = ("mha", "gqa", "mqa")
@@ -98,8 +99,6 @@ class Limits:
 
     def smallest_shape(self, head_dim: int | None = None):
         """The smallest shape within the limits (for probing a target)."""
-        from fa_verify.strategies import Shape
-
         heads, kv_heads = _layout(1, 1, self.heads, self.group_sizes)
         d = head_dim or (self.head_dims[0] if self.head_dims else 8)
         return Shape(1, heads, kv_heads, self.seq_lo, self.seq_lo, d)
@@ -282,15 +281,15 @@ def limit_arguments(skip=()) -> dict:
     return arguments
 
 
-def limits_from_options(values: dict, limits_file=None, prefix: str = "--") -> Limits:
-    """Limits from a TOML file (if given) overridden by the option values given (None: not given)."""
-    from fa_verify.conventions import is_convention
-
+def limits_from_options(values: dict, limits_file=None, prefix: str = "--", other_keys=()) -> Limits:
+    """Limits from a TOML file (if given) overridden by the option values given (None: not given).
+    The file's keys in `other_keys` declare something else (the target builder passes the
+    conventions' keys: one file declares both) and are left to their reader."""
     base = Limits()
     if limits_file is not None:
         try:
-            # The file declares conventions too (fa_verify.conventions reads those keys).
-            declared = {k: v for k, v in read_limits_file(limits_file).items() if not is_convention(k)}
+            declared = {k: v for k, v in read_limits_file(limits_file).items()
+                        if str(k).replace("_", "-") not in other_keys}
             base = parse_limits(declared, prefix="")
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{prefix}limits {limits_file}: {exc}") from None

@@ -133,3 +133,12 @@ def guard(nulls, would_pass: Callable[[NullOutput], bool], judged=("out",)) -> N
     tried = tuple(null for null in nulls if not null.exact(judged))
     return NullGuard(tried=tuple(null.name for null in tried),
                      passing=tuple(null.name for null in tried if would_pass(null)))
+
+
+def batch_guard(guards) -> NullGuard:
+    """The guard of a problem judged part by part (a ragged batch's sequences): a trivial output
+    passes the whole only if it passes every part where it was tried."""
+    tried = tuple(dict.fromkeys(name for g in guards for name in g.tried))
+    passing = tuple(name for name in tried
+                    if all(name in g.passing for g in guards if name in g.tried))
+    return NullGuard(tried=tried, passing=passing)

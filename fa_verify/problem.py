@@ -31,13 +31,15 @@ from functools import cached_property
 
 import numpy as np
 
-from fa_verify.dtypes import DTYPE_NAMES, dtype_name, round_to
+from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype, round_to
 from fa_verify.errors import InvalidArgumentError, InvalidArgumentTypeError, InvalidProblemError
 
 CAUSAL_ALIGNMENTS = ("bottom-right", "top-left")
 #: The variants a problem may use, by the callable protocol's keyword that passes each.
 FEATURES = {"window": "window_size", "softcap": "softcap", "alibi": "alibi_slopes", "sinks": "sinks"}
 NO_WINDOW = (-1, -1)
+#: The variants' arrays, saved beside q, k and v when the problem has them.
+_VARIANT_ARRAYS = ("alibi_slopes", "sinks")
 
 
 @dataclass(frozen=True, eq=False)
@@ -251,6 +253,64 @@ class AttentionProblem:
         g = self.group_size
         return (np.repeat(self.k.astype(np.float64), g, axis=1),
                 np.repeat(self.v.astype(np.float64), g, axis=1))
+
+    # --- the kind protocol (fa_verify.kinds): what the one pipeline asks of every problem ---
+    kind = "dense"
+    #: how out and LSE are laid out, for messages
+    out_label, lse_label = "[B,H,Nq,D]", "[B,H,Nq]"
+
+    @property
+    def lse_shape(self) -> tuple:
+        return self.q.shape[:3]
+
+    def parts(self) -> tuple:
+        """The dense problems judged one by one: a dense problem is one part."""
+        return (self,)
+
+    def split(self, out, lse=None) -> list:
+        """Per part (out, lse): [(out, lse)]."""
+        return [(out, lse)]
+
+    def join(self, per_part) -> tuple:
+        """(out, lse) from `split`'s pairs."""
+        return tuple(per_part[0])
+
+    def map_parts(self, change) -> "AttentionProblem":
+        """The problem with `change` applied to each part."""
+        return change(self)
+
+    def part_label(self, index: int) -> str:
+        return ""
+
+    def input_arrays(self) -> dict:
+        """The arrays a target is given, which must come back unchanged."""
+        return {"q": self.q, "k": self.k, "v": self.v}
+
+    def unsupported_by(self, backend) -> str | None:
+        """Why `backend` cannot run this problem beyond its dtypes and kinds, or None."""
+        return unsupported_features(backend.name, self, backend.features) or backend.limits.check(self)
+
+    def saved(self, prefix: str = "") -> tuple[dict, dict]:
+        """(parameters, arrays) that `from_saved` rebuilds it from bit for bit (bf16 as uint16
+        bits: numpy has no bf16); the arrays' names start with `prefix`."""
+        parameters = {"dtype": self.dtype, "causal": self.causal, "causal_alignment": self.causal_alignment,
+                      "scale": self.scale, "tags": [list(t) for t in self.tags],
+                      "window_size": list(self.window_size), "softcap": self.softcap}
+        arrays = {name: getattr(self, name) for name in ("q", "k", "v")}
+        if self.dtype == "bf16":
+            arrays = {name: x.view(np.uint16) for name, x in arrays.items()}
+        arrays.update({name: getattr(self, name) for name in _VARIANT_ARRAYS if getattr(self, name) is not None})
+        return parameters, {prefix + name: x for name, x in arrays.items()}
+
+    @classmethod
+    def from_saved(cls, parameters: dict, arrays, prefix: str = "") -> "AttentionProblem":
+        dtype = numpy_dtype(parameters["dtype"])
+        q, k, v = (np.ascontiguousarray(arrays[prefix + name]).view(dtype) for name in ("q", "k", "v"))
+        variant_arrays = {name: arrays[prefix + name] for name in _VARIANT_ARRAYS if prefix + name in arrays}
+        return cls(q, k, v, causal=parameters["causal"], causal_alignment=parameters["causal_alignment"],
+                   scale=parameters["scale"], tags=tuple(tuple(t) for t in parameters["tags"]),
+                   window_size=tuple(parameters.get("window_size", NO_WINDOW)),
+                   softcap=parameters.get("softcap", 0.0), **variant_arrays)
 
     def describe(self) -> str:
         """A one-line description for messages: shapes, dtype, masking, scale."""

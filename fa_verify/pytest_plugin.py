@@ -3,10 +3,9 @@
 Options:
   --fa-backend NAME   a built-in backend, or MODULE:FUNC following the callable protocol
                       (repeatable; default: every available built-in backend)
-  --fa-layout varlen|paged   the MODULE:FUNC backends take flash-attn's varlen
-                      (flash_attn_varlen_func) or paged (flash_attn_with_kvcache) signature, as
-                      `fa_verify check --layout`: fa_ragged_backend runs them, fa_backend's
-                      (dense) tests are skipped
+  --fa-layout bhsd|bshd|varlen|paged   the layout the MODULE:FUNC backends take, as
+                      `fa_verify check --layout`: varlen and paged are flash-attn's
+                      flash_attn_varlen_func and flash_attn_with_kvcache signatures
   --fa-page-sizes SIZES   the page sizes a --fa-layout paged function runs (e.g. 16,256)
   --fa-profile NAME   ci (default), thorough or gpu: examples per property, problem sizes;
                       also loads the Hypothesis profile "fa_verify-NAME" for @given tests
@@ -20,19 +19,16 @@ Options:
   --fa-no-isolate     run MODULE:FUNC backends in the test process (default: in a worker
                       process, where a crash, a hang or a runaway allocation fails the example)
   --fa-timeout S, --fa-memory-limit SIZE   limits per call of an isolated MODULE:FUNC
-  --fa-dtype, --fa-head-dims, --fa-seq-multiple, --fa-seq-min, --fa-seq-max, --fa-equal-seq,
-  --fa-heads, --fa-causal, --fa-lse, --fa-limits FILE
-                      the declared limits of MODULE:FUNC backends, as `fa_verify check`'s options
-  --fa-lse-base, --fa-lse-dtype, --fa-masked-rows, --fa-ftz, --fa-scale-precision
-                      the declared conventions of MODULE:FUNC backends (`fa_verify.conventions`)
+  --fa-array, --fa-causal-alignment, --fa-precision, the declared limits (--fa-dtype,
+  --fa-head-dims, ..., --fa-limits FILE) and conventions (--fa-lse-base, ...)
+                      of MODULE:FUNC backends, as `fa_verify check`'s options (`fa_verify.targets`)
 Fixtures:
-  fa_backend   parametrises a test over the selected backends
-  fa_ragged_backend   parametrises a test over the selected ragged backends: the --fa-layout
-               MODULE:FUNC ones, else the built-in ones (skipped when --fa-backend selects dense ones)
+  fa_backend   parametrises a test over the selected backends, of every kind of problem (a
+               property about another kind than a backend runs is skipped, saying so)
   fa_search    fa_search(target, property) searches one property on a target (a Backend or a
                run(problem) function): a failure fails the test with the minimal counterexample
-               and the command running its reproducer script, "not applicable" skips it; a
-               RaggedBackend (varlen / paged) gets a ragged property (`search_ragged`). Under the
+               and the command running its reproducer script, "not applicable" skips it (a
+               property about another kind of problem than the target runs, too). Under the
                marker fa_known_deviation(KnownDeviation(...)) a failure that it explains is an
                expected failure (xfail), any other still fails
   fa_oracle    the certified reference: fa_oracle.reference(problem),
@@ -45,35 +41,27 @@ from __future__ import annotations
 import pytest
 
 _BACKENDS = pytest.StashKey[list]()
-_RAGGED_LAYOUTS = ("varlen", "paged")
 _SEED_DRAWN = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser):
-    from fa_verify.cli.check_cmd import SEED_HELP, SHARED_OPTIONS, add_isolation_options, parse_seed
-    from fa_verify.conventions import convention_arguments
-    from fa_verify.limits import limit_arguments
+    from fa_verify.targets import SEARCH_OPTIONS, SEED_HELP, add_isolation_options, callable_arguments, parse_seed
 
     group = parser.getgroup("fa_verify", "fa_verify: attention kernel properties")
     group.addoption("--fa-backend", action="append", default=None, metavar="NAME",
                     help="backend to check: a built-in name or MODULE:FUNC (callable protocol); "
                          "repeatable; default: every available built-in backend")
-    for name, kwargs in SHARED_OPTIONS.items():
+    for name, kwargs in SEARCH_OPTIONS.items():
         group.addoption(f"--fa-{name}", **kwargs)
     group.addoption("--fa-seed", type=parse_seed, default=None, metavar="N|random",
                     help=SEED_HELP.replace("--seed", "--fa-seed") + " (default: the profile's)")
-    group.addoption("--fa-layout", default=None, choices=_RAGGED_LAYOUTS,
-                    help="the --fa-backend MODULE:FUNC functions take flash-attn's varlen or paged (kvcache) "
-                         "signature: the ragged properties check them (fa_ragged_backend)")
-    group.addoption("--fa-page-sizes", default=None, metavar="SIZES",
-                    help="declared limit of a --fa-layout paged function: the page sizes it runs, e.g. 16,256")
-    add_isolation_options(group.addoption, prefix="fa-")
-    for name, kwargs in {**limit_arguments(), **convention_arguments()}.items():
+    for name, kwargs in callable_arguments().items():
         group.addoption(f"--fa-{name}", **kwargs)
+    add_isolation_options(group.addoption, prefix="fa-")
 
 
 def pytest_configure(config):
-    from fa_verify.cli.check_cmd import resolve_seed
+    from fa_verify.targets import resolve_seed
 
     config.addinivalue_line("markers", "fa_known_deviation(deviation): fa_search expects the failure that a "
                                        "fa_verify.properties.known_deviation.KnownDeviation describes, and no other")
@@ -110,102 +98,25 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def _backends(config) -> list:
-    """The selected backends, built once per session."""
+    """The selected backends (`fa_verify.targets.build_targets`), built once per session."""
     if _BACKENDS not in config.stash:
-        from fa_verify.backends import CallableBackend, builtin_backends, get_backend, load_callable
         from fa_verify.errors import FaVerifyError
-        from fa_verify.conventions import convention_arguments, conventions_from_options
-        from fa_verify.limits import limit_arguments, limits_from_options, read_limits_file
+        from fa_verify.targets import build_targets
 
         names = config.getoption("fa_backend")
-        declared = {name: config.getoption(f"fa_{name.replace('-', '_')}")
-                    for name in (*limit_arguments(), *convention_arguments())}
+        values = {name[3:]: value for name, value in vars(config.option).items() if name.startswith("fa_")}
         try:
-            limits = limits_from_options({n: declared[n] for n in limit_arguments() if n != "limits"},
-                                         declared["limits"], "--fa-")
-            from_file = None if declared["limits"] is None else read_limits_file(declared["limits"])
-            conventions = conventions_from_options({n: declared[n] for n in convention_arguments()}, from_file,
-                                                   "--fa-")
+            config.stash[_BACKENDS] = build_targets(names or ["all"], values, prefix="--fa-")
         except FaVerifyError as exc:
-            raise pytest.UsageError(str(exc)) from None
-        if any(v is not None for v in declared.values()) and not any(":" in n for n in names or ()):
-            raise pytest.UsageError("--fa-dtype, --fa-head-dims, ... --fa-limits and --fa-lse-base, ... declare the "
-                                    "limits and conventions of MODULE:FUNC backends only; name one with "
-                                    "--fa-backend MODULE:FUNC")
-        layout = config.getoption("fa_layout")
-        if layout is not None or config.getoption("fa_page_sizes") is not None:
-            _check_ragged_options(config, names, layout, conventions)
-        try:
-            if names is None:
-                backends = [b for b in builtin_backends() if b.availability().available]
-            else:
-                from fa_verify.cli.check_cmd import ISOLATION_DEFAULTS
-
-                given = {name: config.getoption(f"fa_{name}") for name in ISOLATION_DEFAULTS}
-                isolation = {name: default if given[name] is None else given[name]
-                             for name, default in ISOLATION_DEFAULTS.items()}
-                if layout is not None:
-                    backends = _ragged_backends(config, names, layout, limits, conventions, isolation)
-                else:
-                    backends = [CallableBackend(load_callable(n), name=n, limits=limits, conventions=conventions,
-                                                **isolation) if ":" in n
-                                else get_backend(n) for n in names]
-        except FaVerifyError as exc:
-            raise pytest.UsageError(f"--fa-backend: {exc}") from None
-        for backend in backends:
-            availability = backend.availability()
-            if not availability.available:
-                raise pytest.UsageError(f"--fa-backend {backend.name}: unavailable: {availability.reason}")
-        config.stash[_BACKENDS] = backends
+            raise pytest.UsageError(f"--fa-backend: {exc}" if names else str(exc)) from None
     return config.stash[_BACKENDS]
 
 
-def _check_ragged_options(config, names, layout, conventions) -> None:
-    """UsageError unless --fa-layout names MODULE:FUNC functions, and --fa-page-sizes a paged one."""
-    from fa_verify.conventions import Conventions
-
-    if config.getoption("fa_page_sizes") is not None and layout != "paged":
-        raise pytest.UsageError(f"--fa-page-sizes declares the page sizes of a paged function: give "
-                                f"--fa-layout paged (not {layout or 'no --fa-layout'}), or drop --fa-page-sizes")
-    if not names or any(":" not in n for n in names):
-        raise pytest.UsageError(f"--fa-layout {layout} checks MODULE:FUNC functions with flash-attn's {layout} "
-                                f"signature; name them with --fa-backend MODULE:FUNC (got {names or 'none'})")
-    if conventions.scale_precision != Conventions().scale_precision:
-        raise pytest.UsageError(f"--fa-scale-precision cannot be used with --fa-layout {layout}: varlen and paged "
-                                "functions are judged with the exact scale (not yet); drop it")
-
-
-def _ragged_backends(config, names, layout, limits, conventions, isolation) -> list:
-    from fa_verify.backends import load_callable
-    from fa_verify.backends.ragged_callable import RaggedCallableBackend
-    from fa_verify.errors import InvalidArgumentError
-    from fa_verify.limits import _positive_set
-
-    given = config.getoption("fa_page_sizes")
-    try:
-        page_sizes = None if given is None else _positive_set(given)
-    except (ValueError, InvalidArgumentError):
-        raise pytest.UsageError(f"--fa-page-sizes={given!r} is not valid: page sizes >= 1, e.g. 16,256") from None
-    return [RaggedCallableBackend(load_callable(n), layout, name=n, limits=limits, page_sizes=page_sizes,
-                                  conventions=conventions, **isolation) for n in names]
-
-
 def pytest_generate_tests(metafunc):
-    config = metafunc.config
-    ragged = config.getoption("fa_layout") is not None
     if "fa_backend" in metafunc.fixturenames:
-        backends = [] if ragged else _backends(config)
-        metafunc.parametrize("fa_backend", backends or [_skipped("--fa-layout selects varlen/paged functions; "
-                                                                 "the dense properties do not apply")],
-                             ids=[b.name for b in backends] or ["ragged-layout"], scope="session")
-    if "fa_ragged_backend" in metafunc.fixturenames:
-        from fa_verify.backends.ragged_base import builtin_ragged_backends
-
-        dense = config.getoption("fa_backend") is not None and not ragged
-        backends = _backends(config) if ragged else [] if dense else builtin_ragged_backends()
-        metafunc.parametrize("fa_ragged_backend", backends or [_skipped(
-            "--fa-backend selects dense targets; give --fa-layout varlen|paged to check varlen/paged functions")],
-                             ids=[b.name for b in backends] or ["dense-targets"], scope="session")
+        backends = _backends(metafunc.config)
+        metafunc.parametrize("fa_backend", backends or [_skipped("no backend selected (--fa-backend)")],
+                             ids=[b.name for b in backends] or ["none"], scope="session")
 
 
 def _skipped(reason: str):
@@ -232,9 +143,8 @@ def fa_search(request, fa_profile):
 
     from hypothesis import settings
 
-    from fa_verify.backends.ragged_base import RaggedBackend
     from fa_verify.check import results_recorder
-    from fa_verify.properties import FAILED, NOT_APPLICABLE, Selection, as_backend, search_property, search_ragged
+    from fa_verify.properties import FAILED, NOT_APPLICABLE, Selection, as_backend, search_property
     from fa_verify.properties.reproduce import default_folder
 
     results = request.config.getoption("fa_results")
@@ -251,12 +161,9 @@ def fa_search(request, fa_profile):
     first = selection if known is None or known.rules else replace(selection, shrink=False)
 
     def search(target, prop):
-        if isinstance(target, RaggedBackend):  # a varlen or paged target: the ragged properties
-            outcome = search_ragged(target, prop, selection, repro_dir=repro_dir)
-        else:
-            backend = as_backend(target)
-            record = results_recorder(results, backend, "pytest", seed=selection.seed) if results else None
-            outcome = search_property(backend, prop, first, on_result=record, repro_dir=repro_dir)
+        backend = as_backend(target)
+        record = results_recorder(results, backend, "pytest", seed=selection.seed) if results else None
+        outcome = search_property(backend, prop, first, on_result=record, repro_dir=repro_dir)
         if outcome.status == NOT_APPLICABLE:
             pytest.skip(outcome.message())
         if outcome.status == FAILED:

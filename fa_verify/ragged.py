@@ -123,6 +123,8 @@ class RaggedProblem:
     #: split-KV count asked of the kernel; 0 = the kernel's own choice
     num_splits: int = 0
     tags: tuple = ()
+    #: what a paged cache's slots that no sequence uses hold (NaN: a kernel reading them shows it)
+    cache_fill: float = float("nan")
 
     def __post_init__(self):
         sequences = tuple(self.sequences)
@@ -222,10 +224,11 @@ class RaggedProblem:
                 "cu_seqlens_q": self.cu_seqlens_q, "cu_seqlens_k": self.cu_seqlens_k,
                 "max_seqlen_q": self.max_seqlen_q, "max_seqlen_k": self.max_seqlen_k}
 
-    def paged_inputs(self, fill=np.nan) -> dict:
+    def paged_inputs(self, fill=None) -> dict:
         """q [B, Nq, H, D], k_cache, v_cache [num_blocks, page_size, Hkv, D] (slots no sequence
         uses hold `fill`), block_table int32 [B, max_blocks], cache_seqlens int32 [B]."""
         self._require("paged")
+        fill = self.cache_fill if fill is None else fill
         k_cache, v_cache, used = self._cache
         dtype = numpy_dtype(self.dtype)
         with np.errstate(over="ignore", invalid="ignore"):
@@ -234,9 +237,83 @@ class RaggedProblem:
         return {"q": np.stack([_packed(s.q) for s in self.sequences]), "k_cache": k_cache, "v_cache": v_cache,
                 "block_table": self.pages.block_table.copy(), "cache_seqlens": np.asarray(self.seqlens_k, np.int32)}
 
-    def inputs(self, fill=np.nan) -> dict:
-        """The layout's inputs (paged: unused cache slots hold `fill`)."""
-        return self.paged_inputs(fill) if self.layout == "paged" else self.varlen_inputs()
+    def inputs(self) -> dict:
+        """The layout's inputs (paged: unused cache slots hold `cache_fill`), the same arrays on
+        every call: `Backend.run` checks that a target leaves them unchanged."""
+        return self._inputs
+
+    @cached_property
+    def _inputs(self) -> dict:
+        return self.paged_inputs() if self.layout == "paged" else self.varlen_inputs()
+
+    # --- saved to disk (reproducers) ----------------------------------------------------------
+    def saved(self) -> tuple[dict, dict]:
+        """(parameters, arrays) that `from_saved` rebuilds it from: each sequence's, the layout,
+        split count and page table."""
+        parameters = {"layout": self.layout, "num_splits": self.num_splits,
+                      "tags": [list(t) for t in self.tags], "sequences": []}
+        arrays = {}
+        for b, seq in enumerate(self.sequences):
+            seq_parameters, seq_arrays = seq.saved(prefix=f"s{b}_")
+            parameters["sequences"].append(seq_parameters)
+            arrays.update(seq_arrays)
+        if self.pages is not None:
+            parameters["pages"] = {"page_size": self.pages.page_size, "num_blocks": self.pages.num_blocks}
+            arrays["block_table"] = self.pages.block_table
+        return parameters, arrays
+
+    @classmethod
+    def from_saved(cls, parameters: dict, arrays) -> "RaggedProblem":
+        sequences = tuple(AttentionProblem.from_saved(seq, arrays, f"s{b}_")
+                          for b, seq in enumerate(parameters["sequences"]))
+        pages = (PageLayout(block_table=arrays["block_table"], **parameters["pages"])
+                 if "pages" in parameters else None)
+        return cls(sequences, parameters["layout"], pages=pages, num_splits=parameters["num_splits"],
+                   tags=tuple(tuple(t) for t in parameters["tags"]))
+
+    # --- the kind protocol (fa_verify.kinds) --------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return self.layout
+
+    @property
+    def out_label(self) -> str:
+        return "[total_q,H,D]" if self.layout == "varlen" else "[B,Nq,H,D]"
+
+    @property
+    def lse_label(self) -> str:
+        return "[H,total_q]" if self.layout == "varlen" else "[B,H,Nq]"
+
+    def parts(self) -> tuple:
+        """The sequences, each judged as the dense problem it is."""
+        return self.sequences
+
+    def map_parts(self, change) -> "RaggedProblem":
+        return self.replace(sequences=tuple(change(seq) for seq in self.sequences))
+
+    def part_label(self, b: int) -> str:
+        """Sequence b, its lengths and where its rows are in the layout."""
+        seq = self.sequences[b]
+        rows = (f"rows {self.cu_seqlens_q[b]}..{self.cu_seqlens_q[b + 1] - 1} of the varlen output"
+                if self.layout == "varlen" else f"q[{b}]")
+        return f"sequence {b} of {self.batch} (Nq={seq.nq}, Nk={seq.nk}; {rows})"
+
+    def input_arrays(self) -> dict:
+        return {name: x for name, x in self.inputs().items() if isinstance(x, np.ndarray)}
+
+    def unsupported_by(self, backend) -> str | None:
+        """Why `backend` cannot run this batch beyond its dtypes and kinds: page sizes, splits,
+        each sequence's variants and limits; None when it can."""
+        if self.pages is not None and backend.page_sizes is not None and self.pages.page_size not in backend.page_sizes:
+            return (f"{backend.name} does not run page_size={self.pages.page_size} (it runs "
+                    f"{', '.join(map(str, backend.page_sizes))}; declared by --page-sizes)")
+        if self.num_splits > 1 and not backend.splits:
+            return f"{backend.name} does not split the keys (num_splits={self.num_splits}); it is no split-KV kernel"
+        for b, seq in enumerate(self.sequences):
+            reason = seq.unsupported_by(backend)
+            if reason:
+                return f"sequence {b}: {reason}"
+        return None
 
     @cached_property
     def _cache(self):

@@ -24,6 +24,9 @@ from fa_verify.errors import InvalidArgumentError
 from fa_verify.problem import NO_WINDOW, used_features
 from fa_verify.strategies import Shape, make_problem
 
+#: The kind of problem every sweep is made of (`fa_verify.properties.kinds`).
+PROBLEM_KIND = "dense"
+
 DTYPES = ("fp16", "bf16", "fp32")
 CAUSAL = (False, True)
 

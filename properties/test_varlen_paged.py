@@ -1,17 +1,16 @@
-"""Ragged batches (varlen, paged KV, split-KV): every ragged property on every selected ragged
-backend (fa_ragged_backend: the --fa-backend MODULE:FUNC functions of --fa-layout varlen|paged,
-else the built-in ones of fa_verify.backends.ragged_base), drawn by
-fa_verify.strategies.ragged_problems within each backend's limits; not applicable ones (a page
-table for a varlen target, splits for one without num_splits) are skipped with the reason, and
-so is every one when --fa-backend selects (dense) targets."""
+"""Ragged batches (varlen, paged KV, split-KV): the properties about them on every selected
+backend that runs them (the built-in ones, or the --fa-backend MODULE:FUNC functions of
+--fa-layout varlen|paged), drawn by fa_verify.strategies.ragged_problems within each backend's
+limits; not applicable ones (a page table for a varlen target, splits for one without
+num_splits, any of them for a dense target) are skipped with the reason."""
 
 import pytest
 
 
 @pytest.fixture
-def ragged_search(fa_ragged_backend, fa_search):
-    """fa_search on each selected ragged backend."""
-    return lambda prop: fa_search(fa_ragged_backend, prop)
+def ragged_search(fa_backend, fa_search):
+    """fa_search on each selected backend."""
+    return lambda prop: fa_search(fa_backend, prop)
 
 
 def test_ragged_agreement(ragged_search):

@@ -3,7 +3,7 @@
 from fa_verify.backends.base import Availability, Backend, check_output
 from fa_verify.backends.naive import NaiveBackend, naive_attention
 from fa_verify.backends.numpy_tiled import NumpyTiledBackend, tiled_attention
-from fa_verify.backends.registry import backend_table, builtin_backends, get_backend, ragged_backend_table
+from fa_verify.backends.registry import backend_table, builtin_backends, get_backend
 from fa_verify.backends.torch_sdpa import TorchSdpaBackend
 from fa_verify.backends.user_callable import CallableBackend, load_callable
 
@@ -15,7 +15,6 @@ __all__ = [
     "NumpyTiledBackend",
     "TorchSdpaBackend",
     "backend_table",
-    "ragged_backend_table",
     "builtin_backends",
     "check_output",
     "get_backend",

@@ -1,10 +1,13 @@
 """The backend protocol: what every attention implementation under test looks like to fa_verify.
 
-A backend has a name, the dtypes it runs, the precision model it claims per dtype, whether it
-can run here (and why not), whether it can run a given problem (and why not), and
-`run(problem) -> (out, lse | None)`. `Backend.run` checks availability and support, calls the
-subclass's `_run`, and validates what came back, so no backend skips the output checks, nor
-the check that q, k and v came back bitwise unchanged (`buffers.InputSnapshot`).
+One protocol for every kind of problem (`fa_verify.kinds`: dense, varlen, paged). A backend has
+a name, the kinds of problem it runs (`kinds`), the dtypes it runs, the precision model it
+claims per dtype, whether it can run here (and why not), whether it can run a given problem
+(and why not), and `run(problem) -> (out, lse | None)` in the problem's layout. `Backend.run`
+checks availability and support, calls the subclass's `_run`, and validates what came back
+against the problem's own shapes, so no backend skips the output checks, nor the check that
+its inputs came back bitwise unchanged (`buffers.InputSnapshot`). The kind of problem is data:
+nothing here branches on it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fa_verify.backends import watch
 from fa_verify.backends.buffers import InputSnapshot
 from fa_verify.conventions import Conventions
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
@@ -24,7 +28,7 @@ from fa_verify.errors import (
 )
 from fa_verify.limits import Limits
 from fa_verify.precision import PrecisionModel
-from fa_verify.problem import AttentionProblem, unsupported_features
+from fa_verify.problem import AttentionProblem
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,24 @@ class Backend(ABC):
     features: tuple = ()
     #: The conventions it is judged under (declared by its author; `run` converts its outputs).
     judged_under: Conventions = Conventions()
+    #: The kinds of problem it runs (`fa_verify.kinds.KINDS`: "dense", "varlen", "paged").
+    kinds: tuple = ("dense",)
+    #: Whether its precision model is declared by its user (a callable's --precision), so a
+    #: failure may say which looser model would pass (`properties.precision_hint`).
+    declared_precision: bool = False
+    # --- what ragged targets (varlen, paged) declare beyond the limits of each sequence ---
+    #: it honours RaggedProblem.num_splits (a split-KV kernel)
+    splits: bool = False
+    #: the page sizes it supports (paged KV), or None: any
+    page_sizes: tuple | None = None
+    #: a sequence's output is bitwise the same whatever else the batch holds (then "varlen ==
+    #: each sequence alone" is checked bitwise)
+    batch_invariant: bool = False
+    #: it writes into sentinel-filled buffers it is given (`buffers.output_buffers`), so that
+    #: rows it leaves unwritten show (the unwritten_rows property)
+    writes_buffers: bool = False
+    #: a paged target's twin taking the varlen layout, if it has one (paged_contiguous compares them)
+    contiguous: "Backend | None" = None
 
     @abstractmethod
     def precision(self, dtype) -> PrecisionModel:
@@ -87,18 +109,22 @@ class Backend(ABC):
     def availability(self) -> Availability:
         return AVAILABLE
 
-    def supports(self, problem: AttentionProblem) -> str | None:
+    def supports(self, problem) -> str | None:
         """None if the backend can run `problem`, else the reason it cannot."""
+        if problem.kind not in self.kinds:
+            return f"{self.name} runs {' and '.join(self.kinds)} problems, not {problem.kind} ones"
         if problem.dtype not in self.dtypes:
             return f"{self.name} does not run dtype={problem.dtype} (it runs {', '.join(self.dtypes)})"
-        return unsupported_features(self.name, problem, self.features) or self.limits.check(problem)
+        return problem.unsupported_by(self)
 
-    def run(self, problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray | None]:
-        """out [B,H,Nq,D] in the precision model's output dtype, and LSE [B,H,Nq] or None, in
-        fa_verify's conventions (the target's declared ones, `judged_under`, converted: a base-2
-        LSE comes back in base e as float64).
+    def run(self, problem) -> tuple[np.ndarray, np.ndarray | None]:
+        """out and LSE (or None) in the problem's layout (dense: out [B,H,Nq,D], LSE [B,H,Nq]),
+        out in the precision model's output dtype, in fa_verify's conventions (the target's
+        declared ones, `judged_under`, converted part by part: a base-2 LSE comes back in base e
+        as float64).
 
-        Raises BackendOutputError if the run changed a bit of q, k or v."""
+        Raises BackendOutputError if the run changed a bit of its inputs or returned the wrong
+        shapes or dtypes."""
         availability = self.availability()
         if not availability.available:
             raise BackendUnavailableError(f"backend {self.name!r} is unavailable: {availability.reason}")
@@ -106,51 +132,57 @@ class Backend(ABC):
         if reason is not None:
             raise InvalidArgumentError(
                 f"backend {self.name!r} cannot run {problem.describe()}: {reason}")
-        inputs = InputSnapshot.of(q=problem.q, k=problem.k, v=problem.v)
-        out, lse = self._run(problem)
-        inputs.check(self.name, problem.q, problem.k, problem.v)
+        out, lse = leaving_inputs_unchanged(self.name, problem.input_arrays(), lambda: self._run(problem))
         precision = self.precision(problem.dtype)
         check_output(self.name, problem, out, lse, precision.output, lse_dtype=precision.lse)
-        return self.judged_under.normalise(problem, out, lse, precision)
+        watch.seen(problem, out, lse)
+        if not self.judged_under.declared:
+            return out, lse
+        return problem.join([self.judged_under.normalise(part, *pair, precision)
+                             for part, pair in zip(problem.parts(), problem.split(out, lse))])
 
     @abstractmethod
-    def _run(self, problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray | None]:
-        """Compute (out, lse | None); `run` has checked availability and support."""
+    def _run(self, problem) -> tuple[np.ndarray, np.ndarray | None]:
+        """Compute (out, lse | None) in the problem's layout (a ragged problem's arrays:
+        `problem.inputs()`); `run` has checked availability and support."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
 
-def check_output(name: str, problem: AttentionProblem, out, lse, out_dtype,
-                 layout: str = "bhsd", lse_dtype="fp32") -> None:
-    """Raise BackendOutputError unless out / lse have the shapes and dtypes the protocol fixes.
+def leaving_inputs_unchanged(name: str, arrays: dict, call):
+    """call()'s result; BackendOutputError if it changed a bit of one of `arrays`."""
+    snapshot = InputSnapshot.of(**arrays)
+    result = call()
+    snapshot.check(name, *arrays.values())
+    return result
 
-    `layout` only changes the expected shape of `out` ("bshd": [B, Nq, H, D]); LSE is always
-    [B, H, Nq], float32 unless a convention declares `lse_dtype`. Values are not checked: NaN or
-    wrong numbers are findings, not misuse.
+
+def check_output(name: str, problem, out, lse, out_dtype, layout: str = "bhsd", lse_dtype="fp32") -> None:
+    """Raise BackendOutputError unless out / lse have the shapes (`problem.out_shape`,
+    `problem.lse_shape`) and dtypes the protocol fixes.
+
+    `layout` "bshd" expects a dense out as [B, Nq, H, D]; LSE is float32 unless a convention
+    declares `lse_dtype`. Values are not checked: NaN or wrong numbers are findings, not misuse.
     """
-    B, H, Nq, D = problem.out_shape
-    out_shape = (B, Nq, H, D) if layout == "bshd" else (B, H, Nq, D)
-    out_dtype = numpy_dtype(out_dtype)
-    if not isinstance(out, np.ndarray):
-        raise BackendOutputError(
-            f"backend {name!r} returned out of type {type(out).__name__}; expected a numpy array")
-    if out.shape != out_shape or out.dtype != out_dtype:
-        raise BackendOutputError(
-            f"backend {name!r} returned out with shape={out.shape} dtype={_dtype_label(out.dtype)}; "
-            f"expected shape={out_shape} ([{','.join(layout.upper())}]) dtype={dtype_name(out_dtype)} "
-            f"for {problem.describe()}")
-    if lse is None:
-        return
-    if not isinstance(lse, np.ndarray):
-        raise BackendOutputError(
-            f"backend {name!r} returned lse of type {type(lse).__name__}; expected a numpy array or None")
-    if lse.shape != (B, H, Nq) or lse.dtype != numpy_dtype(lse_dtype):
-        in_input_dtype = lse.dtype == numpy_dtype(problem.dtype) != numpy_dtype(lse_dtype)
-        raise BackendOutputError(
-            f"backend {name!r} returned lse with shape={lse.shape} dtype={_dtype_label(lse.dtype)}; "
-            f"expected shape={(B, H, Nq)} ([B,H,Nq]) dtype={dtype_name(lse_dtype)} for {problem.describe()}"
-            + (" (an LSE in the input dtype is declared with --lse-dtype input)" if in_input_dtype else ""))
+    out_shape, out_label = problem.out_shape, problem.out_label
+    if layout == "bshd":
+        B, H, Nq, D = out_shape
+        out_shape, out_label = (B, Nq, H, D), "[B,Nq,H,D]"
+    for what, x, shape, dtype, label in (("out", out, out_shape, numpy_dtype(out_dtype), out_label),
+                                         ("lse", lse, problem.lse_shape, numpy_dtype(lse_dtype), problem.lse_label)):
+        if x is None and what == "lse":
+            continue
+        if not isinstance(x, np.ndarray):
+            raise BackendOutputError(
+                f"backend {name!r} returned {what} of type {type(x).__name__}; expected a numpy array"
+                + (" or None" if what == "lse" else ""))
+        if x.shape != shape or x.dtype != dtype:
+            in_input_dtype = what == "lse" and x.dtype == numpy_dtype(problem.dtype) != dtype
+            raise BackendOutputError(
+                f"backend {name!r} returned {what} with shape={x.shape} dtype={_dtype_label(x.dtype)}; "
+                f"expected shape={shape} ({label}) dtype={dtype_name(dtype)} for {problem.describe()}"
+                + (" (an LSE in the input dtype is declared with --lse-dtype input)" if in_input_dtype else ""))
 
 
 def _dtype_label(dtype: np.dtype) -> str:

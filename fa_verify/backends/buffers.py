@@ -112,3 +112,28 @@ class InputSnapshot:
                     f"target {target!r} wrote into its input {name}: {int(changed.sum())} elements "
                     f"changed, first at {where}: {before[tuple(where)]!r} became "
                     f"{np.asarray(after)[tuple(where)]!r} (inputs must come back bitwise unchanged)")
+
+
+def output_buffers(problem, out_dtype) -> tuple[GuardedOutput, GuardedOutput]:
+    """Sentinel-filled out and LSE buffers in the problem's layout (`problem.out_shape`,
+    `problem.lse_shape`), for targets that write into buffers they are given: rows left
+    unwritten keep the sentinel (a ragged problem's `unwritten_rows` names their sequences)."""
+    from fa_verify.dtypes import numpy_dtype
+
+    return (GuardedOutput.allocate("out", problem.out_shape, numpy_dtype(out_dtype)),
+            GuardedOutput.allocate("lse", problem.lse_shape, np.float32))
+
+
+def padded_array(x, pad: int):
+    """A contiguous copy of `x` (numpy array or torch tensor) inside a NaN-filled buffer with
+    `pad` elements before and after it; returns (view, buffer)."""
+    n = int(np.prod(x.shape))
+    if isinstance(x, np.ndarray):
+        buffer = np.full(n + 2 * pad, np.nan, dtype=x.dtype)
+        buffer[pad:pad + n] = x.reshape(-1)
+        return buffer[pad:pad + n].reshape(x.shape), buffer
+    import torch  # a torch tensor came in, so torch is there
+
+    buffer = torch.full((n + 2 * pad,), float("nan"), dtype=x.dtype, device=x.device)
+    buffer[pad:pad + n].copy_(x.reshape(-1))
+    return buffer[pad:pad + n].view(x.shape), buffer

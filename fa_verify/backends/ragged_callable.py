@@ -16,7 +16,7 @@ signature names are passed, as flash-attn spells them: window_size, softcap, ali
 return_softmax_lse=True (then the function returns (out, lse)), num_splits (then it is a
 split-KV target: problems ask for 0 = its own choice, 1, 2, ... splits). A function with an `out`
 parameter (and optionally `lse`) is given sentinel-filled buffers of the layout's shapes to
-write (`ragged_base.output_buffers`): rows it leaves unwritten are reported with their sequence.
+write (`buffers.output_buffers`): rows it leaves unwritten are reported with their sequence.
 With isolate=True it runs in a worker process as `CallableBackend` does (a crash, a hang or a
 runaway allocation fails the example; the input checks run in the worker, on what it saw).
 """
@@ -27,8 +27,8 @@ import inspect
 
 import numpy as np
 
-from fa_verify.backends.base import AVAILABLE, parse_precision
-from fa_verify.backends.ragged_base import RaggedBackend, leaving_inputs_unchanged, output_buffers
+from fa_verify.backends.base import AVAILABLE, Backend, leaving_inputs_unchanged, parse_precision
+from fa_verify.backends.buffers import output_buffers
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
 from fa_verify.backends.user_callable import (
     ARRAYS,
@@ -51,11 +51,10 @@ POSITIONAL = {"varlen": ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seq
               "paged": ("q", "k_cache", "v_cache")}
 
 
-class RaggedCallableBackend(RaggedBackend):
-    """Adapts a varlen or paged function (see the module's doc) to `RaggedBackend`.
+class RaggedCallableBackend(Backend):
+    """Adapts a varlen or paged function (see the module's doc) to `Backend`, running that layout.
 
-    precision, dtypes, limits, features, array, conventions (per sequence; the scale's precision
-    excepted), isolate, timeout and memory_limit as for `CallableBackend`; `page_sizes` (None: any) declares the page sizes a paged function supports."""
+    precision, dtypes, limits, features, array, conventions (per sequence), isolate, timeout and memory_limit as for `CallableBackend`; `page_sizes` (None: any) declares the page sizes a paged function supports."""
 
     def __init__(self, fn, layout: str, name: str | None = None, precision: str | None = None, dtypes=None,
                  limits: Limits | dict | None = None, features=None, array: str = "numpy",
@@ -72,6 +71,8 @@ class RaggedCallableBackend(RaggedBackend):
         dtypes = self.limits.dtypes if dtypes is None else dtypes
         self.dtypes = tuple(dtype_name(d) for d in (DTYPE_NAMES if dtypes is None else dtypes))
         self.fn, self.layout, self.array = fn, layout, array
+        self.kinds = (layout,)
+        self.declared_precision = True
         self.name = name or _qualified_name(fn)
         self.features = variant_parameters(fn, features)
         self.fills = output_parameters(fn)
@@ -81,10 +82,6 @@ class RaggedCallableBackend(RaggedBackend):
         self.writes_buffers = bool(self.fills)
         self.page_sizes = None if page_sizes is None else tuple(int(p) for p in page_sizes)
         self.judged_under = conventions_of(conventions)
-        if self.judged_under.scale_precision != "exact":
-            raise InvalidArgumentError("scale-precision input is not supported for varlen and paged targets yet (their "
-                                       "problem is judged with the exact scale); drop it, or declare the scores' "
-                                       "precision instead (precision='input-scores')")
         self._worker = isolated_worker(fn, name, isolate, timeout, memory_limit, dict(
             name=self.name, layout=layout, precision=precision, dtypes=self.dtypes, features=self.features,
             array=array))
@@ -95,12 +92,15 @@ class RaggedCallableBackend(RaggedBackend):
     def availability(self):
         return torch_availability() if self.array == "torch" else AVAILABLE
 
-    def _run(self, problem: RaggedProblem, inputs: dict):
-        return self._worker.run(problem, inputs) if self._worker is not None else self._call(problem, inputs)
+    def _run(self, problem: RaggedProblem):
+        if self._worker is None:
+            return self._call(problem, problem.inputs())
+        return self._worker.run(problem)
 
-    def run_in_worker(self, problem: RaggedProblem, inputs: dict):
+    def run_in_worker(self, problem: RaggedProblem):
         """What the worker process runs: the call, and the check that it left its inputs unchanged."""
-        return leaving_inputs_unchanged(self.name, inputs, lambda: self._call(problem, inputs))
+        inputs = problem.inputs()
+        return leaving_inputs_unchanged(self.name, problem.input_arrays(), lambda: self._call(problem, inputs))
 
     def _call(self, problem: RaggedProblem, inputs: dict):
         arrays = {name: to_torch(x) if self.array == "torch" and isinstance(x, np.ndarray) else x

@@ -1,11 +1,13 @@
-"""The built-in backends by name, and the tables `fa_verify backends` prints."""
+"""The built-in backends by name, of every kind of problem, and the table `fa_verify backends` prints."""
 
 from __future__ import annotations
 
 from fa_verify.backends.base import Backend
 from fa_verify.backends.cuda_kernels import CpuKernelBackend, PyCudaKernelBackend
 from fa_verify.backends.naive import NaiveBackend
+from fa_verify.backends.numpy_ragged import numpy_ragged_backends
 from fa_verify.backends.numpy_tiled import NumpyTiledBackend
+from fa_verify.backends.split_kv import split_kv_backends
 from fa_verify.backends.torch_sdpa import TorchSdpaBackend
 from fa_verify.errors import InvalidArgumentError
 
@@ -30,44 +32,28 @@ _BUILTINS = (
 
 
 def builtin_backends() -> list[Backend]:
-    """Every built-in backend, available or not (check `availability()` before running one)."""
-    return [make() for make in _BUILTINS]
+    """Every built-in backend, of every kind of problem, available or not (check
+    `availability()` before running one): the dense ones, then the numpy references and our
+    split-KV kernel's for varlen / paged KV."""
+    return [make() for make in _BUILTINS] + numpy_ragged_backends() + split_kv_backends()
 
 
-def builtin_ragged() -> list:
-    """Every built-in ragged backend (varlen / paged KV), available or not: the numpy references
-    and our split-KV kernel's."""
-    from fa_verify.backends.ragged_base import builtin_ragged_backends
-    from fa_verify.backends.split_kv import split_kv_backends
-
-    return builtin_ragged_backends() + split_kv_backends()
-
-
-def get_backend(name: str, ragged: bool = False):
-    """The built-in backend `name`; with `ragged`, the ragged ones are looked up too."""
+def get_backend(name: str) -> Backend:
+    """The built-in backend `name`."""
     backends = {backend.name: backend for backend in builtin_backends()}
-    if ragged and name not in backends:
-        backends.update((backend.name, backend) for backend in builtin_ragged())
     if name not in backends:
         raise InvalidArgumentError(f"backend={name!r} is unknown; built-in backends: {', '.join(backends)}")
     return backends[name]
 
 
 def backend_table() -> list[dict]:
-    """One JSON-ready row per built-in backend: availability, dtypes, precision per dtype, notes."""
-    return [{**_row(backend), "notes": backend.notes} for backend in builtin_backends()]
-
-
-def ragged_backend_table() -> list[dict]:
-    """One JSON-ready row per built-in ragged backend (varlen / paged KV): as `backend_table`'s
-    rows, plus its layout, the variants it implements and whether it splits the keys: the numpy
-    reference ones and our split-KV kernel's."""
-    return [{**_row(backend), "layout": backend.layout, "features": list(backend.features), "splits": backend.splits}
-            for backend in builtin_ragged()]
-
-
-def _row(backend) -> dict:
-    availability = backend.availability()
-    return {"name": backend.name, "available": availability.available, "reason": availability.reason,
-            "dtypes": list(backend.dtypes),
-            "precision": {dtype: backend.precision(dtype).as_dict() for dtype in backend.dtypes}}
+    """One JSON-ready row per built-in backend: availability, the kinds of problem it runs (and
+    "layout", the one it takes), dtypes, precision per dtype, variants, split-KV, notes."""
+    rows = []
+    for backend in builtin_backends():
+        availability = backend.availability()
+        rows.append({"name": backend.name, "available": availability.available, "reason": availability.reason,
+                     "kinds": list(backend.kinds), "layout": backend.kinds[0], "dtypes": list(backend.dtypes),
+                     "precision": {dtype: backend.precision(dtype).as_dict() for dtype in backend.dtypes},
+                     "features": list(backend.features), "splits": backend.splits, "notes": backend.notes})
+    return rows

@@ -16,10 +16,9 @@ import threading
 
 import numpy as np
 
-from fa_verify.backends.base import Availability
-from fa_verify.backends.buffers import GuardedOutput
+from fa_verify.backends.base import Availability, Backend
+from fa_verify.backends.buffers import GuardedOutput, output_buffers
 from fa_verify.backends.cuda_kernels import _bits, cpu_runner_availability
-from fa_verify.backends.ragged_base import RaggedBackend, output_buffers
 from fa_verify.errors import BackendOutputError, KernelRunError
 from fa_verify.kernels import split_kv
 from fa_verify.kernels.catalogue import DEFAULT_SHARED_LIMIT, kernels_dir
@@ -35,7 +34,7 @@ def _outputs(name: str, buffers: tuple[GuardedOutput, GuardedOutput]) -> tuple[n
     return buffers[0].view.copy(), buffers[1].view.copy()
 
 
-class SplitKvBackend(RaggedBackend):
+class SplitKvBackend(Backend):
     """split_kv.cu on one runner, for one layout."""
 
     runner: str
@@ -46,7 +45,7 @@ class SplitKvBackend(RaggedBackend):
     limits = Limits(dtypes=split_kv.DTYPES, head_dims=tuple(split_kv.CONFIGS), lse=True)
 
     def __init__(self, layout: str = "paged"):
-        self.layout = layout
+        self.kinds = (layout,)
         self.name = f"{split_kv.LABEL}{'' if layout == 'paged' else '-varlen'}-{self.runner}"
 
     def precision(self, dtype) -> PrecisionModel:
@@ -113,8 +112,8 @@ class SplitKvCpuBackend(SplitKvBackend):
         """Build (or fetch) the kernel module this backend launches."""
         return self.module()
 
-    def _run(self, problem, inputs):
-        return run_on_cpu(problem, inputs, self.module(), self.name)
+    def _run(self, problem):
+        return run_on_cpu(problem, problem.inputs(), self.module(), self.name)
 
 
 # --- PyCUDA ---------------------------------------------------------------------------------------------
@@ -157,13 +156,13 @@ class SplitKvPyCudaBackend(SplitKvBackend):
                 cls._gpu = load_in_primary_context(load)
             return cls._gpu
 
-    def _run(self, problem, inputs):
+    def _run(self, problem):
         import pycuda.driver as cuda
 
         context, module = self._loaded()
         buffers = output_buffers(problem, self.precision(problem.dtype).output)
         o, lse = buffers
-        plan = split_kv.plan(problem, inputs, o, lse)
+        plan = split_kv.plan(problem, problem.inputs(), o, lse)
         host = {name: (a.buffer if isinstance(a, GuardedOutput) else a) for name, a in plan.buffers.items()
                 if a is not None}
         context.push()
@@ -196,7 +195,7 @@ class SplitKvPyCudaBackend(SplitKvBackend):
         return _outputs(self.name, buffers)
 
 
-def split_kv_backends() -> list[RaggedBackend]:
+def split_kv_backends() -> list[Backend]:
     """Both layouts on both runners; each paged one has its runner's varlen one as its contiguous
     twin (the property paged_contiguous compares them)."""
     backends = []

@@ -30,7 +30,6 @@ checks run in the worker, on what the function saw.
 
 from __future__ import annotations
 
-import faulthandler
 import importlib
 import inspect
 import math
@@ -45,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from fa_verify.backends.base import AVAILABLE, Backend, check_output, parse_precision
-from fa_verify.backends.buffers import GuardedOutput, InputSnapshot, check_written
+from fa_verify.backends.buffers import GuardedOutput, InputSnapshot, check_written, padded_array
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
 from fa_verify.conventions import Conventions
 from fa_verify.conventions import of as conventions_of
@@ -63,7 +62,6 @@ from fa_verify.isolation import (
 )
 from fa_verify.limits import Limits, parse_limits
 from fa_verify.precision import PrecisionModel
-from fa_verify.worker_loop import serve
 from fa_verify.problem import CAUSAL_ALIGNMENTS, FEATURES
 
 LAYOUTS = ("bhsd", "bshd")
@@ -119,6 +117,7 @@ class CallableBackend(Backend):
                 f"precision={precision.describe()!r} is for input {precision.input} only but "
                 f"dtypes={self.dtypes!r}; pass dtypes=({precision.input!r},) or a preset such as 'flash'")
         self.fn, self.layout, self.array = fn, layout, array
+        self.declared_precision = True
         self.fills = output_parameters(fn)
         self.features = variant_parameters(fn, features)
         self.causal_alignment, self._precision = causal_alignment, precision
@@ -167,8 +166,6 @@ class CallableBackend(Backend):
             arrays = [to_torch(x) for x in arrays]
         q, k, v, *fill = arrays
         if self.pad:  # nan_padding's run: the arguments inside NaN-filled buffers
-            from fa_verify.properties.padding import padded_array
-
             q, k, v = (padded_array(x, self.pad)[0] for x in (q, k, v))
         result = self.fn(q, k, v, causal=problem.causal, scale=problem.scale_value, **dict(zip(self.fills, fill)),
                          **self._variant_arguments(problem))
@@ -292,7 +289,7 @@ class CallableWorker:
         # This fa_verify first: the worker must run the same code as its parent.
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
-        command = (sys.executable, "-c", "import sys; from fa_verify.backends.user_callable import worker_main; "
+        command = (sys.executable, "-c", "import sys; from fa_verify.backends.callable_worker import worker_main; "
                                          "worker_main(int(sys.argv[1]), int(sys.argv[2]))")
         self.process = WorkerProcess(command, env=env, cwd=os.getcwd(), memory_limit=self.memory_limit,
                                      traceback_signal=signal.SIGUSR1)
@@ -403,47 +400,6 @@ def _raised_again(exc, type_name, message, where) -> BaseException:
         exc = type(type_name or "Exception", (Exception,), {})(message)
     setattr(exc, RAISED_AT, where)
     return exc
-
-
-def worker_main(inbox_fd: int, outbox_fd: int) -> None:
-    """The worker process: ("load", sys.path, spec, options, memory_limit) -> ("ok", None) (a
-    RaggedCallableBackend when options name a ragged layout, else a CallableBackend); then
-    ("run", problem, *arguments) -> ("done", (its run_in_worker(problem, *arguments), warnings)) or
-    ("raised", (_portable(...), warnings)),
-    `warnings` those the call issued (_portable_warning); it exits after a MemoryError, whose
-    process may be unfit to go on."""
-    # Python's traceback goes to the log the parent reads on a crash, and before a hang is killed.
-    faulthandler.enable()
-    faulthandler.register(signal.SIGUSR1)
-    state = {}
-
-    def handle(request, send):
-        if request[0] == "load":
-            _, path, spec, options, state["limit"] = request
-            sys.path[:] = path
-            try:
-                state["backend"] = _backend_class(options)(load_callable(spec), **options)
-            except Exception as exc:  # noqa: BLE001 - reported to the parent
-                return "raised", _portable(exc)
-            return "ok", None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")  # every one to the parent, whose filters decide
-            try:
-                kind, payload = "done", state["backend"].run_in_worker(*request[1:])
-            except MemoryError as exc:
-                kind, payload = "out of memory", _portable(exc, state["limit"])
-            except BaseException as exc:  # noqa: BLE001 - SystemExit included: whatever the target raises
-                kind, payload = "raised", _portable(exc)
-        return kind, (payload, [_portable_warning(w) for w in caught])
-
-    serve(inbox_fd, outbox_fd, handle, exit_after=("out of memory",))
-
-
-def _backend_class(options: dict) -> type:
-    """The backend a worker builds from `options`: the ragged one for a varlen or paged layout."""
-    from fa_verify.backends.ragged_callable import RaggedCallableBackend  # it builds on this module
-
-    return RaggedCallableBackend if options.get("layout") in ("varlen", "paged") else CallableBackend
 
 
 def _qualified_name(fn) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from fa_verify.cli.arguments import positive_int
+from fa_verify.arguments import positive_int
 
 
 def add_parser(sub) -> None:

@@ -2,79 +2,23 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import os
-import secrets
 import sys
 
-from fa_verify.cli.arguments import positive_int, writable_file, writable_folder
-from fa_verify.conventions import convention_arguments, conventions_from_options
-from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
-from fa_verify.limits import CAUSAL_CHOICES, limit_arguments, limits_from_options
-from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
-
-#: --layout's values for varlen and paged functions (fa_verify.backends.ragged_callable).
-RAGGED_LAYOUTS = ("varlen", "paged")
-#: Longest sequence a ragged check draws unless --max-seq says: past the second key tile of 64.
-RAGGED_MAX_SEQ = 2 * 64 + 1
-#: Limit options that are also `check`'s selection options (--dtype, --causal), for any target.
-SELECTION_LIMITS = ("dtype", "causal")
-#: The value of --seed (--fa-seed) that draws a new seed per run.
-RANDOM_SEED = "random"
-SEED_HELP = ("Hypothesis seed: an integer, or 'random' to draw one per run (printed first and recorded, so "
-             "a CI run explores new examples each time and a failure replays with --seed N)")
-
-
-def parse_seed(text: str):
-    """--seed's value: an int, or RANDOM_SEED."""
-    if text == RANDOM_SEED:
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor {RANDOM_SEED!r}") from None
-
-
-def resolve_seed(seed):
-    """(the seed to search with, whether it was drawn): RANDOM_SEED draws a 32-bit one."""
-    if seed == RANDOM_SEED:
-        return secrets.randbelow(2**32), True
-    return seed, False
-
-#: Options `fa_verify check` shares with the pytest plugin (--fa-<name> there): name -> kwargs.
-SHARED_OPTIONS = {
-    "profile": dict(default=None, choices=tuple(PROFILES),
-                    help=f"search profile: examples per property and problem sizes (default: {DEFAULT_PROFILE})"),
-    "results": dict(default=None, metavar="FILE", type=writable_file,
-                    help="append every oracle comparison's metrics to FILE (JSON lines), for "
-                         "'fa_verify report'"),
-    "shapes": dict(default=None, metavar="N", type=positive_int,
-                   help="shape budget for JIT-compiled targets: each property draws its problems from at most N "
-                        "shapes (B, H, Hkv, Nq, Nk, D, dtype, causal mode, scale; values still vary), so the "
-                        "target compiles about N times per property instead of once per example "
-                        "(default: no budget)"),
-    "repro-dir": dict(default=None, metavar="DIR", type=writable_folder,
-                      help="write each failing example's reproducer (a script and its inputs, .npz) "
-                           "into DIR (default: $FA_VERIFY_REPRO_DIR, else .fa_verify/repro in the current "
-                           "folder; pytest: in its rootdir); run it from any folder with the printed "
-                           "'python3 ...' command"),
-}
-
-
-def add_isolation_options(add_argument, prefix: str = "") -> None:
-    """--no-isolate, --timeout and --memory-limit (--fa-... in the pytest plugin); None when not
-    given, ISOLATION_DEFAULTS then."""
-    add_argument(f"--{prefix}no-isolate", dest=f"{prefix.replace('-', '_')}isolate", action="store_const",
-                 const=False, default=None,
-                 help="run MODULE:FUNC in this process, for a debugger (default: in a worker process, so that "
-                      "a crash, a hang or a runaway allocation fails the example instead of the run)")
-    add_argument(f"--{prefix}timeout", type=float, default=None, metavar="SECONDS",
-                 help=f"time limit of one call of an isolated MODULE:FUNC (default {DEFAULT_TIMEOUT:g})")
-    add_argument(f"--{prefix}memory-limit", default=None, metavar="SIZE",
-                 help="memory an isolated MODULE:FUNC may allocate (RLIMIT_DATA): e.g. 4GiB, 50%% of the "
-                      f"machine's memory, or none (default {DEFAULT_MEMORY_LIMIT.replace('%', '%%')})")
+from fa_verify.arguments import positive_int
+from fa_verify.limits import CAUSAL_CHOICES
+from fa_verify.profiles import DEFAULT_PROFILE
+from fa_verify.targets import (
+    SEARCH_OPTIONS,
+    SEED_HELP,
+    SELECTION_LIMITS,
+    add_isolation_options,
+    build_targets,
+    callable_arguments,
+    parse_seed,
+    resolve_seed,
+)
 
 
 def add_parser(sub) -> None:
@@ -107,7 +51,7 @@ def add_parser(sub) -> None:
     cmd.add_argument("--max-seq", type=positive_int, default=None, metavar="N",
                      help="largest Nq or Nk drawn (default: the profile's; ci: 257, most examples <= 64)")
     cmd.add_argument("--seed", type=parse_seed, default=0, metavar="N|random", help=SEED_HELP + " (default 0)")
-    for name, kwargs in SHARED_OPTIONS.items():
+    for name, kwargs in SEARCH_OPTIONS.items():
         cmd.add_argument(f"--{name}", **kwargs)
     cmd.add_argument("--json", action="store_true",
                      help="print one JSON document on stdout (progress goes to stderr)")
@@ -128,186 +72,17 @@ def add_parser(sub) -> None:
         "These describe a callable; a built-in backend declares its own, so giving one with a "
         "backend name is a usage error (exit 2).")
     # Defaults are None so that an option given with a built-in backend can be told from one
-    # left out; _callable_options fills them in.
-    callable_opts.add_argument("--layout", choices=("bhsd", "bshd", *RAGGED_LAYOUTS), default=None,
-                               help="tensor layout: bhsd [B,H,N,D] (default) or bshd [B,N,H,D] as "
-                                    "flash_attn_func; varlen: fn(q, k, v, cu_seqlens_q, cu_seqlens_k, "
-                                    "max_seqlen_q, max_seqlen_k, *, causal, softmax_scale, ...) with packed "
-                                    "q [total_q,H,D], k, v [total_k,Hkv,D], as flash_attn_varlen_func; paged: "
-                                    "fn(q, k_cache, v_cache, *, cache_seqlens, block_table, causal, "
-                                    "softmax_scale, ...) with q [B,Nq,H,D], caches [num_blocks,page_size,Hkv,D], "
-                                    "as flash_attn_with_kvcache. Both return out or (out, lse) (LSE [H,total_q] "
-                                    "varlen, [B,H,Nq] paged) and get window_size, softcap, alibi_slopes, sinks, "
-                                    "return_softmax_lse=True and num_splits when their signature names them; "
-                                    "they are checked with the ragged properties")
-    callable_opts.add_argument("--page-sizes", default=None, metavar="N,N,...",
-                               help="declared limit of a --layout paged function: the page sizes (keys per "
-                                    "page) it supports (default: any; drawn below, at and above a tile of 64)")
-    callable_opts.add_argument("--array", choices=("numpy", "torch"), default=None,
-                               help="pass numpy arrays (default) or CPU torch tensors")
-    callable_opts.add_argument("--causal-alignment", choices=("bottom-right", "top-left"),
-                               default=None,
-                               help="causal alignment the callable implements (default bottom-right; "
-                                    "torch SDPA's is_causal is top-left)")
+    # left out; fa_verify.targets fills them in.
+    for name, kwargs in callable_arguments(skip=SELECTION_LIMITS).items():
+        callable_opts.add_argument(f"--{name}", **kwargs)
     add_isolation_options(callable_opts.add_argument)
-    for name, kwargs in limit_arguments(skip=SELECTION_LIMITS).items():
-        callable_opts.add_argument(f"--{name}", **kwargs)
-    for name, kwargs in convention_arguments().items():
-        callable_opts.add_argument(f"--{name}", **kwargs)
-    callable_opts.add_argument("--precision", default=None,
-                               help="precision model: a preset (flash, fp32-accumulate, input-scores, "
-                                    "same-precision) or 'score=fp32,p=bf16,pv=fp32,out=bf16'; "
-                                    "default: flash (FlashAttention's: fp32 scores and accumulation, P in "
-                                    "the input dtype); a failure says which looser preset would pass")
     cmd.set_defaults(handler=_run)
 
 
-def _targets(args):
-    from fa_verify.backends import CallableBackend, builtin_backends, get_backend, load_callable
-    from fa_verify.backends.ragged_base import RaggedBackend
-    from fa_verify.errors import BackendUnavailableError, InvalidArgumentError
-
-    if args.spec is not None or args.target.endswith((".cu", ".cuh")):
-        return [_spec_target(args)]
-    if args.arch is not None:
-        raise InvalidArgumentError(f"--arch applies to CUDA files checked with --spec, not to {args.target!r}")
-    if args.runner != "auto":
-        raise InvalidArgumentError(f"--runner applies to CUDA files checked with --spec, not to {args.target!r}")
-    if args.layout in RAGGED_LAYOUTS or args.page_sizes is not None:
-        return [_ragged_target(args)]
-    if ":" in args.target:
-        sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
-        fn = load_callable(args.target)
-        return [CallableBackend(fn, name=args.target, limits=_limits(args), conventions=_conventions(args),
-                                **_callable_options(args))]
-    given = [f"--{'no-isolate' if name == 'isolate' else name.replace('_', '-')}"
-             for name in (*CALLABLE_DEFAULTS, *limit_arguments(skip=SELECTION_LIMITS), *convention_arguments())
-             if getattr(args, name.replace("-", "_")) is not None]
-    if given:
-        raise InvalidArgumentError(
-            f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to MODULE:FUNC targets only; "
-            f"{args.target!r} names built-in backends, whose layout, arrays, precision, isolation, conventions and "
-            "limits are their own "
-            f"(see 'fa_verify backends'): drop {' and '.join(given)}, or check your function as MODULE:FUNC")
-    if args.target == "all":
-        return [b for b in builtin_backends() if b.availability().available]
-    backend = get_backend(args.target, ragged=True)
-    given = [f"--{name}" for name in ("results", "shapes") if getattr(args, name) is not None]
-    if given and isinstance(backend, RaggedBackend):
-        raise InvalidArgumentError(
-            f"{' and '.join(given)} cannot be used with {backend.name!r}, a {backend.layout} backend: --results records "
-            "are one dense [B,H,N,D] verdict each and --shapes budgets dense shape tuples (a ragged batch draws B "
-            f"lengths, pages and splits); drop {' and '.join(given)}")
-    availability = backend.availability()
-    if not availability.available:
-        raise BackendUnavailableError(f"backend {backend.name!r} is unavailable: {availability.reason}")
-    return [backend]
-
-
-def _ragged_target(args):
-    """The backend of `check MODULE:FUNC --layout varlen|paged`."""
-    from fa_verify.backends import load_callable
-    from fa_verify.backends.ragged_callable import RaggedCallableBackend
-    from fa_verify.errors import InvalidArgumentError
-    from fa_verify.limits import _positive_set
-
-    if args.layout not in RAGGED_LAYOUTS:
-        raise InvalidArgumentError(f"--page-sizes declares the page sizes of a paged function: give --layout paged "
-                                   f"(not {args.layout or 'bhsd'}), or drop --page-sizes")
-    if ":" not in args.target:
-        raise InvalidArgumentError(f"--layout {args.layout} checks a MODULE:FUNC function with flash-attn's "
-                                   f"{args.layout} signature; {args.target!r} is no MODULE:FUNC")
-    unsupported = {"--causal-alignment": args.causal_alignment not in (None, "bottom-right"),
-                   "--page-sizes": args.page_sizes is not None and args.layout != "paged",
-                   **{f"--{name}": getattr(args, name.replace("-", "_")) is not None
-                      for name in ("results", "shapes", "scale-precision")}}
-    given = [option for option, bad in unsupported.items() if bad]
-    if given:
-        raise InvalidArgumentError(
-            f"{', '.join(given)} cannot be used with --layout {args.layout}: varlen and paged functions are "
-            "bottom-right aligned per sequence and judged with the exact scale (--scale-precision: not yet); "
-            "--results records are one "
-            "dense [B,H,N,D] verdict each (a ragged batch has B lengths: not recorded yet); --shapes budgets dense "
-            "shape tuples (a ragged batch draws B lengths, pages and splits, which it does not count); only a paged "
-            f"one has pages; drop {' and '.join(given)}")
-    try:
-        page_sizes = None if args.page_sizes is None else _positive_set(args.page_sizes)
-    except (ValueError, InvalidArgumentError):
-        raise InvalidArgumentError(f"--page-sizes={args.page_sizes!r} is not valid: page sizes >= 1, "
-                                   "e.g. --page-sizes 16,256") from None
-    sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
-    isolation = {name: ISOLATION_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
-                 for name in ISOLATION_DEFAULTS}
-    return RaggedCallableBackend(load_callable(args.target), args.layout, name=args.target, limits=_limits(args),
-                                 conventions=_conventions(args),
-                                 precision=args.precision, array=args.array or "numpy", page_sizes=page_sizes,
-                                 **isolation)
-
-
-def _spec_target(args):
-    """The backend of `check kernel.cu --spec kernel.toml`."""
-    from dataclasses import replace
-
-    from fa_verify.backends.spec_kernel import SpecKernelBackend
-    from fa_verify.errors import InvalidArgumentError
-    from fa_verify.kernels.spec import KernelSpec
-
-    if args.spec is None:
-        raise InvalidArgumentError(f"{args.target} is a CUDA file: give its kernel spec with --spec kernel.toml "
-                                   "(which parameter is q, k, v, o, lse; the entry; grid, block, shared memory)")
-    given = [f"--{name.replace('_', '-')}" for name in (*CALLABLE_DEFAULTS, *limit_arguments(skip=SELECTION_LIMITS))
-             if name != "isolate" and getattr(args, name.replace("-", "_")) is not None]
-    if given:
-        raise InvalidArgumentError(f"{', '.join(given)}: a CUDA file's layout, precision and limits are its "
-                                   f"spec's ({args.spec}); declare them there")
-    spec = KernelSpec.from_toml(args.spec)
-    if args.arch is not None:
-        spec = replace(spec, arch=args.arch)
-    runner = args.runner
-    if runner == "auto":
-        from fa_verify.kernels.pycuda_runner import pycuda_availability
-
-        runner = "pycuda" if pycuda_availability().available else "cpu"
-    if runner == "pycuda":
-        from fa_verify.backends.spec_pycuda import SpecPyCudaBackend
-
-        return SpecPyCudaBackend(args.target, spec)
-    return SpecKernelBackend(args.target, spec)
-
-
-#: The callable-protocol options and their defaults (CallableBackend's).
-#: Where --no-isolate, --timeout and --memory-limit are not given (the pytest plugin's too).
-ISOLATION_DEFAULTS = {"isolate": True, "timeout": DEFAULT_TIMEOUT, "memory_limit": DEFAULT_MEMORY_LIMIT}
-CALLABLE_DEFAULTS = {"layout": "bhsd", "array": "numpy", "causal_alignment": "bottom-right", "precision": None,
-                     **ISOLATION_DEFAULTS}
-
-
-def _limits(args):
-    """The callable's declared limits: --limits FILE, then the limit options given (--dtype and
-    --causal included)."""
-    values = {name: getattr(args, name.replace("-", "_")) for name in limit_arguments() if name != "limits"}
-    return limits_from_options(values, args.limits)
-
-
-def _conventions(args):
-    """The callable's declared conventions: those of --limits FILE, then the options given."""
-    from fa_verify.errors import InvalidArgumentError
-    from fa_verify.limits import read_limits_file
-
-    values = {name: getattr(args, name.replace("-", "_")) for name in convention_arguments()}
-    declared = None
-    if args.limits is not None:
-        try:
-            declared = read_limits_file(args.limits)
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"--limits {args.limits}: {exc}") from None
-    return conventions_from_options(values, declared)
-
-
-def _callable_options(args) -> dict:
-    """CallableBackend's keyword arguments from the options given, defaults for the others."""
-    return {name: default if getattr(args, name) is None else getattr(args, name)
-            for name, default in CALLABLE_DEFAULTS.items()}
+def _targets(args) -> list:
+    values = {name: getattr(args, name) for name in vars(args)}
+    return build_targets([args.target], values, spec=args.spec, runner=args.runner, arch=args.arch,
+                         shared=SELECTION_LIMITS)
 
 
 def _judged_under(backend) -> str:
@@ -335,14 +110,9 @@ def _run(args) -> int:
     from fa_verify.properties import Selection, get_property
     from fa_verify.properties.reproduce import default_folder
 
-    from fa_verify.backends.ragged_base import RaggedBackend
-    from fa_verify.properties.registry import get_ragged_property
-
     targets = _targets(args)
-    for backend in targets:
-        lookup = get_ragged_property if isinstance(backend, RaggedBackend) else get_property
-        for name in args.properties or ():
-            lookup(name)  # an unknown name is a usage error before anything runs
+    for name in args.properties or ():
+        get_property(name)  # an unknown name is a usage error before anything runs
     seed, drawn = resolve_seed(args.seed)
     if drawn:  # first, so that even a run that dies later can be replayed
         print(f"seed {seed} (--seed random; replay with --seed {seed})", flush=True,
@@ -356,8 +126,7 @@ def _run(args) -> int:
         selection = Selection.from_profile(args.profile or DEFAULT_PROFILE, dtypes=dtypes,
                                            causal=CAUSAL_CHOICES[args.causal or "both"],
                                            max_examples=args.max_examples,
-                                           max_seq=args.max_seq or (RAGGED_MAX_SEQ if isinstance(backend, RaggedBackend)
-                                                                    else None),
+                                           max_seq=args.max_seq,
                                            seed=seed, shapes=args.shapes)
         record = results_recorder(args.results, backend, "check", seed=seed) if args.results else None
         print(f"checking {backend.name} ({', '.join(dtypes)}) ...", file=sys.stderr, flush=True)

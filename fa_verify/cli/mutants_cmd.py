@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from fa_verify.cli.arguments import int_at_least, positive_int, not_a_folder, writable_file
+from fa_verify.arguments import int_at_least, positive_int, not_a_folder, writable_file
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fa_verify.cli.arguments import not_a_folder, writable_folder
+from fa_verify.arguments import not_a_folder, writable_folder
 
 RESULTS = "results.jsonl"
 
@@ -53,9 +53,10 @@ def add_parser(sub) -> None:
 def _backends(names):
     from fa_verify.backends import builtin_backends, get_backend
     from fa_verify.errors import BackendUnavailableError
+    from fa_verify.sweeps import PROBLEM_KIND
 
-    if not names:
-        return [b for b in builtin_backends() if b.availability().available]
+    if not names:  # the sweeps are of dense problems: the backends that run them
+        return [b for b in builtin_backends() if b.availability().available and PROBLEM_KIND in b.kinds]
     backends = [get_backend(name) for name in names]
     for backend in backends:
         availability = backend.availability()

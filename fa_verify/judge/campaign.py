@@ -26,10 +26,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from fa_verify.backends.ragged_base import RaggedBackend
 from fa_verify.check import check_backend
-from fa_verify.properties import (FAILED, PROPERTIES, RAGGED_PROPERTIES, Property, Selection, get_property,
-                                  get_ragged_property)
+from fa_verify.properties import FAILED, PROPERTIES, Property, Selection, get_property
 from fa_verify.properties._result import not_applicable
 from fa_verify.strategies import Shape
 
@@ -44,30 +42,30 @@ CAMPAIGN_PROPERTIES = tuple(p for p in PROPERTIES if p.name != "address_sanitize
 class Counterexample:
     """The minimal failing problem of a kill, as its shape and options."""
 
-    #: a ragged problem's: B, H, Hkv, the longest sequence's Nq and Nk, and D
+    #: a problem of several parts' (a ragged batch's): B, H, Hkv, the longest part's Nq and Nk, and D
     shape: Shape
     dtype: str
     causal: str
     distribution: str | None
     scale: str
-    #: a ragged problem's layout ("varlen" or "paged"), None for a dense one
+    #: the kind of a problem of several parts ("varlen" or "paged"), None for a dense one
     layout: str | None = None
-    #: a ragged problem's per-sequence lengths: (seqlens_q, seqlens_k)
+    #: a problem of several parts' lengths per part: (seqlens_q, seqlens_k)
     seqlens: tuple | None = None
 
     @classmethod
     def of(cls, problem) -> "Counterexample":
-        from fa_verify.ragged import RaggedProblem
-
-        ragged = isinstance(problem, RaggedProblem)
-        dense = problem.first if ragged else problem
-        shape = (Shape(problem.batch, problem.heads, problem.kv_heads, problem.max_seqlen_q, problem.max_seqlen_k,
-                       problem.head_dim) if ragged else Shape.of(problem))
-        return cls(shape, problem.dtype, dense.causal_alignment if dense.causal else "no",
+        parts = problem.parts()
+        whole = parts == (problem,)
+        first = parts[0]
+        shape = (Shape.of(problem) if whole else
+                 Shape(len(parts), first.heads, first.kv_heads, max(p.nq for p in parts), max(p.nk for p in parts),
+                       first.head_dim))
+        return cls(shape, problem.dtype, first.causal_alignment if first.causal else "no",
                    dict(problem.tags).get("distribution"),
-                   "1/sqrt(D)" if dense.scale is None else f"{dense.scale:g}",
-                   layout=problem.layout if ragged else None,
-                   seqlens=(problem.seqlens_q, problem.seqlens_k) if ragged else None)
+                   "1/sqrt(D)" if first.scale is None else f"{first.scale:g}",
+                   layout=None if whole else problem.kind,
+                   seqlens=None if whole else (tuple(p.nq for p in parts), tuple(p.nk for p in parts)))
 
     @property
     def size(self) -> str:
@@ -167,10 +165,8 @@ def run_suite(backend, selection: Selection = Selection(), *, properties=None, s
     after each property. control: a backend (the unmutated kernel) that must pass an example
     for the target's failure on it to count.
     """
-    if isinstance(backend, RaggedBackend):  # a ragged target (a split_kv mutant) gets the ragged properties
-        props = list(RAGGED_PROPERTIES if properties is None else map(get_ragged_property, properties))
-    else:
-        props = CAMPAIGN_PROPERTIES if properties is None else [get_property(p) for p in properties]
+    props = ([p for p in CAMPAIGN_PROPERTIES if p.applies_to(backend)] if properties is None
+             else [get_property(p) for p in properties])
     run = SuiteRun(target=backend.name, seed=selection.seed)
     start = time.perf_counter()
     before = 0  # examples judged by the properties already searched

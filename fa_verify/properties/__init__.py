@@ -9,9 +9,9 @@ with `as_backend(run, precision=...)` to choose) — and a problem, and returns 
     check_merge_law(my_run, problem, seed=3).raise_for_failure()
 
 `search_property` runs one property over Hypothesis-drawn problems and shrinks a failure to a
-minimal counterexample with a reproducer; `PROPERTIES` lists the suite. Ragged batches (varlen,
-paged KV: `fa_verify.ragged`) have their own: `RAGGED_PROPERTIES` (fa_verify.properties.ragged),
-searched on a `RaggedBackend` by `search_ragged`.
+minimal counterexample with a reproducer; `PROPERTIES` lists the suite, for every kind of
+problem (dense, and the ragged batches of `fa_verify.ragged`: varlen, paged KV), each property
+naming the kinds it is about; `properties_for(backend)` those about what a target runs.
 """
 
 from fa_verify.properties._result import (
@@ -43,11 +43,9 @@ from fa_verify.properties.sanitizer import check_address_sanitizer
 from fa_verify.properties.registry import (
     PROPERTIES,
     PROPERTY_NAMES,
-    RAGGED_PROPERTIES,
-    RAGGED_PROPERTY_NAMES,
     Property,
     get_property,
-    get_ragged_property,
+    properties_for,
 )
 from fa_verify.properties.rounding import check_unbiased_rounding
 from fa_verify.properties.variants import (
@@ -60,7 +58,6 @@ from fa_verify.properties.variants import (
 from fa_verify.properties.draw import EDGE_CASES
 from fa_verify.properties.search import PropertyOutcome, search_property
 from fa_verify.properties.selection import Selection
-from fa_verify.properties.ragged_search import search_ragged
 
 __all__ = [
     "EDGE_CASES",
@@ -69,8 +66,6 @@ __all__ = [
     "PASSED",
     "PROPERTIES",
     "PROPERTY_NAMES",
-    "RAGGED_PROPERTIES",
-    "RAGGED_PROPERTY_NAMES",
     "PaddedInputs",
     "Property",
     "PropertyFailure",
@@ -102,9 +97,8 @@ __all__ = [
     "check_softcap_limit",
     "check_window_independence",
     "get_property",
-    "get_ragged_property",
+    "properties_for",
     "pad_inputs",
     "run_padded",
     "search_property",
-    "search_ragged",
 ]

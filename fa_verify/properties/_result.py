@@ -35,6 +35,10 @@ class PropertyResult:
     #: whether the null-model guard found the example informative; None where it does not apply
     #: (bitwise and statistical checks, failures)
     informative: bool | None = None
+    #: for a problem of several parts (a ragged batch's sequences): the part each verdict is
+    #: about, and the part where the check failed (None: the whole problem)
+    verdict_parts: tuple = ()
+    part: int | None = None
 
     @property
     def passed(self) -> bool:
@@ -67,19 +71,23 @@ class PropertyFailure(AttentionMismatch):
         self.result = result
 
 
-def passed(name: str, problem, note: str = "", worst_ratio=None, verdicts=(), guard=None) -> PropertyResult:
+def passed(name: str, problem, note: str = "", worst_ratio=None, verdicts=(), guard=None,
+           verdict_parts=()) -> PropertyResult:
     """A pass; uninformative instead when the null-model `guard` (a NullGuard) says a trivial
     output passes too."""
     if guard is not None and not guard.informative:
         return PropertyResult(name, UNINFORMATIVE, problem.describe(), detail=guard.describe(), note=note,
-                              worst_ratio=worst_ratio, verdicts=tuple(verdicts), informative=False)
+                              worst_ratio=worst_ratio, verdicts=tuple(verdicts), informative=False,
+                              verdict_parts=tuple(verdict_parts))
     return PropertyResult(name, PASSED, problem.describe(), note=note, worst_ratio=worst_ratio,
-                          verdicts=tuple(verdicts), informative=None if guard is None else True)
+                          verdicts=tuple(verdicts), informative=None if guard is None else True,
+                          verdict_parts=tuple(verdict_parts))
 
 
-def failed(name: str, problem, detail: str, worst_ratio=None, verdicts=()) -> PropertyResult:
+def failed(name: str, problem, detail: str, worst_ratio=None, verdicts=(), part=None,
+           verdict_parts=()) -> PropertyResult:
     return PropertyResult(name, FAILED, problem.describe(), detail=detail, worst_ratio=worst_ratio,
-                          verdicts=tuple(verdicts))
+                          verdicts=tuple(verdicts), part=part, verdict_parts=tuple(verdict_parts))
 
 
 def not_applicable(name: str, problem, reason: str) -> PropertyResult:

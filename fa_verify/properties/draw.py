@@ -1,7 +1,9 @@
 """What to draw for a property on a target: the problems it is meaningful on and the target runs.
 
 A target's dtypes, head dims and causal alignments are probed once through `supports` (and one
-tiny run says whether it returns an LSE); the strategy then draws only such problems, so that
+tiny run says whether it returns an LSE), with tiny problems of the kind it runs; the dense
+strategy (`problem_strategy`; the ragged one is `fa_verify.properties.draw_ragged`'s) then draws
+only such problems, so that
 a kernel with a few instantiated head dims is not drowned in rejected examples. A target's
 declared `Limits` shape the probe's problems, the strategy (drawn within them) and the edge
 cases (moved to the nearest allowed shape).
@@ -69,42 +71,46 @@ def _tiny(limits: Limits, dtype, d=None, longer_keys=False, causal=None, **kwarg
     return fst.make_problem("normal", shape, dtype, 0, causal=causal, **kwargs)
 
 
-def _runs(backend: Backend, problem) -> bool:
-    """Whether `supports` accepts `problem`; a `supports` that raises does not."""
+def _runs(backend: Backend, problem, as_kind=None) -> bool:
+    """Whether `supports` accepts `problem` (made a problem of its kind by `as_kind`); a
+    `supports` that raises does not."""
     try:
-        return backend.supports(problem) is None
+        return backend.supports(problem if as_kind is None else as_kind(problem, backend)) is None
     except Exception:  # noqa: BLE001 - the probe never raises: a broken supports() supports nothing
         return False
 
 
-def capabilities(backend: Backend) -> Capabilities:
-    """Probe (once per backend object) the dtypes, head dims and alignments it supports."""
-    if backend in _CAPABILITIES:
-        return _CAPABILITIES[backend]
+def capabilities(backend: Backend, as_kind=None) -> Capabilities:
+    """Probe (once per backend object and kind) the dtypes, head dims and alignments it supports,
+    with tiny dense problems made problems of its kind by `as_kind(problem, backend)` (None: dense)."""
+    cache = _CAPABILITIES.setdefault(backend, {})
+    if as_kind in cache:
+        return cache[as_kind]
     dtype, limits = backend.dtypes[0], backend.limits
-    dims = tuple(d for d in limits.head_dims or _PROBED_HEAD_DIMS if _runs(backend, _tiny(limits, dtype, d)))
+    runs = lambda problem: _runs(backend, problem, as_kind)  # noqa: E731
+    dims = tuple(d for d in limits.head_dims or _PROBED_HEAD_DIMS if runs(_tiny(limits, dtype, d)))
     d = dims[0] if dims else None
     # Alignments differ only when Nq != Nk: where the limits allow no such problem, any will do.
     longer = not limits.equal_seq and limits.seq_allowed(limits.seq_lo + limits.seq_multiple)
     alignments = tuple(a for a in CAUSAL_ALIGNMENTS
-                       if _runs(backend, _tiny(limits, dtype, d, longer, causal=True, causal_alignment=a)))
+                       if runs(_tiny(limits, dtype, d, longer, causal=True, causal_alignment=a)))
     probe = _tiny(limits, dtype, d)
     try:
-        if limits.lse is not None or not _runs(backend, probe):
+        if limits.lse is not None or not runs(probe):
             returns_lse = limits.lse is not False  # declared, or nothing to probe with: the examples tell
         else:
-            returns_lse = backend.run(probe)[1] is not None
+            returns_lse = backend.run(probe if as_kind is None else as_kind(probe, backend))[1] is not None
     except (BackendOutputError, KernelRunError):
         returns_lse = True  # a broken target: the examples will show how
     except FaVerifyError:
         raise  # setup or misuse
     except (Exception, SystemExit):  # noqa: BLE001 - whatever the target itself raises, the examples report
         returns_lse = True
-    features = tuple(f for f, switched_on in _FEATURE_PROBES.items() if _runs(backend, switched_on(probe)))
+    features = tuple(f for f, switched_on in _FEATURE_PROBES.items() if runs(switched_on(probe)))
     caps = Capabilities(name=backend.name, dtypes=tuple(backend.dtypes),
                         head_dims=None if len(dims) == len(_PROBED_HEAD_DIMS) else dims,
                         alignments=alignments, returns_lse=returns_lse, limits=limits, features=features)
-    _CAPABILITIES[backend] = caps
+    cache[as_kind] = caps
     return caps
 
 

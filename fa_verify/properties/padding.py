@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fa_verify.backends.buffers import padded_array
 from fa_verify.backends.user_callable import CallableBackend
 from fa_verify.problem import AttentionProblem
 from fa_verify.properties._result import PropertyResult, not_applicable
@@ -42,21 +43,6 @@ class PaddedInputs:
     problem: AttentionProblem
     buffers: tuple
     offsets: tuple
-
-
-def padded_array(x, pad: int):
-    """A contiguous copy of `x` (numpy array or torch tensor) inside a NaN-filled buffer with
-    `pad` elements before and after it; returns (view, buffer)."""
-    n = int(np.prod(x.shape))
-    if isinstance(x, np.ndarray):
-        buffer = np.full(n + 2 * pad, np.nan, dtype=x.dtype)
-        buffer[pad:pad + n] = x.reshape(-1)
-        return buffer[pad:pad + n].reshape(x.shape), buffer
-    import torch  # a torch tensor came in, so torch is there
-
-    buffer = torch.full((n + 2 * pad,), float("nan"), dtype=x.dtype, device=x.device)
-    buffer[pad:pad + n].copy_(x.reshape(-1))
-    return buffer[pad:pad + n].view(x.shape), buffer
 
 
 def pad_inputs(problem: AttentionProblem, pad_rows: int = PAD_ROWS) -> PaddedInputs:

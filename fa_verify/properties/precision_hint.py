@@ -10,7 +10,7 @@ declared precision.
 
 from __future__ import annotations
 
-from fa_verify.backends import Backend, CallableBackend
+from fa_verify.backends import Backend
 from fa_verify.precision import PrecisionModel
 
 #: The looser legitimate models tried, from the least to the most lenient: preset -> in words.
@@ -23,8 +23,10 @@ class _JudgedUnder(Backend):
 
     def __init__(self, inner: Backend, preset: str):
         self.inner, self.preset = inner, preset
-        self.name, self.dtypes, self.limits = inner.name, inner.dtypes, inner.limits
+        self.name, self.dtypes, self.limits, self.kinds = inner.name, inner.dtypes, inner.limits, inner.kinds
         self.judged_under = inner.judged_under
+        for declared in ("features", "splits", "page_sizes", "batch_invariant", "writes_buffers", "contiguous"):
+            setattr(self, declared, getattr(inner, declared))
 
     def precision(self, dtype) -> PrecisionModel:
         return self.judged_under.precision(PrecisionModel.parse(self.preset, dtype))
@@ -40,7 +42,7 @@ def precision_hint(backend: Backend, prop, problem, seed: int, result) -> str:
     """A line for the failure of `prop` on `problem` (`result`): the looser model under which it
     passes and its option, or that none does; "" where precision is not what was judged (a
     built-in backend's precision is its own; a raise or a bitwise check compares no tolerance)."""
-    if not isinstance(backend, CallableBackend) or result.worst_ratio is None:
+    if not backend.declared_precision or result.worst_ratio is None:
         return ""
     current = backend.precision(problem.dtype)
     presets = list(LOOSER_PRESETS)

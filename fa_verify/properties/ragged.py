@@ -26,6 +26,8 @@ import functools
 import numpy as np
 
 from fa_verify.error_model import error_bound
+from fa_verify.honest_ensemble import ensemble_errors
+from fa_verify.null_model import batch_guard, guard, null_outputs
 from fa_verify.oracle import reference
 from fa_verify.oracle.ragged import ragged_error_bound, reference_ragged
 from fa_verify.properties._compare import differing, exceeding
@@ -35,20 +37,12 @@ from fa_verify.ragged import PageLayout, RaggedProblem
 from fa_verify.verdict import check_attention
 
 
-def _where(problem: RaggedProblem, b: int) -> str:
-    """Sequence b, its lengths and where its rows are in the layout."""
-    seq = problem.sequences[b]
-    rows = (f"rows {problem.cu_seqlens_q[b]}..{problem.cu_seqlens_q[b + 1] - 1} of the varlen output"
-            if problem.layout == "varlen" else f"q[{b}]")
-    return f"sequence {b} of {problem.batch} (Nq={seq.nq}, Nk={seq.nk}; {rows})"
-
-
 def _bitwise(problem: RaggedProblem, b: int, first, second) -> str | None:
     """Where two runs' (out, lse) of sequence b (each [1, H, Nq_b(, D)]) first differ, or None."""
     for label, got, want in (("O", second[0], first[0]), ("LSE", second[1], first[1])):
         mismatch = None if got is None or want is None else differing(got, want)
         if mismatch is not None:
-            return f"{_where(problem, b)}: {mismatch.describe(label)} (index in the sequence's [1, H, Nq(, D)])"
+            return f"{problem.part_label(b)}: {mismatch.describe(label)} (index in the sequence's [1, H, Nq(, D)])"
     return None
 
 
@@ -63,7 +57,7 @@ def _modelled(problem: RaggedProblem, b: int, first, second, precision) -> tuple
         mismatch, ratio = exceeding(got, want, 2 * tolerance)
         worst = max(worst, ratio)
         if mismatch is not None:
-            return f"{_where(problem, b)}: {mismatch.describe(label)}", worst
+            return f"{problem.part_label(b)}: {mismatch.describe(label)}", worst
     return None, worst
 
 
@@ -78,7 +72,7 @@ def _identical(name: str, what: str, problem: RaggedProblem, first, second) -> P
     for b, pair in enumerate(zip(problem.split(*first), problem.split(*second))):
         found = _bitwise(problem, b, *pair)
         if found:
-            return failed(name, problem, f"{what}: {found}")
+            return failed(name, problem, f"{what}: {found}", part=b)
     return passed(name, problem, note="" if first[1] is not None else "no LSE returned: only the output was checked")
 
 
@@ -88,20 +82,26 @@ def check_ragged_agreement(backend, problem: RaggedProblem) -> PropertyResult:
     precision = backend.precision(problem.dtype)
     ref = reference_ragged(problem)
     bound = ragged_error_bound(problem, precision, ref)
-    verdicts, worst = [], 0.0
+    verdicts, guards, worst = [], [], 0.0
     for b, ((seq_out, seq_lse), seq, seq_ref, seq_bound) in enumerate(
             zip(problem.split(out, lse), problem.sequences, ref.sequences, bound.sequences)):
-        verdict = check_attention(seq_out, seq, lse=seq_lse, precision=precision, reference=seq_ref, bound=seq_bound)
+        ensemble = ensemble_errors(seq, precision, seq_ref, seq_bound)
+        verdict = check_attention(seq_out, seq, lse=seq_lse, precision=precision, reference=seq_ref, bound=seq_bound,
+                                  ensemble=ensemble)
         verdicts.append(verdict)
         worst = max(worst, verdict.bound_ratio if np.isfinite(verdict.bound_ratio) else 0.0,
                     verdict.lse_bound_ratio or 0.0)
         if not verdict.passed:
-            layout = "[H, total_q]" if problem.layout == "varlen" else "[B, H, Nq]"
             return failed("ragged_agreement", problem,
-                          f"{_where(problem, b)}, LSE read as {layout}: {verdict.message()}", verdict.bound_ratio,
-                          verdicts)
+                          f"{problem.part_label(b)}, LSE read as {problem.lse_label}: {verdict.message()}",
+                          verdict.bound_ratio, verdicts, part=b, verdict_parts=range(len(verdicts)))
+        guards.append(guard(null_outputs(seq, seq_ref, precision.output),
+                            lambda null, seq=seq, seq_ref=seq_ref, seq_bound=seq_bound, ensemble=ensemble:
+                            check_attention(null.out, seq, precision=precision, reference=seq_ref, bound=seq_bound,
+                                            ensemble=ensemble).passed))
     note = "" if lse is not None else "no LSE returned: only the output was checked"
-    return passed("ragged_agreement", problem, note=note, worst_ratio=worst, verdicts=verdicts)
+    return passed("ragged_agreement", problem, note=note, worst_ratio=worst, verdicts=verdicts,
+                  guard=batch_guard(guards), verdict_parts=range(len(verdicts)))
 
 
 def _alone(problem: RaggedProblem, b: int) -> RaggedProblem:
@@ -127,7 +127,7 @@ def check_sequence_alone(backend, problem: RaggedProblem) -> PropertyResult:
             worst = max(worst, ratio)
         if found:
             return failed("sequence_alone", problem, f"run alone against in the batch, {how}: {found}",
-                          None if backend.batch_invariant else worst)
+                          None if backend.batch_invariant else worst, part=b)
     return passed("sequence_alone", problem, worst_ratio=None if backend.batch_invariant else worst,
                   note="bitwise (batch invariance claimed)" if backend.batch_invariant else "")
 
@@ -148,7 +148,8 @@ def check_sequence_independence(backend, problem: RaggedProblem, *, seed: int = 
     found = _bitwise(problem, kept, problem.split(*backend.run(problem))[kept],
                      derived.split(*backend.run(derived))[kept])
     if found:
-        return failed("sequence_independence", problem, f"new values in every other sequence changed {found}")
+        return failed("sequence_independence", problem, f"new values in every other sequence changed {found}",
+                      part=kept)
     return passed("sequence_independence", problem)
 
 
@@ -193,7 +194,7 @@ def check_paged_contiguous(backend, problem: RaggedProblem) -> PropertyResult:
         worst = max(worst, ratio)
         if found:
             return failed("paged_contiguous", problem, f"paged against {twin.name} on the same sequences stored "
-                          f"contiguously, within twice the error bound: {found}", ratio)
+                          f"contiguously, within twice the error bound: {found}", ratio, part=b)
     return passed("paged_contiguous", problem, worst_ratio=worst)
 
 
@@ -202,8 +203,8 @@ def check_unused_cache(backend, problem: RaggedProblem) -> PropertyResult:
     if problem.layout != "paged":
         return not_applicable("unused_cache", problem, "a varlen problem has no cache slots beyond its keys")
     return _identical("unused_cache", "the cache slots no sequence uses (past each cache_seqlens and in unused "
-                      "pages) as NaN instead of 0", problem, backend.run(problem, fill=0.0),
-                      backend.run(problem, fill=np.nan))
+                      "pages) as NaN instead of 0", problem, backend.run(problem.replace(cache_fill=0.0)),
+                      backend.run(problem.replace(cache_fill=np.nan)))
 
 
 def check_split_invariance(backend, problem: RaggedProblem) -> PropertyResult:
@@ -221,7 +222,7 @@ def check_split_invariance(backend, problem: RaggedProblem) -> PropertyResult:
             if found:
                 chosen = " (the kernel's choice)" if n == 0 else ""
                 return failed("split_invariance", problem, f"num_splits={n}{chosen} against num_splits=1 (no "
-                              f"split), within twice the error bound: {found}", ratio)
+                              f"split), within twice the error bound: {found}", ratio, part=b)
     return passed("split_invariance", problem, worst_ratio=worst)
 
 
@@ -237,8 +238,8 @@ def check_unwritten_rows(backend, problem: RaggedProblem) -> PropertyResult:
     by_sequence = {}
     for b, i in rows:
         by_sequence.setdefault(b, []).append(i)
-    listed = "; ".join(f"{_where(problem, b)}: rows {_spans(rows_b)}" for b, rows_b in by_sequence.items())
-    return failed("unwritten_rows", problem, f"{len(rows)} output rows never written: {listed}")
+    listed = "; ".join(f"{problem.part_label(b)}: rows {_spans(rows_b)}" for b, rows_b in by_sequence.items())
+    return failed("unwritten_rows", problem, f"{len(rows)} output rows never written: {listed}", part=rows[0][0])
 
 
 def _spans(rows: list) -> str:
@@ -252,14 +253,9 @@ def _spans(rows: list) -> str:
     return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in spans)
 
 
-def not_paged(backend) -> str | None:
-    """Why a page-table property cannot judge `backend` (None: it can)."""
-    return None if backend.layout == "paged" else f"{backend.name} takes the varlen layout: no page table"
-
-
 def no_contiguous_twin(backend) -> str | None:
-    return not_paged(backend) or (None if backend.contiguous is not None else
-                                  f"{backend.name} has no varlen twin (RaggedBackend.contiguous) to compare with")
+    return None if backend.contiguous is not None else (
+        f"{backend.name} has no varlen twin (Backend.contiguous) to compare with")
 
 
 def not_split(backend) -> str | None:

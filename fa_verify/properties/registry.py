@@ -1,4 +1,5 @@
-"""The properties of the suite, in the order they run, with what each needs."""
+"""The properties of the suite, in the order they run, with what each needs: one registry for
+every kind of problem (`fa_verify.kinds`); each property declares the kinds it applies to."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
+from fa_verify.backends import watch
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.problem import FEATURES
 from fa_verify.properties import (
@@ -22,6 +24,11 @@ from fa_verify.properties import (
     sanitizer,
     variants,
 )
+from fa_verify.properties._result import failed
+
+#: The kinds of ragged batch.
+RAGGED = ("varlen", "paged")
+
 
 @dataclass(frozen=True)
 class Property:
@@ -51,6 +58,8 @@ class Property:
     features: tuple = ()
     #: variants every drawn problem uses (the target must implement them)
     always: tuple = ()
+    #: the kinds of problem it is about (`fa_verify.kinds.KINDS`)
+    kinds: tuple = ("dense",)
 
     @property
     def seeded(self) -> bool:
@@ -61,8 +70,18 @@ class Property:
     def summary(self) -> str:
         return inspect.getdoc(self.check).splitlines()[0]
 
+    def applies_to(self, backend) -> bool:
+        """Whether it is about a kind of problem `backend` runs."""
+        return bool(set(self.kinds) & set(backend.kinds))
+
     def __call__(self, backend, problem, seed: int = 0):
-        return self.check(backend, problem, seed=seed) if self.seeded else self.check(backend, problem)
+        """The check's result; a pass that saw non-finite outputs of finite inputs is a failure
+        (`backends.watch`): no relation between two runs makes inf or NaN right."""
+        with watch.watching() as nonfinite:
+            result = self.check(backend, problem, seed=seed) if self.seeded else self.check(backend, problem)
+        if nonfinite and result.applicable and not result.failed:
+            return failed(self.name, problem, f"non-finite output: {nonfinite[0]}")
+        return result
 
 
 PROPERTIES = (
@@ -93,35 +112,24 @@ PROPERTIES = (
     Property("wide_window", variants.check_wide_window, features=("window",)),
     Property("softcap_limit", variants.check_softcap_limit, features=("softcap",)),
     Property("window_independence", variants.check_window_independence, features=("window",), always=("window",)),
+    # ragged batches (varlen, paged KV, split-KV: fa_verify.ragged)
+    Property("ragged_agreement", ragged.check_ragged_agreement, kinds=RAGGED),
+    Property("sequence_alone", ragged.check_sequence_alone, kinds=RAGGED),
+    Property("sequence_independence", ragged.check_sequence_independence, kinds=RAGGED),
+    Property("page_placement", ragged.check_page_placement, kinds=("paged",)),
+    Property("paged_contiguous", ragged.check_paged_contiguous, kinds=("paged",),
+             target_reason=ragged.no_contiguous_twin),
+    Property("unused_cache", ragged.check_unused_cache, kinds=("paged",)),
+    Property("split_invariance", ragged.check_split_invariance, kinds=RAGGED, target_reason=ragged.not_split),
+    Property("unwritten_rows", ragged.check_unwritten_rows, kinds=RAGGED, target_reason=ragged.returns_its_output),
 )
 
 PROPERTY_NAMES = tuple(p.name for p in PROPERTIES)
 
-#: The properties of ragged batches (varlen, paged KV, split-KV: fa_verify.ragged), searched on
-#: ragged backends (`fa_verify.backends.ragged_base`) by `fa_verify.properties.ragged_search`.
-RAGGED_PROPERTIES = (
-    Property("ragged_agreement", ragged.check_ragged_agreement),
-    Property("sequence_alone", ragged.check_sequence_alone),
-    Property("sequence_independence", ragged.check_sequence_independence),
-    Property("page_placement", ragged.check_page_placement, target_reason=ragged.not_paged),
-    Property("paged_contiguous", ragged.check_paged_contiguous, target_reason=ragged.no_contiguous_twin),
-    Property("unused_cache", ragged.check_unused_cache, target_reason=ragged.not_paged),
-    Property("split_invariance", ragged.check_split_invariance, target_reason=ragged.not_split),
-    Property("unwritten_rows", ragged.check_unwritten_rows, target_reason=ragged.returns_its_output),
-)
 
-RAGGED_PROPERTY_NAMES = tuple(p.name for p in RAGGED_PROPERTIES)
-
-
-def get_ragged_property(name_or_check) -> Property:
-    """A property of RAGGED_PROPERTIES by name or check function (a Property as it is)."""
-    if isinstance(name_or_check, Property):
-        return name_or_check
-    for prop in RAGGED_PROPERTIES:
-        if name_or_check in (prop.name, prop.check):
-            return prop
-    raise InvalidArgumentError(
-        f"property={name_or_check!r} is no ragged property; ragged properties: {', '.join(RAGGED_PROPERTY_NAMES)}")
+def properties_for(backend) -> tuple:
+    """The properties about the kinds of problem `backend` runs, in the suite's order."""
+    return tuple(p for p in PROPERTIES if p.applies_to(backend))
 
 
 def get_property(name_or_check) -> Property:

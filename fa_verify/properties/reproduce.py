@@ -32,10 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fa_verify.dtypes import numpy_dtype
-from fa_verify.problem import NO_WINDOW, AttentionProblem
 from fa_verify.properties._result import FAILED, NOT_APPLICABLE
-from fa_verify.ragged import PageLayout, RaggedProblem
 
 #: Environment variables a reproducer sets again when they were set at check time: they change
 #: what a target computes or how it runs (Triton's interpreter, the GPU, BLAS threading, paths).
@@ -131,8 +128,7 @@ class Target:
     """What a reproducer rebuilds: a built-in backend (`reference` None), or the function
     `reference` (MODULE:FUNC, imported from `folder`) wrapped as `kind` ("callable": the callable
     protocol, CallableBackend with `options`; "run": a run(problem) function, RunFunctionBackend;
-    "ragged": a varlen or paged function, RaggedCallableBackend; "ragged-builtin": a built-in
-    ragged backend by name)."""
+    "ragged": a varlen or paged function, RaggedCallableBackend)."""
 
     name: str
     kind: str = "builtin"
@@ -144,15 +140,12 @@ class Target:
     def of(cls, backend, dtype: str) -> "Target":
         """The target that rebuilds `backend` for problems of `dtype`; NotReproducible if none can."""
         from fa_verify.backends import CallableBackend, builtin_backends
-        from fa_verify.backends.ragged_base import builtin_ragged_backends
         from fa_verify.backends.ragged_callable import RaggedCallableBackend
         from fa_verify.properties._subject import RunFunctionBackend
 
         if isinstance(backend, RaggedCallableBackend):
             reference, folder = _reference(backend.fn, backend.name)
             return cls(backend.name, "ragged", reference, folder, ragged_callable_options(backend, dtype))
-        if any(type(b) is type(backend) and b.name == backend.name for b in builtin_ragged_backends()):
-            return cls(backend.name, "ragged-builtin")
         if isinstance(backend, CallableBackend):
             reference, folder = _reference(backend.fn, backend.name)
             return cls(backend.name, "callable", reference, folder, callable_options(backend, dtype))
@@ -178,15 +171,12 @@ class Target:
                 "run": "from fa_verify.backends import load_callable\n"
                        "    from fa_verify.properties import as_backend",
                 "ragged": "from fa_verify.backends import load_callable\n"
-                          "    from fa_verify.backends.ragged_callable import RaggedCallableBackend",
-                "ragged-builtin": "from fa_verify.backends.ragged_base import builtin_ragged_backends"}[self.kind]
+                          "    from fa_verify.backends.ragged_callable import RaggedCallableBackend"}[self.kind]
 
     def expression(self) -> str:
         """Python that rebuilds the target (after `imports()`), one keyword argument a line."""
         if self.kind == "builtin":
             return f"get_backend({self.name!r})"
-        if self.kind == "ragged-builtin":
-            return f"{{b.name: b for b in builtin_ragged_backends()}}[{self.name!r}]"
         make = {"run": "as_backend", "callable": "CallableBackend", "ragged": "RaggedCallableBackend"}[self.kind]
         arguments = [f"load_callable({self.reference!r})", f"name={self.name!r}",
                      *(f"{k}={v!r}" for k, v in self.options.items())]
@@ -195,65 +185,24 @@ class Target:
 
 # --- the inputs ---------------------------------------------------------------------------------
 
-#: The variants' arrays saved beside q, k and v (when the problem has them).
-_VARIANT_ARRAYS = ("alibi_slopes", "sinks")
-
-
 def save_problem(problem, path) -> None:
-    """q, k, v (bf16 as uint16 bits: numpy has no bf16), the variants' slopes and sinks (float32)
-    and the parameters, as an .npz file. A RaggedProblem: each sequence's, and the layout, split
-    count and page table."""
-    if isinstance(problem, RaggedProblem):
-        parameters = {"layout": problem.layout, "num_splits": problem.num_splits,
-                      "tags": [list(t) for t in problem.tags], "sequences": []}
-        arrays = {}
-        for b, seq in enumerate(problem.sequences):
-            parameters["sequences"].append(_sequence_parameters(seq))
-            arrays.update(_sequence_arrays(seq, f"s{b}_"))
-        if problem.pages is not None:
-            parameters["pages"] = {"page_size": problem.pages.page_size, "num_blocks": problem.pages.num_blocks}
-            arrays["block_table"] = problem.pages.block_table
-    else:
-        parameters, arrays = _sequence_parameters(problem), _sequence_arrays(problem, "")
+    """The problem's arrays and parameters (`problem.saved()`: q, k, v, bf16 as uint16 bits,
+    the variants' slopes and sinks; a batch's sequences and page table), as an .npz file."""
+    parameters, arrays = problem.saved()
+    parameters["kind"] = problem.kind
     with open(path, "wb") as f:
         np.savez(f, parameters=np.array(json.dumps(parameters, default=str)), **arrays)
 
 
-def _sequence_parameters(problem: AttentionProblem) -> dict:
-    return {"dtype": problem.dtype, "causal": problem.causal, "causal_alignment": problem.causal_alignment,
-            "scale": problem.scale, "tags": [list(t) for t in problem.tags],
-            "window_size": list(problem.window_size), "softcap": problem.softcap}
-
-
-def _sequence_arrays(problem: AttentionProblem, prefix: str) -> dict:
-    arrays = {name: getattr(problem, name) for name in ("q", "k", "v")}
-    if problem.dtype == "bf16":
-        arrays = {name: x.view(np.uint16) for name, x in arrays.items()}
-    arrays.update({name: getattr(problem, name) for name in _VARIANT_ARRAYS if getattr(problem, name) is not None})
-    return {prefix + name: x for name, x in arrays.items()}
-
-
 def load_problem(path):
-    """The problem (AttentionProblem or RaggedProblem) `save_problem` wrote, bit for bit."""
+    """The problem `save_problem` wrote, bit for bit (its kind's `from_saved`)."""
+    from fa_verify.properties.kinds import KINDS
+
     with np.load(path, allow_pickle=False) as data:
         parameters = json.loads(str(data["parameters"]))
-        if "layout" not in parameters:
-            return _load_sequence(data, parameters, "")
-        sequences = tuple(_load_sequence(data, seq, f"s{b}_") for b, seq in enumerate(parameters["sequences"]))
-        pages = (PageLayout(block_table=data["block_table"], **parameters["pages"])
-                 if "pages" in parameters else None)
-    return RaggedProblem(sequences, parameters["layout"], pages=pages, num_splits=parameters["num_splits"],
-                         tags=tuple(tuple(t) for t in parameters["tags"]))
-
-
-def _load_sequence(data, parameters: dict, prefix: str) -> AttentionProblem:
-    dtype = numpy_dtype(parameters["dtype"])
-    q, k, v = (np.ascontiguousarray(data[prefix + name]).view(dtype) for name in ("q", "k", "v"))
-    variant_arrays = {name: data[prefix + name] for name in _VARIANT_ARRAYS if prefix + name in data.files}
-    return AttentionProblem(q, k, v, causal=parameters["causal"], causal_alignment=parameters["causal_alignment"],
-                            scale=parameters["scale"], tags=tuple(tuple(t) for t in parameters["tags"]),
-                            window_size=tuple(parameters.get("window_size", NO_WINDOW)),
-                            softcap=parameters.get("softcap", 0.0), **variant_arrays)
+        # files written before problems named their kind: a batch named its layout
+        kind = parameters.get("kind") or parameters.get("layout") or "dense"
+        return KINDS[kind].problem_type.from_saved(parameters, data)
 
 
 # --- the script ---------------------------------------------------------------------------------
@@ -346,11 +295,10 @@ def write_reproducer(folder, target: Target, properties, problem, seed: int = 0,
     properties, seed and inputs: the same failure overwrites its own reproducer."""
     folder = Path(folder).absolute()
     folder.mkdir(parents=True, exist_ok=True)
-    ragged = isinstance(problem, RaggedProblem)
-    sequences = problem.sequences if ragged else (problem,)
+    parts = problem.parts()
     digest = hashlib.sha256(json.dumps([target.as_dict(), [p.name for p in properties], seed,
-                                        problem.describe(), sequences[0].causal_alignment]).encode())
-    for seq in sequences:
+                                        problem.describe(), parts[0].causal_alignment]).encode())
+    for seq in parts:
         for x in (seq.q, seq.k, seq.v):
             digest.update(np.ascontiguousarray(x).tobytes())
     stem = f"repro_{'+'.join(p.name for p in properties)}_{digest.hexdigest()[:10]}"
@@ -366,7 +314,8 @@ def write_reproducer(folder, target: Target, properties, problem, seed: int = 0,
     script.write_text(_SCRIPT.format(
         about=_docstring_text(about), failure=_docstring_text(failure), script=_docstring_text(str(script)),
         inputs=inputs.name, environment=_dict_source(relevant_environment()), path=repr(list(dict.fromkeys(path))), imports=target.imports(),
-        check_module="fa_verify.properties.ragged" if ragged else "fa_verify.properties",
+        check_module=properties[0].check.__module__ if len({p.check.__module__ for p in properties}) == 1
+        else "fa_verify.properties",
         checks=", ".join(sorted({p.check.__name__ for p in properties})), target=target.expression(),
         calls=calls))
     return Reproducer(script, inputs)

@@ -1,7 +1,8 @@
 """Searching for a counterexample to one property on one target, with Hypothesis.
 
 `search_property(backend, prop, selection)` draws problems the property is meaningful on and
-the target can run (its dtypes, head dims and causal alignments are probed once), runs the
+the target can run — of every kind both are about (`fa_verify.properties.kinds`: dense, varlen,
+paged), the target's dtypes, head dims and causal alignments probed once —, runs the
 check on each, and returns a `PropertyOutcome`: passed, failed with the minimal counterexample
 Hypothesis shrank to (and, given a folder, a reproducer script written there: `reproduce`), or
 not applicable (with the reason). It searches on after a first failure (Hypothesis'
@@ -29,7 +30,7 @@ from fa_verify.problem import AttentionProblem
 from fa_verify.profiles import RELAXED_HEALTH_CHECKS
 from fa_verify.properties._result import FAILED, NOT_APPLICABLE, PASSED, PropertyFailure, PropertyResult
 from fa_verify.properties._subject import as_backend
-from fa_verify.properties.draw import capabilities, edge_problems, problem_strategy
+from fa_verify.properties.kinds import edge_problems, problem_strategy
 from fa_verify.properties.precision_hint import precision_hint
 from fa_verify.properties.registry import Property, get_property
 from fa_verify.properties.reproduce import NotReproducible, Target, write_reproducer
@@ -258,8 +259,7 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
     if backend.judged_under.declared:
         outcome.judged_under = backend.judged_under.describe()
     start = time.perf_counter()
-    strategy = (prop.target_reason and prop.target_reason(backend)) or problem_strategy(
-        prop, capabilities(backend), selection)
+    strategy = (prop.target_reason and prop.target_reason(backend)) or problem_strategy(prop, backend, selection)
     if isinstance(strategy, str):
         outcome.status, outcome.reason = NOT_APPLICABLE, strategy
         return outcome

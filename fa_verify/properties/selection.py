@@ -8,7 +8,7 @@ from hypothesis.database import ExampleDatabase
 
 from fa_verify.dtypes import DTYPE_NAMES
 from fa_verify.profiles import DEFAULT_PROFILE, get_profile
-from fa_verify.strategies._validation import check_int
+from fa_verify.validation import check_int
 
 
 @dataclass(frozen=True)

@@ -97,3 +97,23 @@ def budget_note(prop, budget: int) -> str:
     if prop.edge_cases:
         extra.insert(0, "the fixed edge cases keep theirs")
     return f"--shapes {budget}: drawn from {budget} shapes" + "".join(f"; {e}" for e in extra)
+
+
+def budgeted(problems, signature, revalued, budget: int, seed: int | None):
+    """Problems of `budget` signatures drawn once from the strategy `problems` (`signature(p)`:
+    all of p but its values), each example a drawn one with values afresh (`revalued(p, seed)`):
+    the shape budget of a kind whose strategy draws whole problems (ragged batches)."""
+    candidates = {}
+
+    @given(problems)
+    def collect(problem):
+        candidates.setdefault(signature(problem), problem)
+
+    collect = settings(max_examples=budget * _CANDIDATES_PER_SHAPE, database=None, deadline=None,
+                       phases=(Phase.generate,), suppress_health_check=RELAXED_HEALTH_CHECKS)(collect)
+    if seed is not None:
+        collect = hypothesis_seed(seed)(collect)
+    collect()
+    found = list(candidates.values())
+    chosen = [found[i] for i in sorted(random.Random(seed).sample(range(len(found)), min(budget, len(found))))]
+    return st.sampled_from(chosen).flatmap(lambda problem: fst.seeds().map(lambda s: revalued(problem, s)))

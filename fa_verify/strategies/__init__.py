@@ -27,7 +27,7 @@ from fa_verify.strategies._problems import (
     scales,
     seeds,
 )
-from fa_verify.strategies._ragged import ragged_problems
+from fa_verify.strategies._ragged import batch_signature, ragged_problems, revalued
 from fa_verify.strategies._score_profiles import ScoreProfile, score_profiles
 from fa_verify.strategies._shapes import (
     COMMON_HEAD_DIMS,
@@ -59,6 +59,7 @@ __all__ = [
     "ScoreProfile",
     "Shape",
     "alibi_slopes",
+    "batch_signature",
     "causal_modes",
     "distributions",
     "dtypes",
@@ -67,6 +68,7 @@ __all__ = [
     "make_problem",
     "problems",
     "ragged_problems",
+    "revalued",
     "scales",
     "score_profiles",
     "seeds",

@@ -21,7 +21,7 @@ from fa_verify.errors import InvalidArgumentError
 from fa_verify.problem import CAUSAL_ALIGNMENTS, AttentionProblem
 from fa_verify.strategies._score_profiles import ScoreProfile, score_profiles
 from fa_verify.strategies._shapes import Shape, shapes
-from fa_verify.strategies._validation import (
+from fa_verify.validation import (
     check_bool,
     check_dtype,
     check_int,

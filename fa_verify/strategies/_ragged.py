@@ -144,3 +144,32 @@ def _paged(draw, sequences: list, page_size: int, rng: np.random.Generator):
             table[b, 0] = table[0, 0]
         layout = PageLayout(page_size, table, layout.num_blocks)
     return sequences, layout.shuffled(rng, seqlens)
+
+
+def batch_signature(problem: RaggedProblem) -> tuple:
+    """All of a batch but its values: what makes a compiled ragged target compile again (its
+    layout, lengths, heads, D, dtype, options, variants switched on, pages and split count)."""
+    first = problem.first
+    pages = problem.pages
+    return (problem.layout, problem.seqlens_q, problem.seqlens_k, problem.heads, problem.kv_heads,
+            problem.head_dim, problem.dtype, problem.causal, first.causal_alignment, first.scale,
+            problem.window_size, problem.softcap, problem.features, problem.num_splits,
+            None if pages is None else (pages.page_size, pages.num_blocks, pages.max_blocks))
+
+
+def revalued(problem: RaggedProblem, seed: int) -> RaggedProblem:
+    """The same batch (signature, page table, variants) with q, k and v drawn afresh from its
+    distribution with `seed`; keys in page slots that sequences share stay shared (the first
+    sequence using a slot sets it)."""
+    distribution = dict(problem.tags).get("distribution", "normal")
+    fresh, slots = [], {}
+    for b, seq in enumerate(problem.sequences):
+        new = make_problem(distribution, Shape.of(seq), seq.dtype, seed + b, causal=seq.causal,
+                           causal_alignment=seq.causal_alignment, scale=seq.scale)
+        k, v = new.k.copy(), new.v.copy()
+        if problem.pages is not None:
+            for j, slot in enumerate(zip(*problem.pages.key_slots(b, seq.nk))):
+                first = slots.setdefault(slot, (k[:, :, j].copy(), v[:, :, j].copy()))
+                k[:, :, j], v[:, :, j] = first
+        fresh.append(seq.replace(q=new.q, k=k, v=v, tags=new.tags))
+    return problem.replace(sequences=tuple(fresh), tags=(("distribution", distribution), ("seed", seed)))

@@ -25,7 +25,7 @@ import numpy as np
 
 from fa_verify.dtypes import finfo, round_trip
 from fa_verify.strategies._shapes import Shape
-from fa_verify.strategies._validation import check_dtype, check_scale
+from fa_verify.validation import check_dtype, check_scale
 
 #: The largest finite fp16 value.
 FP16_MAX = 65504.0

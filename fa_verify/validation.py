@@ -1,4 +1,4 @@
-"""Argument checks for the strategies, in one place.
+"""Argument checks, in one place (the strategies' and the problem model's).
 
 Every message reads ``name=value!r`` and says how to fix the call. Checks run when a strategy
 is *built* (``fst.shapes(max_seq=0)`` raises at once), not lazily when Hypothesis draws from it.

@@ -1,4 +1,4 @@
-"""Argument types for the command line: a bad value is an argparse error (exit 2) that names
+"""Argument types of the command line and the pytest plugin: a bad value is a usage error (exit 2) that names
 the option, the value and how to fix it, before anything runs."""
 
 from __future__ import annotations
