@@ -18,7 +18,7 @@ from hypothesis import given, settings
 
 from fa_verify import strategies as fst
 from fa_verify.backends import CallableBackend
-from fa_verify.properties import PROPERTY_NAMES
+from fa_verify.properties import properties_for
 
 
 def my_attention(q, k, v, *, causal, scale):
@@ -45,7 +45,7 @@ def my_attention(q, k, v, *, causal, scale):
 KERNEL = CallableBackend(my_attention, name="my_attention", precision="flash")
 
 
-@pytest.mark.parametrize("prop", PROPERTY_NAMES)
+@pytest.mark.parametrize("prop", [p.name for p in properties_for(KERNEL)])
 def test_property(prop, fa_search):
     """Every property of fa_verify's suite, each a Hypothesis search that shrinks a failure to
     a minimal counterexample with a reproducer; properties your kernel cannot support (no LSE,

@@ -372,11 +372,15 @@ def test_registry():
                          "torch-sdpa-flash-cpu"]
     kernels = {f"{family}-{runner}" for family in ("fa2", "wmma", "mma-ptx", "naive-cuda", "naive16-cuda")
                for runner in ("cpu", "pycuda")}
-    assert set(names[5:]) == kernels
+    ragged = {"numpy-ragged-varlen", "numpy-ragged-paged", *(f"split-kv{layout}-{runner}" for layout in ("", "-varlen")
+                                                               for runner in ("cpu", "pycuda"))}
+    assert set(names[5:]) == kernels | ragged
     assert isinstance(get_backend("naive-fp32"), NaiveBackend)
     with pytest.raises(InvalidArgumentError, match="unknown; built-in backends: numpy-tiled, "):
         get_backend("cuda-fa2")
     table = json.loads(json.dumps(backend_table()))
     row = table[names.index("naive-same-precision")]
-    assert set(row) == {"name", "available", "reason", "dtypes", "precision", "notes"}
+    assert set(row) == {"name", "available", "reason", "kinds", "layout", "dtypes", "precision", "features", "splits",
+                        "notes"}
+    assert row["kinds"] == ["dense"] and table[names.index("split-kv-cpu")]["kinds"] == ["paged"]
     assert row["precision"]["bf16"] == PrecisionModel.same_precision("bf16").as_dict()

@@ -52,7 +52,9 @@ def test_backends_json_lists_availability_and_reasons(capsys):
 def test_backends_table_lists_ragged_backends_with_layout(capsys):
     code, out, _ = _run(capsys, "backends")
     line = next(line for line in out.splitlines() if line.startswith("numpy-ragged-varlen"))
-    assert code == 0 and "varlen" in line.split()[1] and "no split" in line and "available" in line
+    assert code == 0 and "varlen" in line.split()[1] and "split-KV" not in line and "available" in line
+    line = next(line for line in out.splitlines() if line.startswith("split-kv-cpu"))
+    assert "paged" in line.split()[1] and "split-KV" in line
 
 
 def test_bench_oracle_json_reports_ratio_and_bound(capsys):

@@ -7,7 +7,7 @@ import pytest
 from test_oracle import _assert_within_bounds
 
 from fa_verify import AttentionProblem
-from fa_verify.backends.ragged_base import NumpyRaggedBackend
+from fa_verify.backends.numpy_ragged import NumpyRaggedBackend
 from fa_verify.oracle.ragged import ragged_error_bound, reference_ragged
 from fa_verify.precision import PrecisionModel
 from fa_verify.ragged import PageLayout, RaggedProblem

@@ -73,8 +73,8 @@ def test_the_property_suite_runs_against_a_callable(pytester):
     shutil.copy(FIXTURES / "attention_variants.py", pytester.path)
     result = pytester.runpytest_subprocess("properties", "--fa-backend", "attention_variants:split_kv",
                                            "-p", "no:cacheprovider")
-    # not applicable: races and address_sanitizer (no CUDA kernel) and the variant properties; skipped: the
-    # 8 ragged tests (properties/test_varlen_paged.py), --fa-backend selecting a dense target
+    # not applicable: races and address_sanitizer (no CUDA kernel) and the variant properties, and the
+    # 8 tests of varlen / paged batches (properties/test_varlen_paged.py): the callable runs dense problems
     result.assert_outcomes(passed=15, skipped=7 + 8)
 
 
@@ -82,8 +82,8 @@ def test_fa_layout_checks_varlen_and_paged_functions(pytester):
     for name in ("ragged_kernels.py", "feature_kernels.py"):
         shutil.copy(FIXTURES / name, pytester.path)
     pytester.makepyfile(test_kernel="""
-        def test_agreement(fa_ragged_backend, fa_search):
-            fa_search(fa_ragged_backend, "ragged_agreement")
+        def test_agreement(fa_backend, fa_search):
+            fa_search(fa_backend, "ragged_agreement")
 
         def test_dense(fa_backend, fa_search):
             fa_search(fa_backend, "oracle_agreement")
@@ -91,15 +91,16 @@ def test_fa_layout_checks_varlen_and_paged_functions(pytester):
     quick = ("--fa-page-sizes", "16", "--fa-dtype", "fp16", "--fa-no-isolate", "-p", "no:cacheprovider", "-rs")
     result = pytester.runpytest_subprocess("--fa-layout", "paged", "--fa-backend", "ragged_kernels:paged_attention",
                                            "--fa-backend", "ragged_kernels:paged_page_boundary", *quick)
-    result.assert_outcomes(passed=1, failed=1, skipped=1)
+    result.assert_outcomes(passed=1, failed=1, skipped=2)
     result.stdout.fnmatch_lines(["*ragged_agreement: FAILED after * examples*", "*page_size=16*",
                                  "*reproduce: python3 *repro_ragged_agreement_*.py*",
-                                 "*--fa-layout selects varlen/paged functions*"])
-    for argv, message in ((("--fa-layout", "varlen", "--fa-backend", "numpy-tiled"), "*checks MODULE:FUNC functions*"),
+                                 "*a property of dense problems; ragged_kernels:paged_attention runs paged problems*"])
+    for argv, message in ((("--fa-layout", "varlen", "--fa-backend", "numpy-tiled"),
+                           "*--fa-layout applies to MODULE:FUNC targets only*"),
                           (("--fa-layout", "varlen", "--fa-backend", "ragged_kernels:varlen_attention",
                             "--fa-page-sizes", "16"), "*give --fa-layout paged (not varlen)*"),
                           (("--fa-layout", "paged", "--fa-backend", "ragged_kernels:paged_attention",
-                            "--fa-scale-precision", "input"), "*--fa-scale-precision cannot be used*")):
+                            "--fa-causal-alignment", "top-left"), "*--fa-causal-alignment top-left cannot be used*")):
         result = pytester.runpytest_subprocess(*argv)
         assert result.ret == pytest.ExitCode.USAGE_ERROR
         result.stderr.fnmatch_lines([message])

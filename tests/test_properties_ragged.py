@@ -9,18 +9,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from fa_verify.backends.ragged_base import NumpyRaggedBackend
+from fa_verify.backends.numpy_ragged import NumpyRaggedBackend
 from fa_verify.backends.ragged_callable import RaggedCallableBackend
-from fa_verify.errors import InvalidArgumentError
 from fa_verify.limits import Limits
 from fa_verify.properties import FAILED, NOT_APPLICABLE, PASSED, Selection
-from fa_verify.properties.ragged_search import search_ragged
-from fa_verify.properties.registry import RAGGED_PROPERTY_NAMES
+from fa_verify.properties import PROPERTIES, search_property
 from fa_verify.strategies import ragged_problems
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import ragged_kernels  # noqa: E402
 
+RAGGED_PROPERTY_NAMES = [p.name for p in PROPERTIES if set(p.kinds) & {"varlen", "paged"}]
 FEW = Selection(max_examples=10, shrink=False, max_seq=2 * 64 + 1)
 LAYOUTS = {"varlen_attention": "varlen", "paged_attention": "paged", "paged_attention_into": "paged",
            "varlen_global_seqlen_k": "varlen", "paged_page_boundary": "paged",
@@ -43,7 +42,7 @@ def _backend(name, twin=None):
 @pytest.mark.parametrize("name", ["varlen_attention", "paged_attention", "paged_attention_into"])
 def test_correct_functions_pass_every_applicable_ragged_property(name):
     backend = _backend(name, "varlen_attention" if LAYOUTS[name] == "paged" else None)
-    statuses = {prop: search_ragged(backend, prop, FEW) for prop in RAGGED_PROPERTY_NAMES}
+    statuses = {prop: search_property(backend, prop, FEW) for prop in RAGGED_PROPERTY_NAMES}
     failures = [o.message() for o in statuses.values() if o.status == FAILED]
     assert not failures, "\n".join(failures)
     applicable = {prop for prop, o in statuses.items() if o.status == PASSED}
@@ -57,13 +56,13 @@ def test_correct_functions_pass_every_applicable_ragged_property(name):
 def test_each_one_bug_fixture_is_caught_naming_the_sequence(name):
     backend = _backend(name, "varlen_attention" if LAYOUTS[name] == "paged" else None)
     for prop in CATCHES[name]:
-        outcome = search_ragged(backend, prop, FEW)
+        outcome = search_property(backend, prop, FEW)
         assert outcome.status == FAILED, f"{name} passed {prop}: {outcome.message()}"
         assert "sequence " in outcome.failure.detail
 
 
 def test_unwritten_rows_name_the_sequences_left_unwritten():
-    outcome = search_ragged(_backend("paged_first_sequence_only"), "unwritten_rows", Selection(max_examples=10, max_seq=2 * 64 + 1))
+    outcome = search_property(_backend("paged_first_sequence_only"), "unwritten_rows", Selection(max_examples=10, max_seq=2 * 64 + 1))
     # shrunk to two sequences of one query: sequence 1's only row was never written
     assert outcome.status == FAILED and "sequence 1 of 2" in outcome.failure.detail
     assert "sequence 0 of" not in outcome.failure.detail
@@ -71,12 +70,12 @@ def test_unwritten_rows_name_the_sequences_left_unwritten():
 
 def test_ragged_properties_are_not_applicable_where_the_target_lacks_the_feature():
     varlen = _backend("varlen_global_seqlen_k")  # varlen, no num_splits, returns its output
-    for prop, why in (("page_placement", "takes the varlen layout"), ("split_invariance", "takes no num_splits"),
-                      ("unwritten_rows", "returns its output")):
-        outcome = search_ragged(varlen, prop, FEW)
+    for prop, why in (("page_placement", "a property of paged problems; ragged_kernels:varlen_global_seqlen_k runs "
+                                         "varlen problems"),
+                      ("split_invariance", "takes no num_splits"), ("unwritten_rows", "returns its output"),
+                      ("oracle_agreement", "a property of dense problems")):
+        outcome = search_property(varlen, prop, FEW)
         assert outcome.status == NOT_APPLICABLE and why in outcome.reason
-    with pytest.raises(InvalidArgumentError, match="no ragged property"):
-        search_ragged(varlen, "oracle_agreement", FEW)
 
 
 @settings(max_examples=25, deadline=None, database=None)
@@ -106,8 +105,8 @@ class _HeadDim24(NumpyRaggedBackend):
 def test_head_dims_are_probed_through_supports_when_none_are_declared():
     backend, seen = _HeadDim24("varlen"), set()
     run = backend.run
-    backend.run = lambda problem, fill=np.nan: seen.add(problem.head_dim) or run(problem, fill)
-    outcome = search_ragged(backend, "ragged_agreement", FEW)
+    backend.run = lambda problem: seen.add(problem.head_dim) or run(problem)
+    outcome = search_property(backend, "ragged_agreement", FEW)
     assert outcome.status == PASSED and outcome.examples == 10 and seen == {24}
 
 

@@ -12,7 +12,7 @@ from fa_verify.backends import CallableBackend, get_backend
 from fa_verify.check import Oracle, check_backend, results_recorder
 from fa_verify.errors import AttentionMismatch, InvalidArgumentError
 from fa_verify.profiles import PROFILES, get_profile
-from fa_verify.properties import PROPERTY_NAMES, RAGGED_PROPERTY_NAMES, Selection, get_property, search_property
+from fa_verify.properties import PROPERTY_NAMES, Selection, get_property, search_property
 from fa_verify.properties.draw import edge_problems
 from fa_verify.results import ResultsStore
 from fa_verify.strategies import make_problem
@@ -30,7 +30,7 @@ def test_the_suite_covers_every_property_once():
     for path in (Path(__file__).parents[1] / "properties").glob("test_*.py"):
         lines = path.read_text().splitlines()
         tests |= {line.split("(")[0].removeprefix("def test_") for line in lines if line.startswith("def test_")}
-    assert tests == set(PROPERTY_NAMES) | set(RAGGED_PROPERTY_NAMES)
+    assert tests == set(PROPERTY_NAMES)
 
 
 def test_a_failure_has_a_minimal_counterexample_and_a_reproducer_that_reproduces_it(tmp_path):

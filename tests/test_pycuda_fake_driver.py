@@ -24,7 +24,7 @@ import pytest
 
 from fake_cuda_driver import build
 
-from fa_verify.backends.registry import builtin_backends, builtin_ragged
+from fa_verify.backends.registry import builtin_backends
 from fa_verify.kernels import FAMILIES
 
 try:
@@ -239,7 +239,7 @@ def test_fake_driver_point1_backends_command_explains_why_pycuda_is_unavailable(
                           cwd=REPO)
     assert proc.returncode == 0
     lines = [line for line in proc.stdout.splitlines() if "-pycuda" in line]
-    pycuda_backends = {b.name for b in builtin_backends() + builtin_ragged() if b.name.endswith("-pycuda")}
+    pycuda_backends = {b.name for b in builtin_backends() if b.name.endswith("-pycuda")}
     assert {line.split()[0] for line in lines} == pycuda_backends and all("unavailable: the CUDA driver library loaded here is a stub" in line
                                    for line in lines), proc.stdout
 

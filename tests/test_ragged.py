@@ -5,7 +5,9 @@ import pytest
 
 from fa_verify import AttentionProblem, InvalidProblemError
 from fa_verify.backends.buffers import SENTINEL_BITS
-from fa_verify.backends.ragged_base import NumpyRaggedBackend, RaggedBackend, output_buffers
+from fa_verify.backends.base import Backend
+from fa_verify.backends.buffers import output_buffers
+from fa_verify.backends.numpy_ragged import NumpyRaggedBackend
 from fa_verify.errors import BackendOutputError, InvalidArgumentError
 from fa_verify.precision import PrecisionModel
 from fa_verify.ragged import PageLayout, RaggedProblem
@@ -208,8 +210,8 @@ def test_numpy_ragged_backend_is_each_sequence_alone(layout):
         assert np.array_equal(o, alone[0]) and np.array_equal(l, alone[1])
 
 
-class _Writes(RaggedBackend):
-    layout, name = "paged", "writes"
+class _Writes(Backend):
+    kinds, name = ("paged",), "writes"
 
     def __init__(self, result):
         self.result = result
@@ -217,8 +219,8 @@ class _Writes(RaggedBackend):
     def precision(self, dtype):
         return PrecisionModel.flash(dtype)
 
-    def _run(self, problem, inputs):
-        return self.result(problem, inputs)
+    def _run(self, problem):
+        return self.result(problem, problem.inputs())
 
 
 def _zeros(problem, inputs):
@@ -231,7 +233,7 @@ def _scribbles(problem, inputs):
 
 
 @pytest.mark.parametrize("result, message", [
-    (lambda p, i: (np.zeros((3, 4, 3, 8), np.float16), None), r"out with shape=\(3, 4, 3, 8\).* \(\[B,Nq,H,D\], the paged layout\)"),
+    (lambda p, i: (np.zeros((3, 4, 3, 8), np.float16), None), r"out with shape=\(3, 4, 3, 8\).* \(\[B,Nq,H,D\]\)"),
     (lambda p, i: (_zeros(p, i)[0], np.zeros((3, 3, 4), np.float32)), r"lse with shape=\(3, 3, 4\).*\[B,H,Nq\]"),
     (lambda p, i: (_zeros(p, i)[0].astype(np.float32), None), r"dtype=fp32; expected .* dtype=fp16"),
     (_scribbles, r"wrote into its input block_table"),
@@ -243,7 +245,7 @@ def test_the_base_checks_what_a_backend_returns_and_leaves(result, message):
 
 def test_the_base_refuses_what_a_backend_does_not_support():
     backend = _Writes(_zeros)
-    with pytest.raises(InvalidArgumentError, match=r"takes the paged layout, not varlen"):
+    with pytest.raises(InvalidArgumentError, match=r"runs paged problems, not varlen ones"):
         backend.run(_varlen())
     with pytest.raises(InvalidArgumentError, match=r"does not split the keys \(num_splits=2\)"):
         backend.run(_paged().replace(num_splits=2))
