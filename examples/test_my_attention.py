@@ -3,7 +3,7 @@
     pip install fa-verify          # brings the pytest plugin (options --fa-*, fixtures fa_*)
     pytest test_my_attention.py                                  # ci profile: a minute or so
     pytest test_my_attention.py --fa-profile thorough --fa-results fa_results.jsonl
-    fa_verify report fa_results.jsonl                            # optional: an HTML error report
+    fa_verify report --from fa_results.jsonl                     # optional: an HTML error report
 
 Replace `my_attention` with a call into your kernel. It follows fa_verify's callable protocol:
 q [B, H, Nq, D], k and v [B, Hkv, Nk, D] numpy arrays of one dtype (fp16, float16 numpy;

@@ -1,5 +1,5 @@
 """Measure how a correct kernel's error compares with the honest ensemble's (the verdict's
-"ensemble" rule), to choose and check its factor K. Not a test: a documented command (README
+"ensemble" rule), to choose and check its factor K. Not a test: a documented command (docs/numerics.md,
 "The error model and verdicts"); run it under several BLAS configurations, e.g.
 
     OPENBLAS_CORETYPE=Haswell OPENBLAS_NUM_THREADS=1 python3 tests/measure_ensemble_ratios.py --seeds 3

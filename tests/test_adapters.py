@@ -22,7 +22,7 @@ def _check(capsys, target, *options):
 def test_jax_dot_product_attention_passes_a_short_check(capsys):
     pytest.importorskip("jax", reason="jax is not installed (pip install 'fa-verify[jax]')")
     # BTNH is fa_verify's bshd; JAX's is_causal is top-left. fp32 only: on the CPU, XLA runs
-    # no fp16 or bf16 dot with fp32 accumulation (it raises; the README says so).
+    # no fp16 or bf16 dot with fp32 accumulation (it raises; docs/targets.md says so).
     code, out = _check(capsys, "fa_verify.adapters.jax_attention:attention",
                        "--layout", "bshd", "--causal-alignment", "top-left")
     assert code == 0, out

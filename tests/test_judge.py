@@ -1,6 +1,6 @@
 """Judging the harness: the mutants, the suite as a mutant killer, false positives, other rules.
 
-The bounded CI subset of `fa_verify mutants` (the full run is one documented command, README
+The bounded CI subset of `fa_verify mutants` (the full run is one documented command, docs/results.md,
 "Judging the harness"): every mutant once through the property suite with a small example
 budget (first kill only), one extra Hypothesis seed of the suite on each unmutated kernel, and
 the other rules on a few mutants with reduced grids. About 2 minutes on 2 cores once the

@@ -1,6 +1,6 @@
 """Our Triton FlashAttention kernel (kernels/triton/fa_triton.py), checked on the CPU under
-Triton's interpreter: a short `fa_verify check` with its declared limits and LSE base 2, as the
-README's "A Triton kernel" runs it (fewer examples; the interpreter is slow)."""
+Triton's interpreter: a short `fa_verify check` with its declared limits and LSE base 2, as
+docs/targets.md's "A Triton kernel" runs it (fewer examples; the interpreter is slow)."""
 
 import json
 import os
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGET = "kernels.triton.fa_triton:attention"
 #: N = 16 only (the interpreter and the judging of each example take time); the test checks
 #: fp16. bf16 would fail: Triton 3.9's interpreter rounds fp32 to bf16 toward zero, which
-#: unbiased_rounding reports (README, "A Triton kernel").
+#: unbiased_rounding reports (docs/targets.md, "A Triton kernel").
 OPTIONS = ["--array", "torch", "--limits", "kernels/triton/limits.toml", "--max-seq", "16", "--json"]
 
 
