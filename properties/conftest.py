@@ -20,13 +20,13 @@ LSE_ZERO = f"torch's CPU flash kernel, declared convention {MASKED_ROW_LSE_ZERO.
 #: (backend, property) -> its KnownDeviation. Findings about third-party code, kept visible.
 KNOWN_DEVIATIONS = {
     # an edge case has fully masked rows
-    ("torch-sdpa-flash-cpu", "lse_agreement"): KnownDeviation(LSE_ZERO, conventions=(MASKED_ROW_LSE_ZERO,),
+    ("torch-sdpa-flash-cpu", "lse_agreement"): KnownDeviation(LSE_ZERO, deviations=(MASKED_ROW_LSE_ZERO,),
                                                               always=True),
-    ("torch-sdpa-flash-cpu", "fully_masked_rows"): KnownDeviation(LSE_ZERO, conventions=(MASKED_ROW_LSE_ZERO,),
+    ("torch-sdpa-flash-cpu", "fully_masked_rows"): KnownDeviation(LSE_ZERO, deviations=(MASKED_ROW_LSE_ZERO,),
                                                                   always=True),
     # only key chunks that some causal rows cannot see show it; not every search draws one
     ("torch-sdpa-flash-cpu", "merge_law"): KnownDeviation(
-        LSE_ZERO + "; merging weighs their output 0 as a state", conventions=(MASKED_ROW_LSE_ZERO,)),
+        LSE_ZERO + "; merging weighs their output 0 as a state", deviations=(MASKED_ROW_LSE_ZERO,)),
     # Ours, by design of the "finite" rule: a softcap flattens P, so over V near fp16's maximum
     # an fp16 P·V accumulator overflows; every honest implementation of that precision model
     # overflows too (the verdict says so), yet an overflow is never passed. Not every search draws it.

@@ -122,7 +122,7 @@ def test_a_known_deviation_is_expected_only_in_the_way_it_is_declared(pytester):
 
         TILED = get_backend("numpy-tiled")
         OVERFLOWS = pytest.mark.fa_known_deviation(KnownDeviation("overflows", rules=("finite",)))
-        LSE_ZERO = pytest.mark.fa_known_deviation(KnownDeviation("LSE 0", conventions=(MASKED_ROW_LSE_ZERO,)))
+        LSE_ZERO = pytest.mark.fa_known_deviation(KnownDeviation("LSE 0", deviations=(MASKED_ROW_LSE_ZERO,)))
 
         def overflowing(problem):
             out, lse = TILED.run(problem)
@@ -157,7 +157,7 @@ def test_a_known_deviation_is_expected_only_in_the_way_it_is_declared(pytester):
         def test_the_convention_not_drawn(fa_search):
             fa_search(TILED, "fully_masked_rows")
 
-        @pytest.mark.fa_known_deviation(KnownDeviation("LSE 0", conventions=(MASKED_ROW_LSE_ZERO,), always=True))
+        @pytest.mark.fa_known_deviation(KnownDeviation("LSE 0", deviations=(MASKED_ROW_LSE_ZERO,), always=True))
         def test_always_but_it_passed(fa_search):
             fa_search(TILED, "fully_masked_rows")
     """)

@@ -43,11 +43,11 @@ AVAILABLE = Availability(True)
 
 
 @dataclass(frozen=True)
-class Convention:
+class Deviation:
     """A known, deliberate difference between a backend's output and fa_verify's conventions.
 
     Data only: what differs, the verdict rule and the property that see it, and the value the
-    backend returns instead. A run that fails only because of declared conventions is reported
+    backend returns instead. A run that fails only because of declared deviations is reported
     as a declared deviation, not as a failure (`fa_verify report --fail-on deviation` counts it).
     The conventions a target's author declares (`fa_verify.conventions.Conventions`,
     `Backend.judged_under`) are judged under instead: the run passes, and says under what.
@@ -74,8 +74,8 @@ class Backend(ABC):
     dtypes: tuple[str, ...] = DTYPE_NAMES
     #: Known deviations from its precision model or from fa_verify's conventions, for the table.
     notes: str = ""
-    #: Conventions of a third-party backend that differ from fa_verify's (declared, not failures).
-    conventions: tuple[Convention, ...] = ()
+    #: Declared deviations of a third-party backend from fa_verify's conventions (reported, not failures).
+    deviations: tuple[Deviation, ...] = ()
     #: The problems it supports; strategies draw within them and `supports` enforces them.
     limits: Limits = Limits()
     #: The variants it implements (keys of fa_verify.problem.FEATURES); problems using others

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fa_verify.backends.base import Backend, Convention
+from fa_verify.backends.base import Backend, Deviation
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.precision import PrecisionModel
@@ -45,11 +45,11 @@ _NOTES = {
 
 
 #: The flash kernel replaces a fully masked row's max by 0 and its sum by 1 (output 0, right).
-MASKED_ROW_LSE_ZERO = Convention(
+MASKED_ROW_LSE_ZERO = Deviation(
     name="masked-row-lse-zero", differs="fully masked rows: LSE 0 instead of -inf (output 0)",
     rule="masked_rows", property="fully_masked_rows", masked_row_lse=0.0)
 
-_CONVENTIONS = {"math": (), "flash-cpu": (MASKED_ROW_LSE_ZERO,)}
+_DEVIATIONS = {"math": (), "flash-cpu": (MASKED_ROW_LSE_ZERO,)}
 
 
 class TorchSdpaBackend(Backend):
@@ -61,7 +61,7 @@ class TorchSdpaBackend(Backend):
         self.kernel = kernel
         self.name = f"torch-sdpa-{kernel}"
         self.notes = _NOTES[kernel]
-        self.conventions = _CONVENTIONS[kernel]
+        self.deviations = _DEVIATIONS[kernel]
 
     def precision(self, dtype) -> PrecisionModel:
         if self.kernel == "flash-cpu":

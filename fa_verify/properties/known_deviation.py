@@ -2,8 +2,8 @@
 that failure and no other.
 
 A deviation is declared by the verdict rules its failures fail by (`rules`: e.g. "finite"),
-or by declared conventions (`fa_verify.backends.base.Convention`) that, put back, leave the
-property passing (`conventions`: the same search is run again on the target with fa_verify's
+or by a backend's declared deviations (`fa_verify.backends.base.Deviation`) that, put back, leave
+the property passing (`deviations`: the same search is run again on the target with fa_verify's
 convention restored, so any other failure still shows). The pytest plugin's `fa_search` reads it
 from the `fa_known_deviation` marker (properties/conftest.py sets it from KNOWN_DEVIATIONS): a
 failure it explains is an expected failure, any other failure fails the test, and a deviation
@@ -28,14 +28,14 @@ class KnownDeviation:
     reason: str
     #: the verdict rules its failures fail by; a check without a verdict fails by its property's name
     rules: tuple = ()
-    #: declared conventions it fails by: with them put back, the property must pass
-    conventions: tuple = ()
+    #: declared deviations it fails by: with fa_verify's convention put back, the property must pass
+    deviations: tuple = ()
     #: every search shows it (the ci profile's edge cases draw it): a pass means it is out of date
     always: bool = False
 
     def __post_init__(self):
-        if bool(self.rules) == bool(self.conventions):
-            raise InvalidArgumentError("KnownDeviation: give rules=(verdict rules, ...) or conventions=(Convention, "
+        if bool(self.rules) == bool(self.deviations):
+            raise InvalidArgumentError("KnownDeviation: give rules=(verdict rules, ...) or deviations=(Deviation, "
                                        "...), one of them")
 
     def unexplained(self, backend, outcome, search) -> str:
@@ -48,14 +48,14 @@ class KnownDeviation:
             others = sorted({failure_kind(p, r)[0] for p, r in failures} - set(self.rules))
             return f"it fails by {', '.join(others)}, not by {', '.join(self.rules)} only:\n{outcome.message()}" \
                 if others else ""
-        restored = search(ConventionsRestored(backend, self.conventions))
+        restored = search(DeviationsRestored(backend, self.deviations))
         # Not applicable is no pass either: the restored target lacks hooks the target has (run_padded...).
         return "" if restored.passed else (
             f"with fa_verify's convention put back where the declared ones stand, it does not pass:\n"
             f"{restored.message()}")
 
 
-class ConventionsRestored(Backend):
+class DeviationsRestored(Backend):
     """`inner` with fa_verify's convention put back where a declared one stands (the LSE of
     fully masked rows): what is left failing is not the declared deviation."""
 

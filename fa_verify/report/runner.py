@@ -117,7 +117,7 @@ def compare(backend, problem, shared: Comparators, sweep: str):
                                bound=shared.bound(precision), ensemble=shared.ensemble(precision))
 
     verdict = judge(out, lse)
-    deviation = None if verdict.passed else declared_deviation(backend.conventions, problem,
+    deviation = None if verdict.passed else declared_deviation(backend.deviations, problem,
                                                                out, lse, judge)
     histograms, extra = None, {}
     if verdict.summary is not None:  # the output has the problem's shape
