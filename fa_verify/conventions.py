@@ -30,7 +30,7 @@ One spelling everywhere (as with `fa_verify.limits`): the CLI (`--lse-base 2 --f
 pytest plugin (`--fa-lse-base 2 ...`), the `--limits` TOML file (`lse-base = 2`) and the API
 (`CallableBackend(fn, conventions={"lse_base": 2})` or `Conventions(...)`). A target's declared
 conventions are printed with every check ("judged under: LSE base 2, flush-to-zero").
-A built-in backend's `Convention`s (`fa_verify.backends.base`) are the other kind: kept visible
+A built-in backend's declared `Deviation`s (`fa_verify.backends.base`) are another thing: kept visible
 as declared deviations in reports, not judged under.
 """
 

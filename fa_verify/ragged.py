@@ -380,7 +380,7 @@ class RaggedProblem:
 
     def unwritten_rows(self, out: np.ndarray) -> list[tuple[int, int]]:
         """(sequence, row) of every output row that still holds the unwritten-output sentinel
-        (`buffers.SENTINEL_BITS`) somewhere: rows a target given `ragged_base.output_buffers`
+        (`buffers.SENTINEL_BITS`) somewhere: rows a target given `buffers.output_buffers`
         never wrote."""
         from fa_verify.backends.buffers import SENTINEL_BITS  # here: the problem model needs no backend code
 

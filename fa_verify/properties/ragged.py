@@ -8,7 +8,7 @@ sequence where it fails:
     target claims batch invariance, else within the error model (bound of each run);
   * sequence_independence: new values in the other sequences (same lengths) leave a sequence
     bitwise unchanged;
-  * paged_contiguous: a paged target agrees with its varlen twin (`RaggedBackend.contiguous`, the
+  * paged_contiguous: a paged target agrees with its varlen twin (`Backend.contiguous`, the
     same kernel taking packed K/V) on the same sequences, within the error model;
   * page_placement: the same pages under a freshly shuffled block table (and other entries past
     each sequence's pages) give bitwise the same output;
