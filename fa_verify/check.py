@@ -18,7 +18,7 @@ from fa_verify.backends import Backend
 from fa_verify.problem import AttentionProblem
 from fa_verify.properties import FAILED, NOT_APPLICABLE, PASSED, Selection, get_property, properties_for
 from fa_verify.properties.reproduce import NotReproducible, Target
-from fa_verify.properties.search import PropertyOutcome, search_property
+from fa_verify.properties.search import search_property
 
 
 @dataclass

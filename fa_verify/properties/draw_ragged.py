@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hypothesis import strategies as st
 
 from fa_verify import strategies as fst
 from fa_verify.properties.draw import capabilities
@@ -22,9 +21,14 @@ from fa_verify.properties.shape_budget import budgeted
 from fa_verify.ragged import PageLayout, RaggedProblem
 from fa_verify.strategies._variants import DEFAULT_TILE
 
-#: Longest sequence a batch draws unless the selection's max_seq is lower: past the second key
-#: tile, and short, since B of them run (and each through the oracle).
-MAX_SEQ = 2 * DEFAULT_TILE + 1
+
+def longest_sequence(selection: Selection) -> int:
+    """The longest sequence a batch draws: the selection's max_seq, but where most problems stay
+    within typical_seq (the ci profile: 64), past the second tile of that only (129): B sequences
+    run, each through the oracle."""
+    if selection.typical_seq is None:
+        return selection.max_seq
+    return min(selection.max_seq, 2 * selection.typical_seq + 1)
 
 
 def as_batch(layout: str):
@@ -55,7 +59,7 @@ def batch_strategy(layout: str, as_kind):
             return f"{backend.name} runs no head dim from 1 to 256"
         limits = replace(backend.limits, causal=causal, head_dims=caps.head_dims)
         strategy = fst.ragged_problems(layout, dtypes, limits, backend.features, backend.page_sizes,
-                                       backend.splits, DEFAULT_TILE, max_seq=min(selection.max_seq, MAX_SEQ))
+                                       backend.splits, DEFAULT_TILE, max_seq=longest_sequence(selection))
         if selection.shapes is None:
             return strategy
         return budgeted(strategy, fst.batch_signature, fst.revalued, selection.shapes, selection.seed)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import numpy as np
 
 from fa_verify.backends.buffers import padded_array
 from fa_verify.backends.user_callable import CallableBackend
