@@ -443,7 +443,7 @@ class _MaskedLse(NumpyTiledBackend):
     """numpy-tiled declaring torch flash's masked-row LSE 0; it writes `masked_lse` there and
     scales its output by `skew`."""
 
-    conventions = (MASKED_ROW_LSE_ZERO,)
+    deviations = (MASKED_ROW_LSE_ZERO,)
 
     def __init__(self, name, masked_lse=0.0, skew=1.0):
         super().__init__()

@@ -127,7 +127,8 @@ def test_every_built_in_backend_has_its_family():
     families = {b.name: family_of(b.name) for b in builtin_backends()}
     assert {name for name, f in families.items() if f == TORCH} == {"torch-sdpa-math", "torch-sdpa-flash-cpu"}
     assert {name for name, f in families.items() if f == NUMPY} == {"numpy-tiled", "naive-same-precision",
-                                                                    "naive-fp32"}
+                                                                    "naive-fp32", "numpy-ragged-varlen",
+                                                                    "numpy-ragged-paged"}
     assert {name for name, f in families.items() if f == KERNELS} == set(families) - {
         name for name, f in families.items() if f in (TORCH, NUMPY)}
     assert family_of("my_module:attention") == OTHER

@@ -130,7 +130,7 @@ def test_unsupported_problems_are_named():
     backend = SplitKvCpuBackend("paged")
     assert "D in {64, 128}" in backend.supports(ragged("paged", [(1, 8)], D=32))
     assert "no entry for D=32" in split_kv.supports(ragged("paged", [(1, 8)], D=32))
-    assert "takes the paged layout" in backend.supports(ragged("varlen", [(1, 8)]))
+    assert "runs paged problems, not varlen ones" in backend.supports(ragged("varlen", [(1, 8)]))
     top_left = RaggedProblem(tuple(s.replace(causal_alignment="top-left") for s in ragged("varlen", [(1, 8)]).sequences),
                              "varlen")
     assert "bottom-right" in SplitKvCpuBackend("varlen").supports(top_left)

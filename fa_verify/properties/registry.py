@@ -26,6 +26,8 @@ from fa_verify.properties import (
 )
 from fa_verify.properties._result import failed
 
+#: How the failure of a property that saw non-finite outputs begins (`backends.watch`).
+NON_FINITE = "non-finite output: "
 #: The kinds of ragged batch.
 RAGGED = ("varlen", "paged")
 
@@ -80,7 +82,7 @@ class Property:
         with watch.watching() as nonfinite:
             result = self.check(backend, problem, seed=seed) if self.seeded else self.check(backend, problem)
         if nonfinite and result.applicable and not result.failed:
-            return failed(self.name, problem, f"non-finite output: {nonfinite[0]}")
+            return failed(self.name, problem, f"{NON_FINITE}{nonfinite[0]}")
         return result
 
 

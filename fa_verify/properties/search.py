@@ -32,7 +32,7 @@ from fa_verify.properties._result import FAILED, NOT_APPLICABLE, PASSED, Propert
 from fa_verify.properties._subject import as_backend
 from fa_verify.properties.kinds import edge_problems, problem_strategy
 from fa_verify.properties.precision_hint import precision_hint
-from fa_verify.properties.registry import Property, get_property
+from fa_verify.properties.registry import NON_FINITE, Property, get_property
 from fa_verify.properties.reproduce import NotReproducible, Target, write_reproducer
 from fa_verify.properties.selection import Selection
 from fa_verify.properties.shape_budget import budget_note, property_seeds
@@ -132,11 +132,13 @@ def _counterexample(problem, result: PropertyResult, seed) -> str:
 
 
 def failure_kind(problem, result: PropertyResult) -> tuple:
-    """What tells two failures apart: the verdict rule that failed (else the property), the dtype
-    and the causal mode; a target that raised: the exception's type alone (a crash is one
+    """What tells two failures apart: the verdict rule that failed (else the property; "finite"
+    for non-finite outputs, as the verdict names them), the dtype and the causal mode; a target that raised: the exception's type alone (a crash is one
     failure whatever the problem, and searching on through crashes and hangs costs time)."""
     if result.detail.startswith(TARGET_RAISED):
         return f"raised {result.detail[len(TARGET_RAISED):].split(':')[0].strip()}", None, None
+    if result.detail.startswith(NON_FINITE):  # the verdict's rule of the same name: never passed
+        return "finite", problem.dtype, problem.causal
     rule = next((v.rule for v in result.verdicts if not v.passed), result.name)
     return rule, problem.dtype, problem.causal
 

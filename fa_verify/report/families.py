@@ -4,7 +4,7 @@ Eleven backends on one set of axes overlap into one line; a panel per family kee
 readable and puts side by side what is compared (our kernels against each other, torch's two
 kernels, the numpy models). Records carry only the backend's name, so the family comes from
 it: our kernels are named "<kernel>-<runner>" (`backends.cuda_kernels`), torch's
-"torch-...", the numpy models "numpy-tiled..." and "naive-<compute>"; anything else (a
+"torch-...", the numpy models "numpy-..." and "naive-<compute>"; anything else (a
 user's callable) is "other backends".
 """
 
@@ -25,7 +25,7 @@ def family_of(backend: str) -> str:
         return TORCH
     if any(backend.removesuffix("-asan").endswith(f"-{runner}") for runner in RUNNERS):
         return KERNELS
-    if backend.startswith(("numpy-tiled", "naive-")):
+    if backend.startswith(("numpy-", "naive-")):
         return NUMPY
     return OTHER
 
