@@ -67,6 +67,19 @@ class Conventions:
     #: the scale as used: "exact" or "input" (rounded to the problem dtype)
     scale_precision: str = "exact"
 
+    def __post_init__(self):
+        """Values built directly are held to what the options accept, with the same words:
+        Conventions(lse_base="3") is refused, not judged as base e."""
+        for option, (field, read, example, what) in CONVENTION_OPTIONS.items():
+            value = getattr(self, field)
+            try:
+                valid = read(value) == value
+            except (ValueError, KeyError, TypeError):
+                valid = False
+            if not valid:
+                raise InvalidArgumentError(f"Conventions({field}={value!r}) is not valid: {what}; e.g. "
+                                           f"{field}={read(example)!r}")
+
     @property
     def declared(self) -> bool:
         return self != Conventions()

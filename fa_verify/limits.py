@@ -52,6 +52,26 @@ class Limits:
     #: whether the target returns an LSE; None: probed with one tiny run
     lse: bool | None = None
 
+    def __post_init__(self):
+        """Values built directly are read as the options are (normalised: sorted, deduplicated),
+        with the same messages: Limits(head_dims=(-1,)) is refused."""
+        for option, (field, read, example, what) in LIMIT_OPTIONS.items():
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if field == "causal":  # a field of modes, not the option's yes / no / both
+                valid = isinstance(value, tuple) and value and set(value) <= {False, True}
+                normalised = tuple(c for c in (False, True) if valid and c in value)
+            else:
+                try:
+                    normalised, valid = read(value), True
+                except (ValueError, KeyError, TypeError, InvalidArgumentError):
+                    valid = False
+            if not valid:
+                raise InvalidArgumentError(f"Limits({field}={value!r}) is not valid: {what}; e.g. as the option "
+                                           f"--{option} {example}")
+            object.__setattr__(self, field, normalised)
+
     @property
     def seq_lo(self) -> int:
         """The smallest allowed sequence length."""

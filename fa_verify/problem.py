@@ -402,6 +402,9 @@ def _as_float64(name: str, x) -> np.ndarray:
     """`x` as float64 values: a torch tensor (bf16 included, which numpy cannot read) through
     torch's own exact widening, anything else through numpy."""
     if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
+        if getattr(x, "is_meta", False):  # no values to read: .cpu() raises NotImplementedError
+            raise InvalidArgumentError(f"{name}: a torch tensor on the meta device has no values; pass a tensor "
+                                       "on the CPU (or any device whose values can be copied to it)")
         return x.detach().cpu().double().numpy()
     try:
         return np.asarray(x, dtype=np.float64)

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fa_verify.causes import got_expected, tiny_scale_note
-from fa_verify.dtypes import finfo, unit_roundoff
+from fa_verify.dtypes import finfo, numpy_dtype, unit_roundoff
 from fa_verify.error_model import DEFAULT_LAMBDA, Bound, error_bound, flushed_output_error
 from fa_verify.honest_ensemble import EnsembleErrors, ensemble_errors
 from fa_verify.errors import AttentionMismatch, InvalidArgumentError
@@ -293,6 +293,11 @@ def check_attention(out, problem: AttentionProblem, lse=None, precision=None, re
     if lse is not None and lse.shape != (B, H, Nq):
         return Verdict(False, "shape", detail=(
             f"lse.shape={tuple(lse.shape)} but the problem needs [B, H, Nq] = {(B, H, Nq)}"), **info)
+    if out.dtype != numpy_dtype(precision.output):  # a wider out would be judged on values the kernel never stored
+        return Verdict(False, "shape", detail=(
+            f"out.dtype={out.dtype} but the precision model ({precision.describe()}) stores the output in "
+            f"{precision.output}: pass the output as the kernel stores it, or declare the dtype it stores in the "
+            "model (precision='...,out=fp32' for an fp32 output)"), **info)
 
     if reference is None:
         from fa_verify.oracle import reference as compute_reference

@@ -35,7 +35,7 @@ def worker_main(inbox_fd: int, outbox_fd: int) -> None:
             try:
                 state["backend"] = _backend_class(options)(load_callable(spec), **options)
             except Exception as exc:  # noqa: BLE001 - reported to the parent
-                return "raised", _portable(exc)
+                return "raised", _portable(exc, state["limit"])
             return "ok", None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # every one to the parent, whose filters decide

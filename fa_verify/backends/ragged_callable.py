@@ -33,6 +33,7 @@ from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, to
 from fa_verify.backends.user_callable import (
     ARRAYS,
     _qualified_name,
+    check_signature,
     isolated_worker,
     output_parameters,
     variant_parameters,
@@ -71,6 +72,9 @@ class RaggedCallableBackend(Backend):
         dtypes = self.limits.dtypes if dtypes is None else dtypes
         self.dtypes = tuple(dtype_name(d) for d in (DTYPE_NAMES if dtypes is None else dtypes))
         self.fn, self.layout, self.array = fn, layout, array
+        check_signature(fn, name or _qualified_name(fn), layout, POSITIONAL[layout],
+                        ("causal", "softmax_scale", *output_parameters(fn),
+                         *(("cache_seqlens", "block_table") if layout == "paged" else ())))
         self.kinds = (layout,)
         self.declared_precision = True
         self.name = name or _qualified_name(fn)

@@ -117,6 +117,8 @@ class CallableBackend(Backend):
                 f"precision={precision.describe()!r} is for input {precision.input} only but "
                 f"dtypes={self.dtypes!r}; pass dtypes=({precision.input!r},) or a preset such as 'flash'")
         self.fn, self.layout, self.array = fn, layout, array
+        check_signature(fn, name or _qualified_name(fn), layout, ("q", "k", "v"),
+                        ("causal", "scale", *output_parameters(fn)))
         self.declared_precision = True
         self.fills = output_parameters(fn)
         self.features = variant_parameters(fn, features)
@@ -221,6 +223,30 @@ class CallableBackend(Backend):
                 f"backend {self.name!r} returned {what} of type {type(x).__name__}; "
                 "with array='torch' it must return torch tensors")
         return to_numpy(x)
+
+
+#: The callable protocols, by layout, in words (what `check_signature` names when none fits).
+PROTOCOLS = {"bhsd": "fn(q, k, v, *, causal, scale) with q [B,H,Nq,D]",
+             "bshd": "fn(q, k, v, *, causal, scale) with q [B,Nq,H,D] (--layout bshd)",
+             "varlen": "fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, softmax_scale) "
+                       "(--layout varlen)",
+             "paged": "fn(q, k_cache, v_cache, *, cache_seqlens, block_table, causal, softmax_scale) (--layout paged)"}
+
+
+def check_signature(fn, name: str, layout: str, positional: tuple, keywords: tuple) -> None:
+    """InvalidArgumentError (exit 2, before anything runs) unless `fn` can be called with the
+    protocol's `positional` and `keywords` arguments; a signature that cannot be read is let be."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: its calls will tell
+        return
+    try:
+        signature.bind(*positional, **dict.fromkeys(keywords))
+    except TypeError as exc:
+        others = "; ".join(text for other, text in PROTOCOLS.items() if other != layout)
+        raise InvalidArgumentError(
+            f"{name}{signature} does not fit the callable protocol {PROTOCOLS[layout]}: {exc}. The other "
+            f"protocols: {others}") from None
 
 
 def output_parameters(fn) -> tuple:

@@ -26,6 +26,11 @@ __all__ = ["FALLBACK_THRESHOLD", "METHODS", "Reference", "reference"]
 def reference(problem: AttentionProblem, method: str = "certified",
               digits: int = mp_path.DEFAULT_DIGITS) -> Reference:
     """The reference output and LSE of `problem` with rigorous error bounds."""
+    if not isinstance(problem, AttentionProblem):
+        raise InvalidArgumentError(
+            f"problem must be an AttentionProblem, got {type(problem).__name__}; build one from your arrays: "
+            "AttentionProblem(q, k, v, causal=...) (arrays of the problem dtype) or AttentionProblem.from_float(q, k, "
+            "v, 'fp16', ...); a varlen or paged batch: fa_verify.oracle.ragged.reference_ragged")
     if method == "certified":
         return certified_reference(problem, digits=digits)
     if method != "mpmath":
