@@ -79,4 +79,4 @@ def test_a_callable_that_fits_no_protocol_is_a_usage_error_naming_the_parameter(
     assert main(["check", "grads:bwd", "--max-examples", "1"]) == 2
     err = capsys.readouterr().err
     assert "grads:bwd(q, k, v, out, lse, dout, *, causal, scale) does not fit the callable protocol" in err
-    assert "missing a required argument: 'out'" in err and "--layout varlen" in err
+    assert "missing a required argument: 'dout'" in err and "--layout varlen" in err
