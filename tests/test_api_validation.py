@@ -80,3 +80,19 @@ def test_a_callable_that_fits_no_protocol_is_a_usage_error_naming_the_parameter(
     err = capsys.readouterr().err
     assert "grads:bwd(q, k, v, out, lse, dout, *, causal, scale) does not fit the callable protocol" in err
     assert "missing a required argument: 'dout'" in err and "--layout varlen" in err
+
+
+def test_a_small_budget_limits_the_fixed_edge_cases_too_and_the_count_says_both(capsys):
+    """Item 15: --max-examples 2 ran 46 examples (the fixed edge cases were not counted against it)."""
+    import json
+    import re
+
+    from fa_verify.cli.main import main
+
+    assert main(["check", "numpy-tiled", "--max-examples", "2", "--property", "oracle_agreement", "--json"]) == 0
+    (prop,) = json.loads(capsys.readouterr().out)["targets"][0]["properties"]
+    assert prop["fixed_examples"] == 2 and prop["examples"] == 4
+    assert any(re.fullmatch(r"2 of the \d+ fixed edge cases, spread over them \(--max-examples 2\)", note)
+               for note in prop["notes"])
+    assert main(["check", "numpy-tiled", "--max-examples", "2", "--property", "oracle_agreement"]) == 0
+    assert "passed, 4 examples (2 fixed edge cases, 2 drawn)" in capsys.readouterr().out

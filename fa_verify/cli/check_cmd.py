@@ -47,7 +47,10 @@ def add_parser(sub) -> None:
     cmd.add_argument("--property", action="append", dest="properties", metavar="NAME",
                      help="run only this property (repeatable; default: all)")
     cmd.add_argument("--max-examples", type=positive_int, default=None, metavar="N",
-                     help="examples per property (default: the profile's; ci: 20)")
+                     help="examples Hypothesis draws per property (default: the profile's; ci: 20); the agreement "
+                          "properties first run fixed edge cases besides them (tens: each edge shape in every dtype "
+                          "and causal mode), at most N of them when --max-examples is given; the summary line "
+                          "counts both")
     cmd.add_argument("--max-seq", type=positive_int, default=None, metavar="N",
                      help="largest Nq or Nk drawn (default: the profile's; ci: 257, most examples <= 64)")
     cmd.add_argument("--seed", type=parse_seed, default=0, metavar="N|random", help=SEED_HELP + " (default 0)")
@@ -125,7 +128,7 @@ def _run(args) -> int:
             continue
         selection = Selection.from_profile(args.profile or DEFAULT_PROFILE, dtypes=dtypes,
                                            causal=CAUSAL_CHOICES[args.causal or "both"],
-                                           max_examples=args.max_examples,
+                                           max_examples=args.max_examples, max_edge_cases=args.max_examples,
                                            max_seq=args.max_seq,
                                            seed=seed, shapes=args.shapes)
         record = results_recorder(args.results, backend, "check", seed=seed) if args.results else None

@@ -50,6 +50,8 @@ class PropertyOutcome:
     status: str = PASSED
     #: examples judged (edge cases included; not-applicable draws excluded)
     examples: int = 0
+    #: of which fixed edge cases (run before the drawn ones)
+    fixed_examples: int = 0
     #: examples judged up to and including the first failing one (before shrinking)
     examples_to_failure: int | None = None
     seconds: float = 0.0
@@ -86,6 +88,12 @@ class PropertyOutcome:
         tolerance on these problems, not about any output of the target."""
         return self.status == FAILED and self.failure is None and self.informative == 0
 
+    def example_count(self) -> str:
+        """"59 examples (54 fixed edge cases, 5 drawn)", or "5 examples" without fixed ones."""
+        fixed = (f" ({self.fixed_examples} fixed edge cases, {self.examples - self.fixed_examples} drawn)"
+                 if self.fixed_examples else "")
+        return f"{self.examples} examples{fixed}"
+
     def informative_count(self) -> str:
         """", 17 informative" (or "" where the null-model guard does not apply)."""
         return "" if self.informative is None else f", {self.informative} informative"
@@ -97,10 +105,10 @@ class PropertyOutcome:
         if self.status == PASSED:
             ratio = "" if self.worst_ratio is None else f"; worst error/tolerance {self.worst_ratio:.3g}"
             notes = "".join(f"; {n}" for n in self.notes)
-            return (f"{self.property}: passed, {self.examples} examples{self.informative_count()} in "
+            return (f"{self.property}: passed, {self.example_count()}{self.informative_count()} in "
                     f"{self.seconds:.1f}s{ratio}{notes}")
         if self.failure is None:
-            return f"{self.property}: FAILED, {self.examples} examples{self.informative_count()}: {self.reason}"
+            return f"{self.property}: FAILED, {self.example_count()}{self.informative_count()}: {self.reason}"
         kinds = f"; {1 + len(self.other_failures)} distinct failures" if self.other_failures else ""
         others = "".join(f"\n  also failed ({_kind_words(*failure_kind(p, r))}):\n"
                          + _counterexample(p, r, s) for p, s, r in self.other_failures)
@@ -113,7 +121,8 @@ class PropertyOutcome:
 
     def as_dict(self) -> dict:
         return {"property": self.property, "backend": self.backend, "status": self.status,
-                "examples": self.examples, "examples_to_failure": self.examples_to_failure,
+                "examples": self.examples, "fixed_examples": self.fixed_examples,
+                "examples_to_failure": self.examples_to_failure,
                 "seconds": round(self.seconds, 3), "reason": self.reason,
                 "failure": None if self.failure is None else self.failure.message(),
                 "reproducer": self.reproducer or None, "reproducer_files": self.reproducer_files,
@@ -338,12 +347,18 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         notes.update(edge_notes)
         if selection.shapes is not None:
             notes.add(budget_note(prop, selection.shapes))
+        budget = selection.max_edge_cases
+        if budget is not None and len(edges) > budget:
+            notes.add(f"{budget} of the {len(edges)} fixed edge cases, spread over them (--max-examples {budget})")
+            edges = edges[::-(-len(edges) // budget)][:budget] if budget else []
         for problem in edges:
             try:
                 judge(problem)
             except PropertyFailure:
                 if not distinct:
                     raise
+            finally:
+                outcome.fixed_examples = outcome.examples
         # After a failing edge case too, a shorter search: failures of other kinds are reported apart.
         search(min(max_examples, CONTINUED_EXAMPLES) if found else max_examples)
     except _Abort:

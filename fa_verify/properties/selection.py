@@ -36,6 +36,9 @@ class Selection:
     #: kinds (rules, dtypes, causal modes), reporting each; only with shrink (without it, the
     #: search stops at its first failure, as Hypothesis does)
     distinct_failures: bool = True
+    #: the fixed edge cases run before the search (properties that have them), at most this many,
+    #: spread over them (None: all of them)
+    max_edge_cases: int | None = None
 
     def __post_init__(self):
         if self.shapes is not None:
