@@ -81,25 +81,26 @@ def _deep_lengths(tile: int, grid: _SeqGrid) -> tuple:
     return tuple(sorted({_snap(m * tile + d, grid) for m in _DEEP_MULTIPLES for d in (-1, 0, 1)}))
 
 
+# Each draw below reads the same choices whichever kind it picks (as in _shapes: shrinking
+# compares choice sequences, so a kind that read fewer would be "simpler" and win), and choice 0
+# is the smallest value: deep and long shapes shrink towards their shortest lengths and D = 1.
+
+
 def _length(draw, favoured: tuple, cap: int, grid: _SeqGrid) -> int:
     """A length in [favoured[0], cap] on the grid: a favoured one, any, or the most allowed."""
     kind = draw(st.integers(0, 2))
-    if kind == 0:
-        return _favoured(draw, favoured, cap)
-    if kind == 1:
-        return grid.length(draw(st.integers(grid.units(favoured[0]), grid.units(cap))))
-    return _floor(cap, grid)
+    pick = _favoured(draw, favoured, cap)
+    anything = grid.length(draw(st.integers(grid.units(favoured[0]), grid.units(cap))))
+    return (pick, anything, _floor(cap, grid))[kind]
 
 
 def _small_head_dim(draw, cap: int, head_dims) -> int:
     if head_dims is not None:
         return _favoured(draw, head_dims, cap)
     kind = draw(st.integers(0, 2))
-    if kind == 0:
-        return _favoured(draw, _SMALL_HEAD_DIMS, cap)
-    if kind == 1:
-        return draw(st.integers(1, cap))
-    return cap
+    pick = _favoured(draw, _SMALL_HEAD_DIMS, cap)
+    anything = draw(st.integers(1, cap))
+    return (pick, anything, cap)[kind]
 
 
 def _heads_and_batch(draw, max_heads, max_batch, room: int, layouts, group_sizes) -> tuple:
