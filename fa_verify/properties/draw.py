@@ -227,9 +227,9 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
         return f"the declared limits ({limits.describe()}) leave no shape to draw within --max-seq {max_seq}: {exc}"
     deep = long_keys = None  # where the limits and budget leave no such shape, none
     if prop.name in DEPTH_PROPERTIES and not prop.large:
-        # Long keys reach thousands unless --max-seq is set below every profile's (a user's cap).
+        # Long keys reach thousands where max_seq is a profile's; another is a user's cap (--max-seq).
         max_nk = (max(selection.max_seq, fst.LONG_KEYS_RANGE[1])
-                  if selection.max_seq >= min(p.max_seq for p in PROFILES.values()) else selection.max_seq)
+                  if selection.max_seq in {p.max_seq for p in PROFILES.values()} else selection.max_seq)
         with contextlib.suppress(InvalidArgumentError):
             deep = fst.deep_shapes(max_seq=max_seq, max_work=work, **_shape_limits(limits), **dims)
         with contextlib.suppress(InvalidArgumentError):
