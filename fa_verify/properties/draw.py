@@ -40,7 +40,7 @@ EDGE_CASES = (
     # Past the first query tile and the first key tile, with small rises (the state rescaled by
     # about exp(-2), far from 0, so a wrong factor shows): 129 = 4 x 32 + 1 = 2 x 64 + 1 = 128 + 1
     # queries and keys, the max rising by 2 logits at keys 32, 64, 96 and 128 (tile starts) ...
-    ((1, 2, 1, 129, 129, 16), "normal+rise(step=2.0,every=32,start=32,count=4)"),
+    ((1, 1, 1, 129, 129, 16), "normal+rise(step=2.0,every=32,start=32,count=4)"),
     # ... and 96 = 3 x 32 queries, 159 = 5 x 32 - 1 keys, where the max rises by itself
     ((1, 2, 1, 96, 159, 16), "normal"),
     # 2049 keys, 3 rows (seed 0: q = 0 and V constant along the keys): an fp16/bf16 P·V
