@@ -11,6 +11,7 @@ cases (moved to the nearest allowed shape).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from fa_verify.backends import Backend
 from fa_verify.errors import BackendOutputError, FaVerifyError, InvalidArgumentError, KernelRunError
 from fa_verify.limits import Limits
 from fa_verify.problem import CAUSAL_ALIGNMENTS, FEATURES, AttentionProblem
+from fa_verify.profiles import PROFILES
 from fa_verify.properties.registry import Property
 from fa_verify.properties.selection import Selection
 from fa_verify.properties.shape_budget import budgeted_problems
@@ -37,7 +39,19 @@ EDGE_CASES = (
     # 128 - 1 queries, 128 + 1 keys: the row max rises by 89 logits (beyond exp's fp32 range)
     # at key 64 and again at key 128, alone in the last tile of 64 or 128 keys
     ((1, 2, 1, 127, 129, 16), "normal+rise(step=89.0,every=64,start=64,count=2)"),
+    # Past the first query tile and the first key tile, with small rises (the state rescaled by
+    # about exp(-2), far from 0, so a wrong factor shows): 129 = 4 x 32 + 1 = 2 x 64 + 1 = 128 + 1
+    # queries and keys, the max rising by 2 logits at keys 32, 64, 96 and 128 (tile starts) ...
+    ((1, 1, 1, 129, 129, 16), "normal+rise(step=2.0,every=32,start=32,count=4)"),
+    # ... and 96 = 3 x 32 queries, 159 = 5 x 32 - 1 keys, where the max rises by itself
+    ((1, 2, 1, 96, 159, 16), "normal"),
+    # 2049 keys, 3 rows (seed 0: q = 0 and V constant along the keys): an fp16/bf16 P·V
+    # accumulator's error grows with every key
+    ((1, 1, 1, 3, 2049, 16), "constant_rows"),
 )
+#: Properties that draw a fixed share of deep and long-key problems (fst.depth_shares): the
+#: agreement ones, which judge every element of the output (or LSE) against the oracle.
+DEPTH_PROPERTIES = ("oracle_agreement", "lse_agreement")
 #: Head dims probed for support (a backend that runs all of them runs any D).
 _PROBED_HEAD_DIMS = range(1, 257)
 
@@ -207,20 +221,33 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
         return f"{prop.unequal_seq}, but {caps.name} declares Nq = Nk (--equal-seq)"
     limits = caps.limits
     max_seq = min(selection.max_seq, limits.seq_max or selection.max_seq)
+    work = _max_work(limits, selection.max_work, caps.head_dims)
+    dims = {} if caps.head_dims is None else dict(max_head_dim=max(caps.head_dims), head_dims=caps.head_dims)
     try:
         if prop.large:
             shapes = _large_shapes(caps.head_dims, limits)
         else:
-            shapes = fst.shapes(max_seq=max_seq, max_work=_max_work(limits, selection.max_work, caps.head_dims),
-                                typical_seq=selection.typical_seq, **_shape_limits(limits),
-                                **({} if caps.head_dims is None
-                                   else dict(max_head_dim=max(caps.head_dims), head_dims=caps.head_dims)))
+            shapes = fst.shapes(max_seq=max_seq, max_work=work, typical_seq=selection.typical_seq,
+                                **_shape_limits(limits), **dims)
     except InvalidArgumentError as exc:
         return f"the declared limits ({limits.describe()}) leave no shape to draw within --max-seq {max_seq}: {exc}"
-    dense = (budgeted_problems(shapes, fst.dtypes(dtypes),
+    deep = long_keys = None  # where the limits and budget leave no such shape, none
+    if prop.name in DEPTH_PROPERTIES and not prop.large:
+        # Long keys reach thousands where max_seq is a profile's; another is a user's cap (--max-seq).
+        max_nk = (max(selection.max_seq, fst.LONG_KEYS_RANGE[1])
+                  if selection.max_seq in {p.max_seq for p in PROFILES.values()} else selection.max_seq)
+        with contextlib.suppress(InvalidArgumentError):
+            deep = fst.deep_shapes(max_seq=max_seq, max_work=work, **_shape_limits(limits), **dims)
+        with contextlib.suppress(InvalidArgumentError):
+            long_keys = fst.long_key_shapes(max_nk=min(max_nk, limits.seq_max or max_nk), max_work=work,
+                                            max_scores=max_seq ** 2, **_shape_limits(limits), **dims)
+    modes = dict(non_causal=False in causal, alignments=alignments)
+    dense = (budgeted_problems(fst.depth_shares(shapes, deep, long_keys), fst.dtypes(dtypes),
                                [(False, "bottom-right")] * (False in causal) + [(True, a) for a in alignments],
                                selection.shapes, selection.seed)
              if selection.shapes is not None else
-             fst.problems(shapes=shapes, dtypes=fst.dtypes(dtypes),
-                          causal=fst.causal_modes(non_causal=False in causal, alignments=alignments)))
+             fst.depth_shares(fst.problems(shapes=shapes, dtypes=fst.dtypes(dtypes), causal=fst.causal_modes(**modes)),
+                              None if deep is None else fst.deep_problems(deep, fst.dtypes(dtypes), **modes),
+                              None if long_keys is None else fst.long_key_problems(long_keys, fst.dtypes(dtypes),
+                                                                                   **modes)))
     return fst.variant_problems(dense, features, always=prop.always) if features else dense

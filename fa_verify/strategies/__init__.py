@@ -13,10 +13,25 @@ a quarter of the problems a `ScoreProfile` drawn by Hypothesis then makes the ro
 fall or jump late, by up to hundreds of logits, to drive a kernel's online softmax.
 `make_problem` rebuilds a problem from its tags (distribution with its profile, seed) without
 Hypothesis. `variant_problems(features=...)` switches on sliding windows, softcap, ALiBi and
-sinks (fa_verify.problem) for targets that implement them. `ragged_problems(layout)` draws
+sinks (fa_verify.problem) for targets that implement them. `deep_shapes()` (Nq and Nk past
+their first tiles) and `long_key_shapes()` (Nk in the thousands, a few rows), paired with moderate
+scores and `small_rises()` by `deep_problems()` / `long_key_problems()`, are mixed into another
+strategy in fixed shares by `depth_shares()`. `ragged_problems(layout)` draws
 varlen and paged batches (fa_verify.ragged) with page tables and split counts.
 """
 
+from fa_verify.strategies._depth import (
+    DEEP_SHARE,
+    DEEP_TILE_SIZES,
+    LONG_KEYS_RANGE,
+    LONG_KEYS_SHARE,
+    deep_problems,
+    deep_shapes,
+    depth_shares,
+    long_key_problems,
+    long_key_shapes,
+    small_rises,
+)
 from fa_verify.strategies._problems import (
     EXPLICIT_SCALES,
     causal_modes,
@@ -51,20 +66,29 @@ from fa_verify.strategies._values import (
 
 __all__ = [
     "COMMON_HEAD_DIMS",
+    "DEEP_SHARE",
+    "DEEP_TILE_SIZES",
     "DEFAULT_MAX_WORK",
     "DISTRIBUTIONS",
     "DISTRIBUTION_NAMES",
     "EXPLICIT_SCALES",
+    "LONG_KEYS_RANGE",
+    "LONG_KEYS_SHARE",
     "SOFTCAPS",
     "ScoreProfile",
     "Shape",
     "alibi_slopes",
     "batch_signature",
     "causal_modes",
+    "deep_problems",
+    "deep_shapes",
+    "depth_shares",
     "distributions",
     "dtypes",
     "fa3_outlier_values",
     "favoured_seq_lengths",
+    "long_key_problems",
+    "long_key_shapes",
     "make_problem",
     "problems",
     "ragged_problems",
@@ -74,6 +98,7 @@ __all__ = [
     "seeds",
     "shapes",
     "sink_logits",
+    "small_rises",
     "variant_problems",
     "window_sides",
 ]
