@@ -213,8 +213,11 @@ def test_the_other_properties_draw_as_before():
 
 
 def test_a_max_seq_of_the_users_caps_the_long_keys():
-    assert _kinds("oracle_agreement", Selection(max_seq=200), n=100, seeds=[0])["max nk"] <= 200
-    assert _kinds("oracle_agreement", Selection(max_seq=2000, max_work=10 ** 6), n=100, seeds=[0])["max nk"] <= 2000
+    """`check --max-seq N` sets both max_seq and max_long_keys (a profile's max_seq alone does not
+    cap the long keys)."""
+    assert _kinds("oracle_agreement", Selection(max_seq=200, max_long_keys=200), n=100, seeds=[0])["max nk"] <= 200
+    assert _kinds("oracle_agreement", Selection(max_seq=2000, max_long_keys=2000, max_work=10 ** 6), n=100,
+                  seeds=[0])["max nk"] <= 2000
     # a profile's max_seq is no user's cap: the gpu profile's 1024 reaches 4096 keys
     assert _kinds("oracle_agreement", Selection.from_profile("gpu"), n=100, seeds=[0])["max nk"] > 1024
 

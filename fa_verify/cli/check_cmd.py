@@ -52,7 +52,9 @@ def add_parser(sub) -> None:
                           "and causal mode), at most N of them when --max-examples is given; the summary line "
                           "counts both")
     cmd.add_argument("--max-seq", type=positive_int, default=None, metavar="N",
-                     help="largest Nq or Nk drawn (default: the profile's; ci: 257, most examples <= 64)")
+                     help="largest Nq or Nk drawn (default: the profile's; ci: 257, most examples <= 64; the "
+                          "agreement properties' share of long keys, a few rows over thousands of keys: up to "
+                          "4096 unless N is given)")
     cmd.add_argument("--seed", type=parse_seed, default=0, metavar="N|random", help=SEED_HELP + " (default 0)")
     for name, kwargs in SEARCH_OPTIONS.items():
         cmd.add_argument(f"--{name}", **kwargs)
@@ -129,7 +131,7 @@ def _run(args) -> int:
         selection = Selection.from_profile(args.profile or DEFAULT_PROFILE, dtypes=dtypes,
                                            causal=CAUSAL_CHOICES[args.causal or "both"],
                                            max_examples=args.max_examples, max_edge_cases=args.max_examples,
-                                           max_seq=args.max_seq,
+                                           max_seq=args.max_seq, max_long_keys=args.max_seq,
                                            seed=seed, shapes=args.shapes)
         record = results_recorder(args.results, backend, "check", seed=seed) if args.results else None
         print(f"checking {backend.name} ({', '.join(dtypes)}) ...", file=sys.stderr, flush=True)

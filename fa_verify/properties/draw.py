@@ -23,7 +23,6 @@ from fa_verify.backends import Backend
 from fa_verify.errors import BackendOutputError, FaVerifyError, InvalidArgumentError, KernelRunError
 from fa_verify.limits import Limits
 from fa_verify.problem import CAUSAL_ALIGNMENTS, FEATURES, AttentionProblem
-from fa_verify.profiles import PROFILES
 from fa_verify.properties.registry import Property
 from fa_verify.properties.selection import Selection
 from fa_verify.properties.shape_budget import budgeted_problems
@@ -233,9 +232,7 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
         return f"the declared limits ({limits.describe()}) leave no shape to draw within --max-seq {max_seq}: {exc}"
     deep = long_keys = None  # where the limits and budget leave no such shape, none
     if prop.name in DEPTH_PROPERTIES and not prop.large:
-        # Long keys reach thousands where max_seq is a profile's; another is a user's cap (--max-seq).
-        max_nk = (max(selection.max_seq, fst.LONG_KEYS_RANGE[1])
-                  if selection.max_seq in {p.max_seq for p in PROFILES.values()} else selection.max_seq)
+        max_nk = selection.max_long_keys
         with contextlib.suppress(InvalidArgumentError):
             deep = fst.deep_shapes(max_seq=max_seq, max_work=work, **_shape_limits(limits), **dims)
         with contextlib.suppress(InvalidArgumentError):

@@ -8,6 +8,7 @@ from hypothesis.database import ExampleDatabase
 
 from fa_verify.dtypes import DTYPE_NAMES
 from fa_verify.profiles import DEFAULT_PROFILE, get_profile
+from fa_verify.strategies import LONG_KEYS_RANGE
 from fa_verify.validation import check_int
 
 
@@ -36,6 +37,9 @@ class Selection:
     #: kinds (rules, dtypes, causal modes), reporting each; only with shrink (without it, the
     #: search stops at its first failure, as Hypothesis does)
     distinct_failures: bool = True
+    #: the longest key sequence of the agreement properties' long-key share (a few rows over
+    #: thousands of keys); a user's --max-seq caps it too
+    max_long_keys: int = LONG_KEYS_RANGE[1]
     #: the fixed edge cases run before the search (properties that have them), at most this many,
     #: spread over them (None: all of them)
     max_edge_cases: int | None = None

@@ -34,7 +34,7 @@ from fa_verify.problem import CAUSAL_ALIGNMENTS
 from fa_verify.strategies._problems import causal_modes, distributions, problems
 from fa_verify.strategies._score_profiles import MAX_COUNT, ScoreProfile
 from fa_verify.strategies._shapes import DEFAULT_MAX_WORK, Shape, _favoured, _heads, _min_heads, _SeqGrid
-from fa_verify.strategies._validation import check_bool, check_int, check_names, check_strategy
+from fa_verify.validation import check_bool, check_int, check_names, check_strategy
 
 #: Tile sizes whose second (and later) tiles deep shapes reach, for queries and keys apart; the
 #: first is the one shrinking goes to (64: FlashAttention's usual key tile, and half its 128).
