@@ -148,6 +148,7 @@ def fa_search(request, fa_profile):
     from fa_verify.properties.reproduce import default_folder
 
     results = request.config.getoption("fa_results")
+    verbose = request.config.option.verbose > 0  # pytest -v: every distinct failure in full
     marker = request.node.get_closest_marker("fa_known_deviation")
     known = marker.args[0] if marker else None
     # A known failure needs no reproducer nobody sees. One declared by conventions needs no minimal
@@ -167,7 +168,7 @@ def fa_search(request, fa_profile):
         if outcome.status == NOT_APPLICABLE:
             pytest.skip(outcome.message())
         if outcome.status == FAILED:
-            unexplained = outcome.message() if known is None else known.unexplained(
+            unexplained = outcome.message(verbose) if known is None else known.unexplained(
                 as_backend(target), outcome, lambda other: search_property(other, prop, selection))
             if unexplained:
                 pytest.fail(unexplained, pytrace=False)

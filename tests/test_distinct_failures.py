@@ -35,3 +35,14 @@ def test_without_distinct_failures_the_first_one_ends_the_search():
     outcome = search_property(CallableBackend(wrong_fp16_causal_and_bf16_lse), "merge_law",
                               replace(SELECTION, distinct_failures=False))
     assert outcome.status == "failed" and outcome.other_failures == []
+
+
+def test_other_failures_are_one_line_each_and_in_full_with_verbose():
+    """Issue 25 item 9: the first failure in full, the others one line each (all of it with -v)."""
+    outcome = search_property(CallableBackend(wrong_fp16_causal_and_bf16_lse), "merge_law", SELECTION)
+    assert outcome.other_failures
+    short, full = outcome.message(), outcome.message(verbose=True)
+    assert short.count("minimal counterexample") == 1 and "(each in full with -v)" in short
+    assert full.count("minimal counterexample") == 1 + len(outcome.other_failures)
+    assert short.count("also failed (") == full.count("also failed (") == len(outcome.other_failures)
+    assert len(short.splitlines()) < len(full.splitlines())

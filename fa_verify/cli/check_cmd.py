@@ -60,6 +60,9 @@ def add_parser(sub) -> None:
         cmd.add_argument(f"--{name}", **kwargs)
     cmd.add_argument("--json", action="store_true",
                      help="print one JSON document on stdout (progress goes to stderr)")
+    cmd.add_argument("-v", "--verbose", action="store_true",
+                     help="print every distinct failure of a property in full (default: the first in full, the "
+                          "others one line each; --json always has them in full)")
     cuda_opts = cmd.add_argument_group(
         "CUDA files (kernel.cu --spec kernel.toml)",
         "A published .cu file, host code and all, run on the CUDA-on-CPU runner as its kernel spec "
@@ -99,9 +102,9 @@ def _judged_under(backend) -> str:
     return ", ".join(filter(None, [named, backend.judged_under.describe()]))
 
 
-def _print_property(outcome, file=None) -> None:
+def _print_property(outcome, file=None, verbose: bool = False) -> None:
     label = {"passed": "PASS", "failed": "FAIL", "not applicable": "N/A "}[outcome.status]
-    print(f"  {label} " + outcome.message().replace("\n", "\n       "), flush=True, file=file)
+    print(f"  {label} " + outcome.message(verbose).replace("\n", "\n       "), flush=True, file=file)
 
 
 def _verdict(outcome) -> str:
@@ -140,7 +143,8 @@ def _run(args) -> int:
             print(f"  limits: {backend.limits.describe()}")
             print(f"  judged under: {_judged_under(backend)}")
         # With --json, stdout holds only the document: progress goes to stderr as it comes.
-        progress = functools.partial(_print_property, file=sys.stderr if args.json else sys.stdout)
+        progress = functools.partial(_print_property, file=sys.stderr if args.json else sys.stdout,
+                                     verbose=args.verbose)
         outcome = check_backend(backend, selection, properties=args.properties, on_result=record,
                                 progress=progress, repro_dir=args.repro_dir or default_folder())
         outcomes.append(outcome)

@@ -98,8 +98,9 @@ class PropertyOutcome:
         """", 17 informative" (or "" where the null-model guard does not apply)."""
         return "" if self.informative is None else f", {self.informative} informative"
 
-    def message(self) -> str:
-        """What happened; for a failure, the minimal counterexample and the reproducer."""
+    def message(self, verbose: bool = False) -> str:
+        """What happened; for a failure, the minimal counterexample and the reproducer; failures of
+        other kinds one line each (in full with `verbose`)."""
         if self.status == NOT_APPLICABLE:
             return f"{self.property}: not applicable ({self.reason})"
         if self.status == PASSED:
@@ -110,8 +111,11 @@ class PropertyOutcome:
         if self.failure is None:
             return f"{self.property}: FAILED, {self.example_count()}{self.informative_count()}: {self.reason}"
         kinds = f"; {1 + len(self.other_failures)} distinct failures" if self.other_failures else ""
-        others = "".join(f"\n  also failed ({_kind_words(*failure_kind(p, r))}):\n"
-                         + _counterexample(p, r, s) for p, s, r in self.other_failures)
+        others = "".join(f"\n  also failed ({_kind_words(*failure_kind(p, r))}):"
+                         + ("\n" + _counterexample(p, r, s) if verbose else f" {r.problem}: {r.detail.splitlines()[0]}")
+                         for p, s, r in self.other_failures)
+        if others and not verbose:
+            others += "\n  (each in full with -v)"
         return (f"{self.property}: FAILED after {self.examples_to_failure} examples ({self.seconds:.1f}s){kinds}\n"
                 + (f"  judged under: {self.judged_under}\n" if self.judged_under else "")
                 + _counterexample(self.problem, self.failure, self.seed)
