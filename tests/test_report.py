@@ -40,7 +40,7 @@ from fa_verify.report.run_info import RunInfo
 from fa_verify.report.runner import run_sweep
 from fa_verify.report.yardsticks import EXACTLY_ROUNDED_KEY, LARGEST_BOUND_KEY, ROUNDED_HISTOGRAM_KEY
 from fa_verify.results import ResultsStore, ResultsWarning
-from fa_verify.sweeps import SWEEPS, Sweep, grid
+from fa_verify.sweeps import SWEEPS, Sweep, Variant, grid
 
 GOLD = Path(__file__).parent / "gold" / "report"
 GENERATED = "2026-01-01T00:00:00+00:00"
@@ -627,3 +627,45 @@ def test_report_command_exits_1_on_failures_and_2_on_bad_input(tmp_path, capsys)
     assert main(["report", "--from", str(GOLD / "results.jsonl"), "--out", str(tmp_path)]) == 1
     assert main(["report", "--from", str(tmp_path / "missing.jsonl")]) == 2
     assert main(["report", "--backend", "no-such-backend", "--out", str(tmp_path)]) == 2
+
+
+def test_a_repeated_backend_runs_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(SWEEPS, "quick", TINY)
+    out = tmp_path / "reports"
+    assert main(["report", "--backend", "numpy-tiled", "--backend", "numpy-tiled", "--out", str(out)]) == 0
+    records = ResultsStore(out / "results.jsonl").read()
+    assert len(records) == len(TINY.points) and len({r.key() for r in records}) == len(records)
+
+
+def _dense_only_cli_backend():
+    """A built-in backend that implements no variant, or skip."""
+    backend = get_backend("torch-sdpa-math")
+    if backend.features or not backend.availability().available:
+        pytest.skip("torch-sdpa-math is unavailable here, or implements variants now")
+    return backend.name
+
+
+def test_a_sweep_no_selected_backend_runs_is_a_usage_error_that_touches_nothing(tmp_path, capsys):
+    name = _dense_only_cli_backend()
+    out = tmp_path / "reports"
+    out.mkdir()
+    (out / "results.jsonl").write_text("")  # a previous run's store stays where it is
+    assert main(["report", "--sweep", "variants", "--backend", name, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"no point of the variants sweep runs on {name}" in err
+    assert "does not implement" in err and "fa_verify backends" in err
+    assert sorted(p.name for p in out.iterdir()) == ["results.jsonl"]
+
+
+def test_a_selected_backend_without_the_sweeps_problems_is_skipped_and_said_so(tmp_path, monkeypatch,
+                                                                               capsys):
+    name = _dense_only_cli_backend()
+    window = Sweep("variants", "one window", grid([(1, 2, 2, 8, 8, 16)], dtypes=("fp32",), causal=(False,),
+                                                variants=(Variant(window_size=(2, 2)),)), budget_s=60.0)
+    monkeypatch.setitem(SWEEPS, "variants", window)
+    out = tmp_path / "reports"
+    assert main(["report", "--sweep", "variants", "--backend", name, "--backend", "numpy-tiled",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"{name} runs no point of the variants sweep (" in err and "listed as not applicable" in err
+    assert {r.backend for r in ResultsStore(out / "results.jsonl").read()} == {"numpy-tiled"}

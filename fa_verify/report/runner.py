@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from fa_verify.backends.naive import naive_attention
 from fa_verify.dtypes import round_to
 from fa_verify.error_model import error_bound
+from fa_verify.errors import InvalidArgumentError
 from fa_verify.honest_ensemble import ensemble_errors
 from fa_verify.metrics import OutputErrors
 from fa_verify.oracle import reference
@@ -136,11 +137,13 @@ def compare(backend, problem, shared: Comparators, sweep: str):
                                sweep=sweep, comparisons=shared.comparisons, histograms=histograms)
 
 
-def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=None) -> RunInfo:
+def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=None,
+              plan=None) -> RunInfo:
     """Run `sweep` on `backends`, appending to `store`; returns what ran and what was skipped.
 
     done: (backend, problem key) pairs already in the store (skipped: --resume).
     out_dir: where run.json is written when the sweep ends, or is interrupted.
+    plan: `plan_sweep(sweep, backends, done)` when the caller made it already (done unused).
     """
     from fa_verify.report.environment import collect
 
@@ -149,8 +152,9 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
                    started=utc_now(), environment=collect())
     budgets = {b.name: Budget(sweep.budget_s) for b in backends}
     warmed = set()
-    points = sweep.ordered()
-    plans = [_plan(point, backends, done) for point in points]
+    plans = plan_sweep(sweep, backends, done) if plan is None else plan
+    points = [point for point, _, _ in plans]
+    plans = [(descriptor, todo) for _, descriptor, todo in plans]
     planned = [point for point, (_, todo) in zip(points, plans)
                for skip in todo.values() if skip is None]
     progress = Progress(len(planned), sum(point.work for point in planned), stream)
@@ -201,6 +205,15 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
 RECORDED = object()
 
 
+def plan_sweep(sweep, backends, done=frozenset()) -> list:
+    """[(point, its ProblemDescriptor, {backend name: None to run it, RECORDED, or why the backend
+    does not support it})], cheapest point first, known before anything runs; a usage error
+    (InvalidArgumentError) when no backend supports any point."""
+    plan = [(point, *_plan(point, backends, done)) for point in sweep.ordered()]
+    _check_applicable(sweep, plan)
+    return plan
+
+
 def _plan(point, backends, done):
     """(the point's ProblemDescriptor, {backend name: None to run it, RECORDED, or why the
     backend does not support it}), known before anything runs."""
@@ -209,6 +222,31 @@ def _plan(point, backends, done):
     return descriptor, {
         b.name: RECORDED if (b.name, descriptor.key()) in done else b.supports(problem)
         for b in backends}
+
+
+def unsupported_everywhere(plan) -> dict:
+    """{backend name: why} of the backends that support no point of the plan (the first
+    point's reason)."""
+    why = {}
+    for _, _, todo in plan:
+        for name, skip in todo.items():
+            why.setdefault(name, skip)
+            if not isinstance(skip, str):  # it runs the point, or already has
+                why[name] = None
+    return {name: reason for name, reason in why.items() if reason is not None}
+
+
+def _check_applicable(sweep, plan) -> None:
+    """A usage error when no backend supports any point of the sweep: nothing would run, and
+    an empty report reads as a pass."""
+    why = unsupported_everywhere(plan)
+    if not plan or len(why) < len(plan[0][2]):
+        return
+    reasons = "; ".join(f"{name}: {reason}" for name, reason in why.items())
+    raise InvalidArgumentError(
+        f"no point of the {sweep.name} sweep runs on {', '.join(why)} ({reasons}); choose a "
+        f"backend that runs it ('fa_verify backends' lists each one's dtypes and variants) "
+        f"or another --sweep")
 
 
 def _seq(shape) -> str:
