@@ -533,9 +533,10 @@ def test_the_reproducer_of_a_cell_replays_its_failure_on_the_real_backend(tmp_pa
     run_sweep(MASKED, [get_backend("torch-sdpa-flash-cpu")], store)  # LSE 0 at masked rows
     [section] = build(store.read(), generated=GENERATED, environment={}, repro_dir=tmp_path / "repro").sections
     case = section.overview[0].failure
-    assert (case.element["got"], case.element["expected"], case.property) == (0.0, -np.inf, "lse_agreement")
+    # the property its backend declares for the deviation, as the deviations table says
+    assert (case.element["got"], case.element["expected"], case.property) == (0.0, -np.inf, "fully_masked_rows")
     rerun = subprocess.run(case.reproducer, shell=True, capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert rerun.returncode == 1 and "property 'lse_agreement' failed" in rerun.stdout, rerun.stderr[-2000:]
+    assert rerun.returncode == 1 and "property 'fully_masked_rows' failed" in rerun.stdout, rerun.stderr[-2000:]
     assert "got 0, expected -inf" in rerun.stdout
 
 

@@ -10,6 +10,7 @@ move with BLAS versions or the oracle (unlike tests/gold/report, which holds mea
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from fa_verify.report.failure import KEY as FAILURE_KEY
 from fa_verify.report.families import KERNELS, NUMPY, OTHER, TORCH, family_of
 from fa_verify.report.histogram import histogram
 from fa_verify.report.plots import HEADROOM, backend_colours, curve_svg, histograms_svg
-from fa_verify.report.render import render_markdown
+from fa_verify.report.render import render_html, render_markdown
 from fa_verify.report.yardsticks import (
     EXACTLY_ROUNDED_KEY,
     LARGEST_BOUND_KEY,
@@ -180,3 +181,22 @@ def test_the_rank_compares_backends_on_the_columns_they_all_ran():
     # with no column common to all, each backend is ranked on its own
     alone = build(records[2:] + [_record("wmma-cpu", "fp32", True, 16, 2e-4)], environment={})
     assert len(alone.ranked_on) == len(alone.columns) == 4
+
+
+def test_the_overview_and_the_deviations_table_name_the_same_property_for_a_declared_deviation():
+    # a sweep record of a declared deviation: its worst element is an LSE, which alone would
+    # point at lse_agreement; the backend declares fully_masked_rows
+    lse = {"tensor": "lse", "index": [0, 0, 0], "got": 0.0, "expected": -np.inf,
+           "what": "a fully masked row's LSE is not -inf"}
+    records = [_record("torch-sdpa-flash-cpu", "fp16", True, 64, 1.3e-4, passed=False, rule="masked_rows",
+                       extra={DEVIATION_KEY: [_MASKED_ROW], FAILURE_KEY: lse})]
+    data = build(records, environment={})
+    [deviation] = data.deviations
+    assert data.sections[0].overview[0].failure.property == deviation.property == "fully_masked_rows"
+    page = render_html(data)
+    overview = page[page.index('id="overview"'):page.index('id="worst"')]
+    table = page[page.index('id="deviations"'):page.index('id="fa3"')]
+    assert re.findall(r"property <code>(\w+)</code>", overview) == ["fully_masked_rows"]
+    assert re.findall(r"<code>(\w+)</code>: <pre>", table) == ["fully_masked_rows"]
+    assert "lse_agreement" not in page
+    assert re.findall(r"property `(\w+)`", render_markdown(data)) == ["fully_masked_rows"]
