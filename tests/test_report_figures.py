@@ -200,3 +200,22 @@ def test_the_overview_and_the_deviations_table_name_the_same_property_for_a_decl
     assert re.findall(r"<code>(\w+)</code>: <pre>", table) == ["fully_masked_rows"]
     assert "lse_agreement" not in page
     assert re.findall(r"property `(\w+)`", render_markdown(data)) == ["fully_masked_rows"]
+
+
+def test_the_rank_is_over_the_problems_every_ranked_backend_ran_and_says_which_it_left_out():
+    # identical kernels (× rounded 1.25 at N = 16, 1.5 at N = 64) but the time budget skipped
+    # slow-cpu's N = 64 run: over its own runs it would be 1.25, ahead of the other two
+    records = [_record(name, "fp16", False, n, 1e-4 * x) for name in ("fa2-cpu", "wmma-cpu", "slow-cpu")
+               for n, x in ((16, 1.25), (64, 1.5)) if not (name == "slow-cpu" and n == 64)]
+    data = build(records, environment={})
+    assert {s.name: round(s.vs_rounded, 6) for s in data.sections} == {
+        "fa2-cpu": 1.25, "wmma-cpu": 1.25, "slow-cpu": 1.25}
+    assert [s.name for s in data.sections] == ["fa2-cpu", "slow-cpu", "wmma-cpu"]  # a tie: by name
+    [left] = data.rank_left_out
+    assert (left.column, left.problem, left.missing) == ("fp16 · full", "1×2×64×64×16", ["slow-cpu"])
+    page = render_html(data)
+    assert 'data-left-out="fp16 · full|1×2×64×64×16"' in page and "not run by slow-cpu" in page
+    assert "Left out of the rank (not run by every ranked backend): fp16 · full 1×2×64×64×16 " \
+           "(not run by slow-cpu)." in render_markdown(data)
+    # the overview's cells still pool each backend's own runs
+    assert round(next(s for s in data.sections if s.name == "fa2-cpu").overview[0].vs_rounded, 3) == 1.381
