@@ -93,7 +93,8 @@ def _run(args) -> int:
 
     backends = _backends(args.backend)
     store = ResultsStore(out / RESULTS)
-    done = store.keys() if args.resume else frozenset()
+    previous = store.read() if args.resume else []
+    done = frozenset(r.key() for r in previous)
     sweep = get_sweep(args.sweep)
     plan = plan_sweep(sweep, backends, done)  # a usage error here leaves the old results alone
     if not args.resume and store.path.exists():
@@ -104,7 +105,8 @@ def _run(args) -> int:
         print(f"fa_verify report: {name} runs no point of the {sweep.name} sweep ({reason}): "
               f"listed as not applicable", file=sys.stderr, flush=True)
     try:
-        info = run_sweep(sweep, backends, store, out_dir=out, plan=plan)
+        info = run_sweep(sweep, backends, store, out_dir=out, plan=plan,
+                         history=[r for r in previous if r.source == "report"])
         # Problems measured before an interrupt stay in the measurement cache.
         reproduced = published.measure(sweep.published) if sweep.published else None
     except KeyboardInterrupt:

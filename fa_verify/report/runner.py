@@ -25,6 +25,7 @@ from fa_verify.oracle import reference
 from fa_verify.precision import PrecisionModel
 from fa_verify.report.budget import Budget
 from fa_verify.report.deviations import KEY as DEVIATION_KEY, declared_deviation
+from fa_verify.report.eta import REFERENCE
 from fa_verify.report.failure import KEY as FAILURE_KEY, worst_element
 from fa_verify.report.histogram import histogram
 from fa_verify.report.progress import Progress
@@ -138,10 +139,12 @@ def compare(backend, problem, shared: Comparators, sweep: str):
 
 
 def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=None,
-              plan=None) -> RunInfo:
+              plan=None, history=()) -> RunInfo:
     """Run `sweep` on `backends`, appending to `store`; returns what ran and what was skipped.
 
     done: (backend, problem key) pairs already in the store (skipped: --resume).
+    history: records timed before (--resume: the store's), from which the progress bar's
+    time left is predicted until this run has timed its own.
     out_dir: where run.json is written when the sweep ends, or is interrupted.
     plan: `plan_sweep(sweep, backends, done)` when the caller made it already (done unused).
     """
@@ -155,17 +158,18 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
     plans = plan_sweep(sweep, backends, done) if plan is None else plan
     points = [point for point, _, _ in plans]
     plans = [(descriptor, todo) for _, descriptor, todo in plans]
-    planned = [point for point, (_, todo) in zip(points, plans)
-               for skip in todo.values() if skip is None]
-    progress = Progress(len(planned), sum(point.work for point in planned), stream)
+    planned = [(name, descriptor.key(), point.work) for point, (descriptor, todo) in zip(points, plans)
+               for name, skip in todo.items() if skip is None]
+    progress = Progress(planned, stream, budgets=budgets,
+                        history=[(r.backend, r.problem.key(), r.problem.work, r.seconds) for r in history])
     try:
         for point, (descriptor, todo) in zip(points, plans):
             for name, skip in todo.items():
                 if skip is RECORDED:
-                    progress.skip("already recorded", planned=False)
+                    progress.skip("already recorded")
                 elif skip is not None:
                     info.skips.append(Skip(name, asdict(descriptor), "unsupported", skip))
-                    progress.skip("unsupported", planned=False)
+                    progress.skip("unsupported")
             if all(skip is not None for skip in todo.values()):
                 continue
             problem = point.problem()
@@ -177,7 +181,7 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
                 refusal = budget.refusal(point.work)
                 if refusal:
                     info.skips.append(Skip(backend.name, asdict(descriptor), "budget", refusal))
-                    progress.skip("budget", work=point.work)
+                    progress.skip("budget", (backend.name, descriptor.key()))
                     continue
                 progress.begin(f"{backend.name} {point.dtype} "
                                f"{'causal' if point.causal else 'full'} {_seq(point.shape)} "
@@ -189,7 +193,9 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
                 record = compare(backend, problem, shared, sweep.name)
                 store.append(record)
                 budget.charge(point.work, record.seconds["run"])
-                progress.finish(point.work)
+                # a run that raised records no comparators' time, yet they were computed
+                progress.finish(backend.name, descriptor.key(), point.work,
+                                {REFERENCE: shared.seconds, **record.seconds})
     except KeyboardInterrupt:
         info.interrupted = True
         raise
