@@ -99,7 +99,7 @@ def _curve(runs, kind: str, dtype: str, length, axis: str) -> Curve | None:
         for name in comparisons:
             series.append(Series(
                 name, causal, _largest((length(r.problem), r.comparisons[name]["normalised"]["max"])
-                                       for r in mode if r.comparisons),
+                                       for r in mode if name in (r.comparisons or {})),
                 "floor" if name == EXACTLY_ROUNDED else "comparison"))
     return Curve(dtype, f"{kind}, D = {dim}, MHA, {dist} inputs", [s for s in series if s.points],
                  by_family(backends), axis, variant)

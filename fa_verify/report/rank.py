@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from fa_verify.report.aggregate import geometric_mean, vs_rounded
 from fa_verify.report.buckets import column_of
+from fa_verify.results import EXACTLY_ROUNDED
 
 
 @dataclass
@@ -81,7 +82,7 @@ def _comparable(records) -> dict:
     """{column: {problem key: [records]}} of the records × rounded can be computed for."""
     found = defaultdict(lambda: defaultdict(list))
     for r in records:
-        if r.out_errors is not None and r.comparisons:
+        if r.out_errors is not None and EXACTLY_ROUNDED in (r.comparisons or {}):
             found[column_of(r.problem)][r.problem.key()].append(r)
     return found
 

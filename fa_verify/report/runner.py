@@ -16,7 +16,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from fa_verify.backends.naive import naive_attention
-from fa_verify.dtypes import round_to
 from fa_verify.error_model import error_bound
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.honest_ensemble import ensemble_errors
@@ -35,8 +34,10 @@ from fa_verify.report.yardsticks import (
     EXACTLY_ROUNDED_KEY,
     LARGEST_BOUND_KEY,
     ROUNDED_HISTOGRAM_KEY,
+    error_stats,
     exactly_rounded,
     largest_bound,
+    rounded_errors,
 )
 from fa_verify.results import (
     EXACTLY_ROUNDED,
@@ -84,10 +85,10 @@ class Comparators:
         start = time.perf_counter()
         ref = reference(problem)
         naive_out, _ = naive_attention(problem, PrecisionModel.same_precision(problem.dtype))
-        rounded = _errors(round_to(ref.out, problem.dtype), ref, problem.dtype)
+        rounded = rounded_errors(problem, ref)
         comparisons = {
-            EXACTLY_ROUNDED: _stats(rounded),
-            NAIVE_SAME_PRECISION: _stats(_errors(naive_out, ref, problem.dtype)),
+            EXACTLY_ROUNDED: error_stats(rounded),
+            NAIVE_SAME_PRECISION: error_stats(_errors(naive_out, ref, problem.dtype)),
         }
         return cls(problem, ref, naive_out, comparisons, histogram(rounded.normalised),
                    time.perf_counter() - start)
@@ -95,10 +96,6 @@ class Comparators:
 
 def _errors(out, ref, dtype) -> OutputErrors:
     return OutputErrors.compute(out, ref.out, ref.row_scale, dtype)
-
-
-def _stats(errors) -> dict:
-    return {view: s.as_dict() for view, s in errors.stats().items()}
 
 
 def compare(backend, problem, shared: Comparators, sweep: str):
