@@ -219,3 +219,24 @@ def test_the_rank_is_over_the_problems_every_ranked_backend_ran_and_says_which_i
            "(not run by slow-cpu)." in render_markdown(data)
     # the overview's cells still pool each backend's own runs
     assert round(next(s for s in data.sections if s.name == "fa2-cpu").overview[0].vs_rounded, 3) == 1.381
+
+
+def test_bounds_are_lines_coinciding_curves_are_named_together_and_a_stopping_bound_says_why():
+    # three kernels of one family with the same errors and one precision model (one bound), and
+    # a 16-bit one whose bound has no finite element past N = 16
+    records = [_record(name, "bf16", causal, n, 1.25e-4) for name in ("fa2-cpu", "mma-ptx-cpu", "wmma-cpu")
+               for n in (16, 64) for causal in (False, True)]
+    records += [_record("naive16-cuda-cpu", "bf16", causal, n, 4e-4, largest_bound=3e-3 if n == 16 else None)
+                for n in (16, 64) for causal in (False, True)]
+    data = build(records, environment={})
+    [curve] = data.curves
+    assert curve.coinciding == [["fa2-cpu", "mma-ptx-cpu", "wmma-cpu"]]
+    stops = {s.label: s.bound_ends for s in curve.series if s.kind == "backend"}
+    assert stops == {"fa2-cpu": None, "mma-ptx-cpu": None, "wmma-cpu": None, "naive16-cuda-cpu": 16}
+    svg = curve_svg(curve, backend_colours(["fa2-cpu", "mma-ptx-cpu", "wmma-cpu", "naive16-cuda-cpu"]))
+    assert "PolyCollection" not in svg  # no shaded band: translucent bands over one another are unreadable
+    assert svg.count("fa2-cpu, mma-ptx-cpu, wmma-cpu (coincide)") == 1 and ">mma-ptx-cpu<" not in svg
+    assert svg.count("bound of fa2-cpu = mma-ptx-cpu = wmma-cpu") == 1
+    assert svg.count("no finite bound past N = 16: its model's error reaches 1/4") == 2  # full and causal
+    assert "PolyCollection" not in curve_svg(curves(_records())[0], backend_colours(
+        ["fa2-cpu", "naive-fp32", "torch-sdpa-flash-cpu", "my|kernel"]))

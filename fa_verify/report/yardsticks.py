@@ -9,9 +9,8 @@
 - the rounded reference's normalised error histogram on the same inputs (`histogram`, under
   ROUNDED_HISTOGRAM_KEY): the floor each backend's histogram is drawn against.
 - `largest_bound`: the largest finite element of the error-model bound of the backend's
-  precision model, normalised by the row scale like the curves' errors: the top of the band
-  the error-vs-N curves shade (from the rounded reference's floor up to it, the region where
-  a kernel's largest error may lie).
+  precision model, normalised by the row scale like the curves' errors: the dash-dot line the
+  error-vs-N curves draw, above which a kernel's largest error may not lie.
 """
 
 from __future__ import annotations
