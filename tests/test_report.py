@@ -12,6 +12,7 @@ new figures cannot honestly be added to the old records; the tests below that ru
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import os
@@ -235,6 +236,22 @@ def test_page_loads_in_headless_chromium_without_errors(rendered, tmp_path):
     assert image.size == (1400, 2400)
     _not_blank(image)
     assert "FlashAttention-3 Table 3" in dom and dom.count('class="cell ') >= 20
+
+
+#: Writes the rendered widths of the overview's header cells into the page, for --dump-dom.
+_WIDTHS = """<script>document.body.dataset.widths = JSON.stringify([...document.querySelector(
+  'table.overview').rows[0].cells].map(cell => cell.getBoundingClientRect().width));</script>"""
+
+
+def test_the_overviews_dtype_and_causal_columns_are_as_wide_as_one_another(rendered, tmp_path):
+    # the gold records' causal cells hold a declared deviation's text, the full ones a few words
+    probe = tmp_path / "probe" / "index.html"
+    probe.parent.mkdir()
+    probe.write_text((rendered / "index.html").read_text().replace("</body>", _WIDTHS + "</body>"))
+    _, dom = _browse(probe, tmp_path, 1200)
+    widths = json.loads(html.unescape(re.search(r'data-widths="([^"]*)"', dom).group(1)))
+    columns = widths[3:]  # after backend, runs and × rounded
+    assert len(columns) == 6 and max(columns) - min(columns) <= 1, widths
 
 
 class _Page(HTMLParser):
