@@ -53,9 +53,10 @@ class Eta:
         self.left = {(backend, point): work for backend, point, work in runs}
         self.budgets = budgets or {}
         self.fits = defaultdict(_Fit)  # (backend, RUN or CHECK) or REFERENCE -> _Fit
-        self.judged = set()  # points whose comparators are computed (or timed before)
+        self.judged = set()  # points whose comparators are computed
         for backend, point, work, seconds in history:
             self._learn(backend, point, work, seconds)
+        self.judged = set()  # a run computes the comparators of every point it runs afresh
 
     def _learn(self, backend, point, work, seconds: dict) -> None:
         for cost in (RUN, CHECK):
