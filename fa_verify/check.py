@@ -4,9 +4,10 @@
 ones named) on the target and returns a `CheckOutcome`: per property passed, failed (with
 the minimal counterexample, examples-to-failure and, given a folder, a reproducer script) or not
 applicable; the properties about the kinds of problem the target runs (`properties_for`).
-`results_recorder` turns every oracle verdict, and every failing example, into a record of a
-`ResultsStore`, for reports: one per part of the problem (a ragged batch's sequence, named in
-the record).
+`results_recorder` turns the examples a user would count — the passing ones and the minimal
+failing one per distinct failure — into records of a `ResultsStore`, for reports: one per part
+of the problem (a ragged batch's sequence, named in the record), with the rounded reference's
+error on it (the report's "× rounded").
 """
 
 from __future__ import annotations
@@ -71,39 +72,71 @@ def check_backend(backend: Backend, selection: Selection = Selection(), properti
     return outcome
 
 
-def results_recorder(path, backend: Backend, source: str, seed: int | None = None):
-    """An `on_result` callback appending to the ResultsStore at `path` a Record per oracle
-    verdict, and a failing Record for every failing example no failing verdict stands for: the
-    target raised, crashed or timed out (rule RUN_ERROR), or a property without an oracle
+def results_recorder(path, backend: Backend, source: str, seed: int | None = None) -> "_Recorder":
+    """An `on_result` callback appending to the ResultsStore at `path` the examples a user
+    would count: each passing example's oracle verdicts as they come, and when the search ends
+    (`search_property` calls its `finish(outcome)`) the minimal failing example of each distinct
+    failure — not every example the search judged while shrinking. A failing example records
+    its oracle verdicts, and a failing record when no failing verdict stands for its failure:
+    the target raised, crashed or timed out (rule RUN_ERROR), or a property without an oracle
     verdict failed (rule: the property's name); the cause is in the record's extra["error"].
     Passing examples of such properties measure no error against the oracle: nothing to record.
+    A verdict's record carries the error of the certified reference rounded to the dtype on the
+    same problem (`comparisons`), the report's "× rounded". One record per part of the problem
+    (a ragged batch's sequence, named in the record).
     `seed` (the search's Hypothesis seed) goes into every record's extra, and so does how a
     report's reproducer rebuilds a function target (`Target.as_dict()`; a built-in backend's
     name is enough)."""
-    from fa_verify.properties.search import TARGET_RAISED
-    from fa_verify.results import RUN_ERROR, ResultsStore, record_from_failure, record_from_verdict
+    return _Recorder(path, backend, source, seed)
 
-    store = ResultsStore(path)
-    targets = {}  # per dtype (the precision model is the dtype's); None: not recorded
 
-    def target(dtype):
-        if dtype not in targets:
+class _Recorder:
+    def __init__(self, path, backend: Backend, source: str, seed: int | None):
+        from fa_verify.results import ResultsStore
+
+        self.store, self.backend, self.source, self.seed = ResultsStore(path), backend, source, seed
+        self._targets = {}  # per dtype (the precision model is the dtype's); None: not recorded
+        #: per failure kind, the last failing example (problem, result, seconds): Hypothesis
+        #: replays each kind's minimal example last, so it is the one `finish` may record
+        self._failing = {}
+
+    def __call__(self, problem, result, seconds) -> None:
+        from fa_verify.properties.search import failure_kind
+
+        if result.failed:
+            self._failing[failure_kind(problem, result)] = (problem, result, seconds)
+        else:
+            self._write(problem, result, seconds)
+
+    def finish(self, outcome) -> None:
+        """The search ended: record its minimal failing examples, one per distinct failure."""
+        minimal = [outcome.problem] + [problem for problem, _, _ in outcome.other_failures]
+        for problem, result, seconds in self._failing.values():
+            if any(problem is m for m in minimal):
+                self._write(problem, result, seconds)
+        self._failing = {}
+
+    def _target(self, dtype):
+        if dtype not in self._targets:
             try:
-                found = Target.of(backend, dtype)
+                found = Target.of(self.backend, dtype)
             except NotReproducible:
                 found = None
-            targets[dtype] = found.as_dict() if found is not None and found.kind != "builtin" else None
-        return targets[dtype]
+            self._targets[dtype] = found.as_dict() if found is not None and found.kind != "builtin" else None
+        return self._targets[dtype]
 
-    def record(problem, result, seconds):
+    def _write(self, problem, result, seconds) -> None:
+        from fa_verify.properties.search import TARGET_RAISED
+        from fa_verify.results import RUN_ERROR, record_from_failure, record_from_verdict
+
         extra = {"property": result.name}
-        if target(problem.dtype) is not None:
-            extra["target"] = target(problem.dtype)
+        if self._target(problem.dtype) is not None:
+            extra["target"] = self._target(problem.dtype)
         if result.seed is not None:
             extra["property_seed"] = result.seed
-        if seed is not None:
-            extra["search_seed"] = seed
-        precision = backend.precision(problem.dtype)
+        if self.seed is not None:
+            extra["search_seed"] = self.seed
+        precision = self.backend.precision(problem.dtype)
         parts = problem.parts()
 
         def about(index):
@@ -117,15 +150,25 @@ def results_recorder(path, backend: Backend, source: str, seed: int | None = Non
 
         for index, verdict in zip(result.verdict_parts or [None] * len(result.verdicts), result.verdicts):
             part, part_extra = about(index)
-            store.append(record_from_verdict(part, backend.name, precision, verdict, seconds, source,
-                                             extra=part_extra))
+            self.store.append(record_from_verdict(part, self.backend.name, precision, verdict, seconds,
+                                                  self.source, extra=part_extra,
+                                                  comparisons=_rounded(part, verdict)))
         if result.failed and all(v.passed for v in result.verdicts):
             rule = RUN_ERROR if result.detail.startswith(TARGET_RAISED) else result.name
             part, part_extra = about(result.part if result.part is not None else 0)
-            store.append(record_from_failure(part, backend.name, precision, rule, result.detail,
-                                             seconds, source, extra=part_extra))
+            self.store.append(record_from_failure(part, self.backend.name, precision, rule, result.detail,
+                                                  seconds, self.source, extra=part_extra))
 
-    return record
+
+def _rounded(problem, verdict, ref=None) -> dict | None:
+    """Record.comparisons of a verdict on `problem`: the certified reference rounded to the
+    dtype (`ref`, computed when not given); None where the output was not measured."""
+    from fa_verify.oracle import reference
+    from fa_verify.report.yardsticks import rounded_comparison
+
+    if verdict.summary is None:  # the output had another shape: no errors to compare
+        return None
+    return rounded_comparison(problem, ref if ref is not None else reference(problem))
 
 
 class Oracle:
@@ -146,7 +189,8 @@ class Oracle:
         from fa_verify.verdict import check_attention
 
         started = time.perf_counter()
-        verdict = check_attention(out, problem, lse=lse, precision=precision)
+        ref = self.reference(problem)  # once: the verdict's, and the rounded one's recorded
+        verdict = check_attention(out, problem, lse=lse, precision=precision, reference=ref)
         if self.results is not None:
             from fa_verify.results import ResultsStore, record_from_verdict
 
@@ -154,7 +198,8 @@ class Oracle:
             if isinstance(model, str):
                 model = PrecisionModel.parse(model, problem.dtype)
             ResultsStore(self.results).append(record_from_verdict(
-                problem, name, model, verdict, {"check": time.perf_counter() - started}, self.source))
+                problem, name, model, verdict, {"check": time.perf_counter() - started}, self.source,
+                comparisons=_rounded(problem, verdict, ref)))
         return verdict
 
     def assert_close(self, out, problem: AttentionProblem, lse=None, precision=None, name: str = "user"):

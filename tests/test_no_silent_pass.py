@@ -92,7 +92,7 @@ def _crashes(q, k, v, *, causal, scale):
     raise ZeroDivisionError("kernel bug")
 
 
-def test_check_results_records_every_failing_example_and_the_report_shows_them(capsys, tmp_path):
+def test_check_results_records_each_failure_and_the_report_shows_them(capsys, tmp_path):
     path = tmp_path / "results.jsonl"
     crashes = CallableBackend(_crashes, name="crashes")
     check_backend(crashes, FAST, properties=["oracle_agreement", "determinism"],

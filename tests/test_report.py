@@ -12,6 +12,7 @@ new figures cannot honestly be added to the old records; the tests below that ru
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import os
@@ -40,7 +41,7 @@ from fa_verify.report.run_info import RunInfo
 from fa_verify.report.runner import run_sweep
 from fa_verify.report.yardsticks import EXACTLY_ROUNDED_KEY, LARGEST_BOUND_KEY, ROUNDED_HISTOGRAM_KEY
 from fa_verify.results import ResultsStore, ResultsWarning
-from fa_verify.sweeps import SWEEPS, Sweep, grid
+from fa_verify.sweeps import SWEEPS, Sweep, Variant, grid
 
 GOLD = Path(__file__).parent / "gold" / "report"
 GENERATED = "2026-01-01T00:00:00+00:00"
@@ -117,7 +118,7 @@ def test_rendered_numbers_equal_the_stored_metrics(gold_records, rendered):
 def test_summary_json_is_strict_and_matches_the_records(gold_records, rendered):
     text = (rendered / "summary.json").read_text()
     summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
-    assert summary["format_version"] == 6
+    assert summary["format_version"] == 7
     assert summary["totals"]["records"] == len(gold_records)
     declared = [r for r in gold_records if r.extra.get("declared_deviation")]
     assert len(declared) == 3 and {r.backend for r in declared} == {"torch-sdpa-flash-cpu"}
@@ -235,6 +236,22 @@ def test_page_loads_in_headless_chromium_without_errors(rendered, tmp_path):
     assert image.size == (1400, 2400)
     _not_blank(image)
     assert "FlashAttention-3 Table 3" in dom and dom.count('class="cell ') >= 20
+
+
+#: Writes the rendered widths of the overview's header cells into the page, for --dump-dom.
+_WIDTHS = """<script>document.body.dataset.widths = JSON.stringify([...document.querySelector(
+  'table.overview').rows[0].cells].map(cell => cell.getBoundingClientRect().width));</script>"""
+
+
+def test_the_overviews_dtype_and_causal_columns_are_as_wide_as_one_another(rendered, tmp_path):
+    # the gold records' causal cells hold a declared deviation's text, the full ones a few words
+    probe = tmp_path / "probe" / "index.html"
+    probe.parent.mkdir()
+    probe.write_text((rendered / "index.html").read_text().replace("</body>", _WIDTHS + "</body>"))
+    _, dom = _browse(probe, tmp_path, 1200)
+    widths = json.loads(html.unescape(re.search(r'data-widths="([^"]*)"', dom).group(1)))
+    columns = widths[3:]  # after backend, runs and × rounded
+    assert len(columns) == 6 and max(columns) - min(columns) <= 1, widths
 
 
 class _Page(HTMLParser):
@@ -533,9 +550,10 @@ def test_the_reproducer_of_a_cell_replays_its_failure_on_the_real_backend(tmp_pa
     run_sweep(MASKED, [get_backend("torch-sdpa-flash-cpu")], store)  # LSE 0 at masked rows
     [section] = build(store.read(), generated=GENERATED, environment={}, repro_dir=tmp_path / "repro").sections
     case = section.overview[0].failure
-    assert (case.element["got"], case.element["expected"], case.property) == (0.0, -np.inf, "lse_agreement")
+    # the property its backend declares for the deviation, as the deviations table says
+    assert (case.element["got"], case.element["expected"], case.property) == (0.0, -np.inf, "fully_masked_rows")
     rerun = subprocess.run(case.reproducer, shell=True, capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert rerun.returncode == 1 and "property 'lse_agreement' failed" in rerun.stdout, rerun.stderr[-2000:]
+    assert rerun.returncode == 1 and "property 'fully_masked_rows' failed" in rerun.stdout, rerun.stderr[-2000:]
     assert "got 0, expected -inf" in rerun.stdout
 
 
@@ -627,3 +645,45 @@ def test_report_command_exits_1_on_failures_and_2_on_bad_input(tmp_path, capsys)
     assert main(["report", "--from", str(GOLD / "results.jsonl"), "--out", str(tmp_path)]) == 1
     assert main(["report", "--from", str(tmp_path / "missing.jsonl")]) == 2
     assert main(["report", "--backend", "no-such-backend", "--out", str(tmp_path)]) == 2
+
+
+def test_a_repeated_backend_runs_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(SWEEPS, "quick", TINY)
+    out = tmp_path / "reports"
+    assert main(["report", "--backend", "numpy-tiled", "--backend", "numpy-tiled", "--out", str(out)]) == 0
+    records = ResultsStore(out / "results.jsonl").read()
+    assert len(records) == len(TINY.points) and len({r.key() for r in records}) == len(records)
+
+
+def _dense_only_cli_backend():
+    """A built-in backend that implements no variant, or skip."""
+    backend = get_backend("torch-sdpa-math")
+    if backend.features or not backend.availability().available:
+        pytest.skip("torch-sdpa-math is unavailable here, or implements variants now")
+    return backend.name
+
+
+def test_a_sweep_no_selected_backend_runs_is_a_usage_error_that_touches_nothing(tmp_path, capsys):
+    name = _dense_only_cli_backend()
+    out = tmp_path / "reports"
+    out.mkdir()
+    (out / "results.jsonl").write_text("")  # a previous run's store stays where it is
+    assert main(["report", "--sweep", "variants", "--backend", name, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"no point of the variants sweep runs on {name}" in err
+    assert "does not implement" in err and "fa_verify backends" in err
+    assert sorted(p.name for p in out.iterdir()) == ["results.jsonl"]
+
+
+def test_a_selected_backend_without_the_sweeps_problems_is_skipped_and_said_so(tmp_path, monkeypatch,
+                                                                               capsys):
+    name = _dense_only_cli_backend()
+    window = Sweep("variants", "one window", grid([(1, 2, 2, 8, 8, 16)], dtypes=("fp32",), causal=(False,),
+                                                variants=(Variant(window_size=(2, 2)),)), budget_s=60.0)
+    monkeypatch.setitem(SWEEPS, "variants", window)
+    out = tmp_path / "reports"
+    assert main(["report", "--sweep", "variants", "--backend", name, "--backend", "numpy-tiled",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"{name} runs no point of the variants sweep (" in err and "listed as not applicable" in err
+    assert {r.backend for r in ResultsStore(out / "results.jsonl").read()} == {"numpy-tiled"}

@@ -10,6 +10,7 @@ move with BLAS versions or the oracle (unlike tests/gold/report, which holds mea
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from fa_verify.report.failure import KEY as FAILURE_KEY
 from fa_verify.report.families import KERNELS, NUMPY, OTHER, TORCH, family_of
 from fa_verify.report.histogram import histogram
 from fa_verify.report.plots import HEADROOM, backend_colours, curve_svg, histograms_svg
-from fa_verify.report.render import render_markdown
+from fa_verify.report.render import render_html, render_markdown
 from fa_verify.report.yardsticks import (
     EXACTLY_ROUNDED_KEY,
     LARGEST_BOUND_KEY,
@@ -180,3 +181,62 @@ def test_the_rank_compares_backends_on_the_columns_they_all_ran():
     # with no column common to all, each backend is ranked on its own
     alone = build(records[2:] + [_record("wmma-cpu", "fp32", True, 16, 2e-4)], environment={})
     assert len(alone.ranked_on) == len(alone.columns) == 4
+
+
+def test_the_overview_and_the_deviations_table_name_the_same_property_for_a_declared_deviation():
+    # a sweep record of a declared deviation: its worst element is an LSE, which alone would
+    # point at lse_agreement; the backend declares fully_masked_rows
+    lse = {"tensor": "lse", "index": [0, 0, 0], "got": 0.0, "expected": -np.inf,
+           "what": "a fully masked row's LSE is not -inf"}
+    records = [_record("torch-sdpa-flash-cpu", "fp16", True, 64, 1.3e-4, passed=False, rule="masked_rows",
+                       extra={DEVIATION_KEY: [_MASKED_ROW], FAILURE_KEY: lse})]
+    data = build(records, environment={})
+    [deviation] = data.deviations
+    assert data.sections[0].overview[0].failure.property == deviation.property == "fully_masked_rows"
+    page = render_html(data)
+    overview = page[page.index('id="overview"'):page.index('id="worst"')]
+    table = page[page.index('id="deviations"'):page.index('id="fa3"')]
+    assert re.findall(r"property <code>(\w+)</code>", overview) == ["fully_masked_rows"]
+    assert re.findall(r"<code>(\w+)</code>: <pre>", table) == ["fully_masked_rows"]
+    assert "lse_agreement" not in page
+    assert re.findall(r"property `(\w+)`", render_markdown(data)) == ["fully_masked_rows"]
+
+
+def test_the_rank_is_over_the_problems_every_ranked_backend_ran_and_says_which_it_left_out():
+    # identical kernels (× rounded 1.25 at N = 16, 1.5 at N = 64) but the time budget skipped
+    # slow-cpu's N = 64 run: over its own runs it would be 1.25, ahead of the other two
+    records = [_record(name, "fp16", False, n, 1e-4 * x) for name in ("fa2-cpu", "wmma-cpu", "slow-cpu")
+               for n, x in ((16, 1.25), (64, 1.5)) if not (name == "slow-cpu" and n == 64)]
+    data = build(records, environment={})
+    assert {s.name: round(s.vs_rounded, 6) for s in data.sections} == {
+        "fa2-cpu": 1.25, "wmma-cpu": 1.25, "slow-cpu": 1.25}
+    assert [s.name for s in data.sections] == ["fa2-cpu", "slow-cpu", "wmma-cpu"]  # a tie: by name
+    [left] = data.rank_left_out
+    assert (left.column, left.problem, left.missing) == ("fp16 · full", "1×2×64×64×16", ["slow-cpu"])
+    page = render_html(data)
+    assert 'data-left-out="fp16 · full|1×2×64×64×16"' in page and "not run by slow-cpu" in page
+    assert "Left out of the rank (not run by every ranked backend): fp16 · full 1×2×64×64×16 " \
+           "(not run by slow-cpu)." in render_markdown(data)
+    # the overview's cells still pool each backend's own runs
+    assert round(next(s for s in data.sections if s.name == "fa2-cpu").overview[0].vs_rounded, 3) == 1.381
+
+
+def test_bounds_are_lines_coinciding_curves_are_named_together_and_a_stopping_bound_says_why():
+    # three kernels of one family with the same errors and one precision model (one bound), and
+    # a 16-bit one whose bound has no finite element past N = 16
+    records = [_record(name, "bf16", causal, n, 1.25e-4) for name in ("fa2-cpu", "mma-ptx-cpu", "wmma-cpu")
+               for n in (16, 64) for causal in (False, True)]
+    records += [_record("naive16-cuda-cpu", "bf16", causal, n, 4e-4, largest_bound=3e-3 if n == 16 else None)
+                for n in (16, 64) for causal in (False, True)]
+    data = build(records, environment={})
+    [curve] = data.curves
+    assert curve.coinciding == [["fa2-cpu", "mma-ptx-cpu", "wmma-cpu"]]
+    stops = {s.label: s.bound_ends for s in curve.series if s.kind == "backend"}
+    assert stops == {"fa2-cpu": None, "mma-ptx-cpu": None, "wmma-cpu": None, "naive16-cuda-cpu": 16}
+    svg = curve_svg(curve, backend_colours(["fa2-cpu", "mma-ptx-cpu", "wmma-cpu", "naive16-cuda-cpu"]))
+    assert "PolyCollection" not in svg  # no shaded band: translucent bands over one another are unreadable
+    assert svg.count("fa2-cpu, mma-ptx-cpu, wmma-cpu (coincide)") == 1 and ">mma-ptx-cpu<" not in svg
+    assert svg.count("bound of fa2-cpu = mma-ptx-cpu = wmma-cpu") == 1
+    assert svg.count("no finite bound past N = 16: its model's error reaches 1/4") == 2  # full and causal
+    assert "PolyCollection" not in curve_svg(curves(_records())[0], backend_colours(
+        ["fa2-cpu", "naive-fp32", "torch-sdpa-flash-cpu", "my|kernel"]))

@@ -57,7 +57,8 @@ def _backends(names):
 
     if not names:  # the sweeps are of dense problems: the backends that run them
         return [b for b in builtin_backends() if b.availability().available and PROBLEM_KIND in b.kinds]
-    backends = [get_backend(name) for name in names]
+    # a repeated --backend runs once (by the name it resolves to)
+    backends = list({b.name: b for b in (get_backend(name) for name in names)}.values())
     for backend in backends:
         availability = backend.availability()
         if not availability.available:
@@ -70,7 +71,7 @@ def _run(args) -> int:
     from fa_verify.errors import InvalidArgumentError
     from fa_verify.report import published
     from fa_verify.report.run_info import RunInfo
-    from fa_verify.report.runner import run_sweep
+    from fa_verify.report.runner import plan_sweep, run_sweep, unsupported_everywhere
     from fa_verify.results import ResultsStore
     from fa_verify.sweeps import get_sweep
 
@@ -92,14 +93,20 @@ def _run(args) -> int:
 
     backends = _backends(args.backend)
     store = ResultsStore(out / RESULTS)
+    previous = store.read() if args.resume else []
+    done = frozenset(r.key() for r in previous)
+    sweep = get_sweep(args.sweep)
+    plan = plan_sweep(sweep, backends, done)  # a usage error here leaves the old results alone
     if not args.resume and store.path.exists():
         store.path.replace(out / "results.prev.jsonl")
-    done = store.keys() if args.resume else frozenset()
-    sweep = get_sweep(args.sweep)
     print(f"fa_verify report: sweep {sweep.name} on {', '.join(b.name for b in backends)} "
           f"-> {out}/", file=sys.stderr, flush=True)
+    for name, reason in unsupported_everywhere(plan).items():  # the others run: a skip, said once
+        print(f"fa_verify report: {name} runs no point of the {sweep.name} sweep ({reason}): "
+              f"listed as not applicable", file=sys.stderr, flush=True)
     try:
-        info = run_sweep(sweep, backends, store, done=done, out_dir=out)
+        info = run_sweep(sweep, backends, store, out_dir=out, plan=plan,
+                         history=[r for r in previous if r.source == "report"])
         # Problems measured before an interrupt stay in the measurement cache.
         reproduced = published.measure(sweep.published) if sweep.published else None
     except KeyboardInterrupt:

@@ -260,7 +260,8 @@ def _write_reproducer(outcome: PropertyOutcome, backend, prop: Property, folder,
 def search_property(backend, prop, selection: Selection = Selection(), on_result=None,
                     repro_dir=None) -> PropertyOutcome:
     """Search for a counterexample to `prop` (a Property, its name or check) on `backend` (a
-    Backend or a run(problem) function). `on_result(problem, result, seconds)` sees every result.
+    Backend or a run(problem) function). `on_result(problem, result, seconds)` sees every result
+    (shrinking's included); its `finish(outcome)`, if it has one, is called when the search ends.
     A failing example's reproducer is written into the folder `repro_dir` (none when None).
 
     Failures of the target — wrong numbers, a broken output protocol, a crash or any exception
@@ -402,4 +403,6 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
                           f"tolerance (first: {first.problem}: {first.detail})")
     outcome.worst_ratio = max(ratios) if ratios else None
     outcome.notes = tuple(sorted(notes))
+    if hasattr(on_result, "finish"):  # check.results_recorder: only now are the minimal failures known
+        on_result.finish(outcome)
     return outcome

@@ -49,7 +49,7 @@ def ratio(a, b):
 def vs_rounded(records) -> float | None:
     """× rounded of `records` pooled: the RMSE of their absolute output errors over that of the
     exactly rounded reference on the same problems (records without either are left out)."""
-    paired = [r for r in records if r.out_errors is not None and r.comparisons]
+    paired = [r for r in records if r.out_errors is not None and EXACTLY_ROUNDED in (r.comparisons or {})]
     return ratio(pooled_rmse(r.out_errors["abs"] for r in paired),
                  pooled_rmse(r.comparisons[EXACTLY_ROUNDED]["abs"] for r in paired))
 

@@ -7,12 +7,14 @@ shows the length's effect and nothing else. Each backend's series carries the la
 of its error-model bound (`yardsticks.largest_bound`); the exactly rounded reference on the
 same inputs is the floor.
 Naive same-precision attention is drawn as a comparison only when it is not itself among the
-backends (it would appear twice).
+backends (it would appear twice). Backends of one panel whose curves coincide are named
+together (`coinciding`), so the figure can say that one line is several.
 Nothing here knows a sweep: any records with several lengths of one family give curves.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -35,6 +37,15 @@ class Series:
     #: finite one (backends only)
     bound: list = field(default_factory=list)
 
+    @property
+    def bound_ends(self) -> int | None:
+        """The last length with a finite bound where the errors go on past it (the bound stops:
+        beyond it the precision model's relative error reaches 1/4 and no first-order bound
+        holds, as for 16-bit accumulation over many keys); None where it does not stop."""
+        if self.bound and self.points and self.bound[-1][0] < self.points[-1][0]:
+            return self.bound[-1][0]
+        return None
+
 
 @dataclass
 class Curve:
@@ -49,6 +60,9 @@ class Curve:
     axis: str = "sequence length N"
     #: the family's variant parameters (`ProblemDescriptor.variant`), "" when dense
     variant: str = ""
+    #: groups of backends of one panel whose curves coincide (`coinciding`): drawn on top of
+    #: one another, they would read as one
+    coinciding: list = field(default_factory=list)
 
     @property
     def lengths(self) -> int:
@@ -99,10 +113,44 @@ def _curve(runs, kind: str, dtype: str, length, axis: str) -> Curve | None:
         for name in comparisons:
             series.append(Series(
                 name, causal, _largest((length(r.problem), r.comparisons[name]["normalised"]["max"])
-                                       for r in mode if r.comparisons),
+                                       for r in mode if name in (r.comparisons or {})),
                 "floor" if name == EXACTLY_ROUNDED else "comparison"))
-    return Curve(dtype, f"{kind}, D = {dim}, MHA, {dist} inputs", [s for s in series if s.points],
-                 by_family(backends), axis, variant)
+    series = [s for s in series if s.points]
+    groups = by_family(backends)
+    return Curve(dtype, f"{kind}, D = {dim}, MHA, {dist} inputs", series, groups, axis, variant,
+                 [g for names in groups.values() for g in coinciding(series, names)])
+
+
+#: Two markers closer than this (relative) lie on top of each other on the figures' log axes.
+COINCIDE = 0.02
+
+
+def coinciding(series, backends) -> list:
+    """Groups (two or more, in `backends`' order) of the backends whose curves coincide: the
+    same lengths in every causal mode, each error within COINCIDE of the other's."""
+    curves = {b: {s.causal: s.points for s in series if s.kind == "backend" and s.label == b}
+              for b in backends}
+    groups = []
+    for b in backends:
+        group = next((g for g in groups if _same(curves[g[0]], curves[b])), None)
+        if group is None:
+            groups.append([b])
+        else:
+            group.append(b)
+    return [g for g in groups if len(g) > 1]
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for mode, points in a.items():
+        other = b[mode]
+        if [n for n, _ in points] != [n for n, _ in other]:
+            return False
+        for (_, x), (_, y) in zip(points, other):
+            if x != y and not (x > 0 and y > 0 and abs(math.log(x / y)) < COINCIDE):
+                return False
+    return True
 
 
 def _largest(pairs) -> list:

@@ -5,7 +5,7 @@ Everything a page, summary.json or summary.md shows is computed here (and in `fa
 A cell's "p99" is the largest per-run p99 (percentiles do not pool; with one run per cell it
 is that run's). A cell's headline is "× rounded" (`aggregate.vs_rounded`), the one figure
 comparable across backends; the overview lists backends most accurate first by it, over the
-columns they all ran (`ranked`).
+problems they all ran (`rank`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from fa_verify.precision import PrecisionModel
-from fa_verify.report.aggregate import geometric_mean, largest, out_stat, vs_rounded
+from fa_verify.report.aggregate import largest, out_stat, vs_rounded
 from fa_verify.report.buckets import Bucket, bucket_of, column_of, variant_key, variant_name
 from fa_verify.report.cases import Case, worst_case, worst_cases
 from fa_verify.report.curves import curves
@@ -22,6 +22,7 @@ from fa_verify.report.deviations import deviation_of
 from fa_verify.report.distributions import distributions
 from fa_verify.report.fa3 import Fa3Table, fa3_table
 from fa_verify.report.histogram import merge
+from fa_verify.report.rank import ranked
 from fa_verify.report.run_info import RunInfo
 from fa_verify.report.ulp import ulp_stat
 from fa_verify.results import ProblemDescriptor
@@ -150,8 +151,8 @@ class BackendSection:
     bound_ratio: float | None
     #: one Cell over all the backend's runs per column of the whole report (None: no runs)
     overview: list
-    #: what the overview ranks by: the geometric mean of the overview cells' × rounded over
-    #: the ranking columns (`ranking_columns`; set by `build`)
+    #: what the overview ranks by (`rank`): × rounded over the problems every ranked backend
+    #: ran, the geometric mean over the ranking columns (set by `build`)
     vs_rounded: float | None = None
 
     @property
@@ -180,28 +181,6 @@ def backend_section(name: str, records, report_columns, repro_dir=None) -> Backe
         columns=columns, rows=rows,
         bound_ratio=largest(r.bound_ratio for r in records if has_finite_bound(r)),
         overview=overview)
-
-
-def ranking_columns(sections, columns) -> list:
-    """The columns in which every backend with a × rounded figure has one, so that the rank
-    compares all of them on the same dtypes and causal modes (a backend without fp32 ranked on
-    its 16-bit columns alone would beat every fp32-capable one: in fp32 every kernel is ~10x
-    the rounded reference, in fp16 ~1); all columns when none is common to all."""
-    scored = [s for s in sections if any(c and c.vs_rounded is not None for c in s.overview)]
-    common = [c for i, c in enumerate(columns)
-              if all(s.overview[i] and s.overview[i].vs_rounded is not None for s in scored)]
-    return common or list(columns)
-
-
-def ranked(sections, columns) -> tuple[list, list]:
-    """(the sections most accurate first, the ranking columns): by × rounded, the geometric
-    mean over the ranking columns (each dtype × causal column weighs alike), then by name;
-    backends without the figure (no sweep records) last. Sets each section's vs_rounded."""
-    on = ranking_columns(sections, columns)
-    for s in sections:
-        s.vs_rounded = geometric_mean(cell.vs_rounded for column, cell in zip(columns, s.overview)
-                                      if cell and column in on)
-    return sorted(sections, key=lambda s: (s.vs_rounded is None, s.vs_rounded or 0.0, s.name)), on
 
 
 @dataclass
@@ -239,6 +218,7 @@ class FeatureGroup:
     #: ranked like the report's, over the group's records
     sections: list
     ranked_on: list
+    rank_left_out: list | None
     curves: list
     distributions: list
     #: SkipGroups of the backends that skipped the group's points as unsupported, with why
@@ -264,12 +244,14 @@ def feature_groups(records, info: RunInfo | None, repro_dir=None) -> list[Featur
         backends = defaultdict(list)
         for r in mine:
             backends[r.backend].append(r)
-        sections, ranked_on = ranked([backend_section(name, runs, columns, repro_dir)
-                                      for name, runs in backends.items()], columns)
+        sections, ranked_on, left_out = ranked([backend_section(name, runs, columns, repro_dir)
+                                                for name, runs in backends.items()],
+                                               columns, backends, shape_label)
         groups.append(FeatureGroup(
             name=variant_name(features) or "dense", parameters=sorted({r.problem.variant for r in mine}),
             runs=len(mine), failed=_failed(mine), columns=columns, sections=sections,
-            ranked_on=ranked_on, curves=curves(mine), distributions=distributions(mine),
+            ranked_on=ranked_on, rank_left_out=left_out, curves=curves(mine),
+            distributions=distributions(mine),
             not_applicable=_skip_groups(skipped[features])))
     return groups
 
@@ -323,8 +305,11 @@ class ReportData:
     totals: Totals
     columns: list
     sections: list
-    #: the columns the overview's rank averages over (`ranking_columns`)
+    #: the columns the overview's rank averages over, and the problems of theirs it leaves
+    #: out as not every ranked backend ran them (`rank`); None: no problem is shared by every
+    #: ranked backend, each is ranked over its own runs
     ranked_on: list
+    rank_left_out: list | None
     fa3: Fa3Table | None
     curves: list
     #: per dtype, each backend's error distribution and share of exactly rounded elements
@@ -355,8 +340,8 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
     stamps = sorted(r.timestamp for r in records)
     columns = sorted({column_of(r.problem) for r in records})
     failures, passing = worst_cases([r for r in records if not deviation_of(r)], repro_dir)
-    sections, ranked_on = ranked([backend_section(name, by_backend[name], columns, repro_dir)
-                                  for name in by_backend], columns)
+    sections, ranked_on, left_out = ranked([backend_section(name, by_backend[name], columns, repro_dir)
+                                            for name in by_backend], columns, by_backend, shape_label)
     notes = []
     if run is not None and run.interrupted:
         notes.append("The run was interrupted: this report shows the runs recorded before it stopped.")
@@ -367,7 +352,7 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
                       backends=len(by_backend), sources=dict(sorted(sources.items())),
                       sweeps=sorted({r.sweep for r in records if r.sweep}),
                       first=stamps[0] if stamps else None, last=stamps[-1] if stamps else None),
-        columns=columns, sections=sections, ranked_on=ranked_on,
+        columns=columns, sections=sections, ranked_on=ranked_on, rank_left_out=left_out,
         fa3=fa3_table(records), curves=curves([r for r in records if not r.problem.features]),
         distributions=distributions(records),
         failures=failures, deviations=deviations(records), worst_passing=passing, skips=skip_groups(run), run=run,

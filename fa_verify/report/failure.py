@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from fa_verify.report.deviations import deviation_of
+
 #: The key of Record.extra that holds the worst element of a failing run.
 KEY = "failure"
 #: The property of `fa_verify.properties` that checks each tensor against the oracle.
@@ -64,8 +66,12 @@ def worst_element(verdict, reference, out, lse) -> dict | None:
 
 
 def property_of(record) -> str | None:
-    """The property that sees the record's failure: the one that judged it (check, pytest),
-    else the oracle property of the tensor that failed."""
+    """The property that sees the record's failure: for a declared deviation the one its
+    backend declares (as the deviations table says), else the one that judged it (check,
+    pytest), else the oracle property of the tensor that failed."""
+    declared = deviation_of(record)
+    if declared:
+        return declared[0]["property"]
     if "property" in record.extra:
         return record.extra["property"]
     element = record.extra.get(KEY)

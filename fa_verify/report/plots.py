@@ -65,24 +65,32 @@ def backend_colours(backends) -> dict:
 @_styled
 def curve_svg(curve, colours: dict) -> str:
     """Max normalised error vs length (`curve.axis`), log-log: a panel per backend family (columns) and causal
-    mode (rows); the exactly rounded floor, and per backend the region its error-model bound
-    allows, shaded from the floor up to the bound's largest element."""
+    mode (rows); the exactly rounded floor, and per backend the largest element of its error-model
+    bound as a dash-dot line in its colour (lines, not shaded bands: several overlapping
+    translucent bands cannot be told apart). Backends whose curves coincide share one legend
+    entry that says so; a bound cut at the top or that stops is noted in its panel, with why."""
+    from matplotlib.legend_handler import HandlerTuple
+
     modes = sorted({s.causal for s in curve.series})
     groups = list(curve.groups.items())
-    entries = sum(map(len, curve.groups.values())) + 3
+    together = {name: group for group in curve.coinciding for name in group}
+    entries = sum(map(len, curve.groups.values())) - sum(len(g) - 1 for g in curve.coinciding) + 3
+    bounds = len({tuple(s.bound) for s in curve.series if s.bound})
     columns = min(4, len(groups) + 1)  # a legend no wider than the panels
-    fig, axes = _grid(len(modes), len(groups), 3.6, 2.9, -(-entries // columns) + 1)
+    fig, axes = _grid(len(modes), len(groups), 3.6, 2.9, -(-(entries + bounds) // columns) + 1)
     # the errors set the y range; a bound far above them (up to ~1 where a model's scores are
-    # in 16 bits) would squeeze them into a sliver, so such bands are cut and their top written
+    # in 16 bits) would squeeze them into a sliver, so such bounds are cut and their top written
     errors = [e for s in curve.series for _, e in s.points]
-    top, clipped, handles = HEADROOM * max(errors), False, {}
+    top, clipped, handles, bound_handles = HEADROOM * max(errors), False, {}, {}
+    symbol = curve.axis.rsplit(" ", 1)[-1]  # "N", or "Nk" for decode
     for row, causal in enumerate(modes):
         mode = [s for s in curve.series if s.causal == causal]
         for col, (family, backends) in enumerate(groups):
             ax = axes[row][col]
             shown = [s for b in backends for s in mode if s.label == b]
-            floor = dict(next((s.points for s in mode if s.kind == "floor"), []))
-            clipped |= _bounds(ax, shown, floor, colours, top)
+            cut, drawn = _bounds(ax, shown, colours, top, symbol)
+            clipped |= cut
+            bound_handles.update(drawn)
             for i, s in enumerate(shown):
                 n, err = zip(*s.points)
                 # alternate filled and larger hollow markers: identical curves stay visible
@@ -106,36 +114,58 @@ def curve_svg(curve, colours: dict) -> str:
                 ax.set_ylabel("max normalised error")
     if clipped:
         axes[0][0].set_ylim(max(min(errors), 1e-17) / 1.5, top)  # the panels share it
-    if any(s.bound for s in curve.series):
-        handles["error-model bound, largest element\n(dash-dot; shaded down to the floor)"] = _band_key()
+    legend = {}
+    for label, handle in handles.items():
+        group = together.get(label)
+        if group is None:
+            legend[label] = handle
+        elif label == group[0]:  # one entry, every marker of the group side by side
+            legend[f"{', '.join(group)} (coincide)"] = tuple(handles[b] for b in group if b in handles)
+    legend.update(bound_handles)
     quantity = curve.axis.rsplit(" ", 1)[0]  # "sequence length N" -> "sequence length"
     # the variant's parameters on a line of their own: a lone panel is narrower than both
     fig.suptitle(f"{curve.dtype}: error against {quantity} ({curve.shape_family})"
                  + (f"\n{curve.variant}" if curve.variant else ""))
-    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=columns,
-               fontsize=7, frameon=False)
+    fig.legend(list(legend.values()), list(legend), loc="outside lower center", ncols=columns,
+               fontsize=7, frameon=False, handlelength=3.2,
+               handler_map={tuple: HandlerTuple(ndivide=None, pad=0.1)})
     return _svg(fig)
 
 
-def _bounds(ax, series, floor: dict, colours: dict, top: float) -> bool:
-    """Shade each distinct bound of `series` from the floor up, once for the backends that
-    share it (one precision model), in the first one's colour; name those cut above `top`.
-    Whether any was cut."""
+def _bounds(ax, series, colours: dict, top: float, symbol: str) -> tuple[bool, dict]:
+    """Draw each distinct bound of `series` once, for the backends that share it (one precision
+    model), as a dash-dot line in the first one's colour with a tick at each length (a bound at
+    one length is a tick); note in the panel the bounds cut above `top` and those that stop.
+    (whether any was cut, {legend label: handle})."""
+    from matplotlib.lines import Line2D
+
     shared = {}
     for s in series:
         if s.bound:
-            shared.setdefault(tuple(s.bound), []).append(s.label)
-    cut = 0
-    for bound, labels in shared.items():
+            shared.setdefault(tuple(s.bound), []).append(s)
+    handles, notes, cut = {}, [], False
+    for bound, members in shared.items():
+        labels = [s.label for s in members]
         colour = colours[labels[0]]
         n, largest = zip(*bound)
-        ax.fill_between(n, [floor.get(x, b) for x, b in bound], largest, color=colour, alpha=0.1, lw=0)
-        ax.plot(n, largest, color=colour, lw=0.9, ls="-.")
+        ax.plot(n, largest, color=colour, lw=1.0, ls="-.", marker="_", ms=9, mew=1.2)
+        # the legend's line without the ticks, which would hide its dash-dot
+        handles[f"bound of {' = '.join(labels)}"] = Line2D([], [], color=colour, lw=1.0, ls="-.")
+        said = []
         if max(largest) > top:
-            ax.text(0.02, 0.97 - 0.16 * cut, f"bound up to {max(largest):.2g} ↑\n{', '.join(labels)}",
-                    transform=ax.transAxes, color=colour, fontsize=6.5, va="top", in_layout=False)
-            cut += 1
-    return bool(cut)
+            said.append(f"bound up to {max(largest):.2g} ↑")
+            cut = True
+        ends = members[0].bound_ends
+        if ends is not None:  # error_model: no first-order bound once a relative error reaches 1/4
+            said.append(f"no finite bound past {symbol} = {ends}: its model's error reaches 1/4")
+        if said:  # a line each, to fit a panel's width
+            notes.append((colour, [f"{', '.join(labels)}:"] + said))
+    line = 0
+    for colour, lines in notes:
+        ax.text(0.02, 0.97 - 0.055 * line, "\n".join(lines), transform=ax.transAxes, color=colour,
+                fontsize=6.5, va="top", linespacing=1.1, in_layout=False)
+        line += len(lines) + 0.3
+    return cut, handles
 
 
 _MARKERS = "osD^vP"
@@ -145,12 +175,6 @@ _FLOOR = {"color": "black", "ls": "--", "lw": 1.3}
 _COMPARISON = {"color": "0.55", "ls": ":", "lw": 1.4}
 _COMPARISON_LABELS = {"floor": "exactly rounded reference (floor)",
                       "comparison": "naive same-precision attention"}
-
-
-def _band_key():
-    from matplotlib.patches import Patch
-
-    return Patch(facecolor="0.85", edgecolor="0.4", ls="-.", lw=0.9)
 
 
 @_styled

@@ -3,8 +3,9 @@
 It counts the runs the sweep will make: runs a backend does not support, or already has in
 the results (--resume), are left out from the start, and a run the time budget refuses is
 taken out when it is refused. The percentage is the share of those runs done, so it agrees
-with the run count; the remaining time is predicted from the work (B·H·Nq·Nk·D per run), as
-runs differ in cost by orders of magnitude. The last line says what ran and what was skipped.
+with the run count; the time left is predicted from the runs left, each by its size (`eta`),
+and shown as "?" until there is something to predict it from. The last line says what ran
+and what was skipped.
 """
 
 from __future__ import annotations
@@ -13,15 +14,20 @@ import sys
 import time
 from collections import Counter
 
+from fa_verify.report.eta import Eta
+
 
 class Progress:
-    def __init__(self, runs: int, work: float, stream=None, width: int = 28):
-        self.total_runs = runs
-        self.total_work = float(work)
+    """runs: (backend, point, work) of the runs planned, in order; budgets and history as
+    `eta.Eta` takes them."""
+
+    def __init__(self, runs, stream=None, width: int = 28, budgets=None, history=()):
+        runs = list(runs)
+        self.total_runs = len(runs)
+        self.eta = Eta(runs, budgets, history)
         self.stream = stream or sys.stderr
         self.width = width
         self.runs = 0
-        self.work = 0.0
         self.skipped = Counter()
         self.start = time.monotonic()
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
@@ -31,12 +37,12 @@ class Progress:
     def share(self) -> float:
         return self.runs / self.total_runs if self.total_runs else 1.0
 
-    def skip(self, kind: str, work: float = 0.0, planned: bool = True) -> None:
-        """A run of `kind` will not run; `planned`: it was counted in the totals."""
+    def skip(self, kind: str, run=None) -> None:
+        """A run of `kind` will not run; `run`: its (backend, point) when it was planned."""
         self.skipped[kind] += 1
-        if planned:
+        if run is not None:
             self.total_runs -= 1
-            self.total_work -= work
+            self.eta.drop(*run)
 
     def begin(self, label: str) -> None:
         """A run starts: show it (on a terminal always; in a log once per twentieth)."""
@@ -45,18 +51,19 @@ class Progress:
             self._logged = step
             self._write(self._line(label))
 
-    def finish(self, work: float) -> None:
+    def finish(self, backend, point, work, seconds: dict) -> None:
+        """A planned run is done; `seconds`: its record's timings."""
         self.runs += 1
-        self.work += work
+        self.eta.done(backend, point, work, seconds)
 
     def _line(self, label: str) -> str:
         elapsed = time.monotonic() - self.start
-        left = self.total_work - self.work
-        eta = elapsed * left / self.work if self.work else 0.0
+        left = self.eta.seconds()
         filled = int(self.share * self.width)
         bar = "#" * filled + "." * (self.width - filled)
+        eta = "   ?" if left is None else f"{left:4.0f}"
         return (f"[{bar}] {100 * self.share:3.0f}% {self.runs}/{self.total_runs} runs "
-                f"{elapsed:5.0f}s (eta {eta:4.0f}s) {label}")
+                f"{elapsed:5.0f}s (eta {eta}s) {label}")
 
     def _write(self, line: str) -> None:
         if self._tty:

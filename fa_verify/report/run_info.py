@@ -42,6 +42,7 @@ class RunInfo:
 
     def save(self, directory) -> None:
         path = Path(directory) / FILE_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)  # no record may have created it
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(self), indent=1))
         tmp.replace(path)  # never leave a half-written run.json behind

@@ -16,14 +16,15 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from fa_verify.backends.naive import naive_attention
-from fa_verify.dtypes import round_to
 from fa_verify.error_model import error_bound
+from fa_verify.errors import InvalidArgumentError
 from fa_verify.honest_ensemble import ensemble_errors
 from fa_verify.metrics import OutputErrors
 from fa_verify.oracle import reference
 from fa_verify.precision import PrecisionModel
 from fa_verify.report.budget import Budget
 from fa_verify.report.deviations import KEY as DEVIATION_KEY, declared_deviation
+from fa_verify.report.eta import REFERENCE
 from fa_verify.report.failure import KEY as FAILURE_KEY, worst_element
 from fa_verify.report.histogram import histogram
 from fa_verify.report.progress import Progress
@@ -33,8 +34,10 @@ from fa_verify.report.yardsticks import (
     EXACTLY_ROUNDED_KEY,
     LARGEST_BOUND_KEY,
     ROUNDED_HISTOGRAM_KEY,
+    error_stats,
     exactly_rounded,
     largest_bound,
+    rounded_errors,
 )
 from fa_verify.results import (
     EXACTLY_ROUNDED,
@@ -82,10 +85,10 @@ class Comparators:
         start = time.perf_counter()
         ref = reference(problem)
         naive_out, _ = naive_attention(problem, PrecisionModel.same_precision(problem.dtype))
-        rounded = _errors(round_to(ref.out, problem.dtype), ref, problem.dtype)
+        rounded = rounded_errors(problem, ref)
         comparisons = {
-            EXACTLY_ROUNDED: _stats(rounded),
-            NAIVE_SAME_PRECISION: _stats(_errors(naive_out, ref, problem.dtype)),
+            EXACTLY_ROUNDED: error_stats(rounded),
+            NAIVE_SAME_PRECISION: error_stats(_errors(naive_out, ref, problem.dtype)),
         }
         return cls(problem, ref, naive_out, comparisons, histogram(rounded.normalised),
                    time.perf_counter() - start)
@@ -93,10 +96,6 @@ class Comparators:
 
 def _errors(out, ref, dtype) -> OutputErrors:
     return OutputErrors.compute(out, ref.out, ref.row_scale, dtype)
-
-
-def _stats(errors) -> dict:
-    return {view: s.as_dict() for view, s in errors.stats().items()}
 
 
 def compare(backend, problem, shared: Comparators, sweep: str):
@@ -136,11 +135,15 @@ def compare(backend, problem, shared: Comparators, sweep: str):
                                sweep=sweep, comparisons=shared.comparisons, histograms=histograms)
 
 
-def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=None) -> RunInfo:
+def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=None,
+              plan=None, history=()) -> RunInfo:
     """Run `sweep` on `backends`, appending to `store`; returns what ran and what was skipped.
 
     done: (backend, problem key) pairs already in the store (skipped: --resume).
+    history: records timed before (--resume: the store's), from which the progress bar's
+    time left is predicted until this run has timed its own.
     out_dir: where run.json is written when the sweep ends, or is interrupted.
+    plan: `plan_sweep(sweep, backends, done)` when the caller made it already (done unused).
     """
     from fa_verify.report.environment import collect
 
@@ -149,19 +152,21 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
                    started=utc_now(), environment=collect())
     budgets = {b.name: Budget(sweep.budget_s) for b in backends}
     warmed = set()
-    points = sweep.ordered()
-    plans = [_plan(point, backends, done) for point in points]
-    planned = [point for point, (_, todo) in zip(points, plans)
-               for skip in todo.values() if skip is None]
-    progress = Progress(len(planned), sum(point.work for point in planned), stream)
+    plans = plan_sweep(sweep, backends, done) if plan is None else plan
+    points = [point for point, _, _ in plans]
+    plans = [(descriptor, todo) for _, descriptor, todo in plans]
+    planned = [(name, descriptor.key(), point.work) for point, (descriptor, todo) in zip(points, plans)
+               for name, skip in todo.items() if skip is None]
+    progress = Progress(planned, stream, budgets=budgets,
+                        history=[(r.backend, r.problem.key(), r.problem.work, r.seconds) for r in history])
     try:
         for point, (descriptor, todo) in zip(points, plans):
             for name, skip in todo.items():
                 if skip is RECORDED:
-                    progress.skip("already recorded", planned=False)
+                    progress.skip("already recorded")
                 elif skip is not None:
                     info.skips.append(Skip(name, asdict(descriptor), "unsupported", skip))
-                    progress.skip("unsupported", planned=False)
+                    progress.skip("unsupported")
             if all(skip is not None for skip in todo.values()):
                 continue
             problem = point.problem()
@@ -173,7 +178,7 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
                 refusal = budget.refusal(point.work)
                 if refusal:
                     info.skips.append(Skip(backend.name, asdict(descriptor), "budget", refusal))
-                    progress.skip("budget", work=point.work)
+                    progress.skip("budget", (backend.name, descriptor.key()))
                     continue
                 progress.begin(f"{backend.name} {point.dtype} "
                                f"{'causal' if point.causal else 'full'} {_seq(point.shape)} "
@@ -185,7 +190,9 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
                 record = compare(backend, problem, shared, sweep.name)
                 store.append(record)
                 budget.charge(point.work, record.seconds["run"])
-                progress.finish(point.work)
+                # a run that raised records no comparators' time, yet they were computed
+                progress.finish(backend.name, descriptor.key(), point.work,
+                                {REFERENCE: shared.seconds, **record.seconds})
     except KeyboardInterrupt:
         info.interrupted = True
         raise
@@ -201,6 +208,15 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
 RECORDED = object()
 
 
+def plan_sweep(sweep, backends, done=frozenset()) -> list:
+    """[(point, its ProblemDescriptor, {backend name: None to run it, RECORDED, or why the backend
+    does not support it})], cheapest point first, known before anything runs; a usage error
+    (InvalidArgumentError) when no backend supports any point."""
+    plan = [(point, *_plan(point, backends, done)) for point in sweep.ordered()]
+    _check_applicable(sweep, plan)
+    return plan
+
+
 def _plan(point, backends, done):
     """(the point's ProblemDescriptor, {backend name: None to run it, RECORDED, or why the
     backend does not support it}), known before anything runs."""
@@ -209,6 +225,31 @@ def _plan(point, backends, done):
     return descriptor, {
         b.name: RECORDED if (b.name, descriptor.key()) in done else b.supports(problem)
         for b in backends}
+
+
+def unsupported_everywhere(plan) -> dict:
+    """{backend name: why} of the backends that support no point of the plan (the first
+    point's reason)."""
+    why = {}
+    for _, _, todo in plan:
+        for name, skip in todo.items():
+            why.setdefault(name, skip)
+            if not isinstance(skip, str):  # it runs the point, or already has
+                why[name] = None
+    return {name: reason for name, reason in why.items() if reason is not None}
+
+
+def _check_applicable(sweep, plan) -> None:
+    """A usage error when no backend supports any point of the sweep: nothing would run, and
+    an empty report reads as a pass."""
+    why = unsupported_everywhere(plan)
+    if not plan or len(why) < len(plan[0][2]):
+        return
+    reasons = "; ".join(f"{name}: {reason}" for name, reason in why.items())
+    raise InvalidArgumentError(
+        f"no point of the {sweep.name} sweep runs on {', '.join(why)} ({reasons}); choose a "
+        f"backend that runs it ('fa_verify backends' lists each one's dtypes and variants) "
+        f"or another --sweep")
 
 
 def _seq(shape) -> str:

@@ -34,7 +34,12 @@ from fa_verify.report.buckets import Bucket, Column
 #: overview ("sections", "columns", "ranked_on"), "curves", "distributions", "parameters" and the
 #: backends "not_applicable" to it (empty when every problem is dense); cells' "shapes" end
 #: with a problem's variant parameters.
-SUMMARY_VERSION = 6
+#: 7: backends' "vs_rounded" (the rank) pools, per ranking column, only the problems every
+#: ranked backend ran; new "rank_left_out" (also per feature): the problems left out of the rank
+#: ("column", "problem", "missing": the ranked backends without a run of it; null when no problem
+#: is shared by every ranked backend and each is ranked over its own runs); "curves" gain
+#: "coinciding" (groups of backends of one panel whose curves lie on top of one another).
+SUMMARY_VERSION = 7
 
 
 def _plain(value):

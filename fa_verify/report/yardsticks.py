@@ -1,5 +1,7 @@
 """What the report's figures measure a run against, stored with each sweep record.
 
+- `rounded_comparison`: the error statistics of the certified reference rounded to the dtype,
+  the denominator of "× rounded" (sweep records and `fa_verify check` / pytest records alike).
 - `exactly_rounded`: how many output elements equal the certified reference rounded to the
   output dtype (the best any kernel can do, element by element). An error of exactly 0
   against the float64 reference is not that: it happens almost only where both are 0 (fully
@@ -7,9 +9,8 @@
 - the rounded reference's normalised error histogram on the same inputs (`histogram`, under
   ROUNDED_HISTOGRAM_KEY): the floor each backend's histogram is drawn against.
 - `largest_bound`: the largest finite element of the error-model bound of the backend's
-  precision model, normalised by the row scale like the curves' errors: the top of the band
-  the error-vs-N curves shade (from the rounded reference's floor up to it, the region where
-  a kernel's largest error may lie).
+  precision model, normalised by the row scale like the curves' errors: the dash-dot line the
+  error-vs-N curves draw, above which a kernel's largest error may not lie.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from fa_verify.dtypes import round_to
+from fa_verify.metrics import OutputErrors
 from fa_verify.report.histogram import merge
+from fa_verify.results import EXACTLY_ROUNDED
 
 #: Keys of Record.extra.
 EXACTLY_ROUNDED_KEY = "exactly_rounded"
@@ -30,6 +33,24 @@ def exactly_rounded(out, ref_out, dtype) -> dict:
     got = np.asarray(out).astype(np.float64)
     rounded = round_to(ref_out, dtype).astype(np.float64)
     return {"count": int(np.count_nonzero(got == rounded)), "of": int(got.size)}
+
+
+def rounded_errors(problem, reference) -> OutputErrors:
+    """The errors of the certified reference rounded to the problem's dtype: the least any
+    kernel can have, element by element."""
+    return OutputErrors.compute(round_to(reference.out, problem.dtype), reference.out,
+                                reference.row_scale, problem.dtype)
+
+
+def error_stats(errors: OutputErrors) -> dict:
+    """Record-ready statistics of each view of `errors`."""
+    return {view: s.as_dict() for view, s in errors.stats().items()}
+
+
+def rounded_comparison(problem, reference) -> dict:
+    """Record.comparisons with the rounded reference's error stats, which the report's
+    "× rounded" divides by."""
+    return {EXACTLY_ROUNDED: error_stats(rounded_errors(problem, reference))}
 
 
 def largest_bound(bound_out, row_scale) -> float | None:
