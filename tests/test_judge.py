@@ -163,9 +163,10 @@ def test_a_kill_counts_only_on_an_example_the_unmutated_kernel_passes():
 
 
 @needs_cpu_runner
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [f if f == "fa2" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def test_no_false_positive_on_the_unmutated_kernels(family):
-    """One seed besides the profile's (the campaign runs 20)."""
+    """One seed besides the profile's (the campaign runs 20). fa2 in the default run, whose
+    properties/ suite searches the profile's seed on every kernel; the others marked slow."""
     run = run_suite(CpuKernelBackend(family), Selection.from_profile("ci", max_examples=10, seed=1))
     assert not run.killed, f"{family}: {run.killer}: {run.detail}"
 

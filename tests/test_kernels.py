@@ -290,9 +290,12 @@ def test_build_command_for_the_cpu_runner(capsys):
 
 
 @needs_cpu_runner
-@pytest.mark.parametrize("family_name", list(FAMILIES))
+@pytest.mark.parametrize("family_name", [f if f == "fa2" else pytest.param(f, marks=pytest.mark.slow)
+                                         for f in FAMILIES])
 def test_check_command_on_each_cpu_kernel_backend(family_name, capsys):
     """`fa_verify check <kernel>-cpu`: the fixed edge cases plus a few Hypothesis problems pass.
+    fa2 in the default run (the command's path); the others marked slow, as the default run's
+    properties/ suite searches every property on every kernel already.
 
     naive16 gets the profile's 20 examples: its scores are summed in fp16/bf16, so in bf16 its
     merge-law tolerance admits even a zero output on most examples (the null-model guard calls

@@ -235,6 +235,7 @@ def test_a_split_kv_mutant_must_name_its_layout(tmp_path):
         load_mutants(tmp_path / "m.toml")
 
 
+@pytest.mark.slow  # the default run searches these properties on both backends: properties/test_varlen_paged.py
 @needs_cpu_runner
 @pytest.mark.parametrize("layout", ["paged", "varlen"])
 def test_the_ragged_properties_pass_the_kernel(layout):
