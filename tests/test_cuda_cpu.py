@@ -487,6 +487,19 @@ def test_builds_are_cached_by_content(tmp_path):
     shutil.rmtree(cache)
 
 
+def test_concurrent_builds_of_one_source_compile_it_once(tmp_path):
+    """Two builders of the same inputs at once (xdist's workers; threads here): one compiles,
+    the other waits for it and reuses its library."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    source = tmp_path / "k.cu"
+    source.write_text('extern "C" __global__ void scale(float* x) { x[threadIdx.x] *= 2.0f; }\n')
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: build(source, {"scale": ["ptr"]}, cache_dir=tmp_path / "cache"), range(2)))
+    assert sorted(r.cache_hit for r in results) == [False, True]
+    assert results[0].library == results[1].library
+
+
 def test_the_shim_surface_builds_and_behaves():
     module = CpuKernelModule(KERNELS / "shim_surface.cu", {"shim_surface": ["ptr", "ptr"]})
     out = np.zeros(64, np.float32)

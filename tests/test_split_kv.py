@@ -194,9 +194,10 @@ GRID_MUTANTS = [pytest.param(m, id=m.name, marks=[pytest.mark.slow] if i else []
 
 @needs_cpu_runner
 @pytest.mark.parametrize("mutant", GRID_MUTANTS)
-def test_mutant_is_caught_by_the_grid(mutant, tmp_path):
-    source = mutant.materialise(tmp_path)
-    module = cpu_module(source, tmp_path)
+def test_mutant_is_caught_by_the_grid(mutant):
+    from fa_verify.judge.mutants import mutant_module
+
+    module = mutant_module(mutant)
     found = [f"{name}: {line}" for name, (layout, _, _) in CASES.items() if layout == mutant.layout
              for line in failures_of(case(name), lambda p, inputs: run_on_cpu(p, inputs, module, mutant.name))]
     assert found, f"mutant {mutant.name} ({mutant.description}) passed every {mutant.layout} case of the grid"
@@ -234,6 +235,7 @@ def test_a_split_kv_mutant_must_name_its_layout(tmp_path):
         load_mutants(tmp_path / "m.toml")
 
 
+@pytest.mark.slow  # the default run searches these properties on both backends: properties/test_varlen_paged.py
 @needs_cpu_runner
 @pytest.mark.parametrize("layout", ["paged", "varlen"])
 def test_the_ragged_properties_pass_the_kernel(layout):

@@ -10,11 +10,14 @@ again and again. A manifest keyed by the build's inputs (path, entries, flags, c
 records the files the unit included and their hashes: if none changed, the library is reused
 without running g++ at all. Otherwise the library is keyed by the hash of the final unit, so an
 edit that changes nothing after preprocessing (a comment) still hits. The fiber runtime is
-compiled once per flag set and linked into every module.
+compiled once per flag set and linked into every module. A lock per manifest key makes processes
+building the same inputs at once (pytest-xdist's workers) compile them once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -154,37 +157,55 @@ def build(
     if library is not None:
         return BuildResult(library, True, time.perf_counter() - start, "")
 
-    with tempfile.TemporaryDirectory(prefix="build-", dir=cache) as work_dir:
-        work = Path(work_dir)
-        preprocessed, depends = _preprocess(cxx, source, flags, macro_flags, include_flags, work, entries)
-        preprocessed = _ptx.rewrite_inline_asm(preprocessed, SHIM_DIR)
-        _rewrite.check_supported(preprocessed, SHIM_DIR)
-        unit = _rewrite.rewrite_shared(preprocessed)
-        unit += _trampolines.generate(entries, str(source))
-        runtime = _runtime_objects(cxx, identity, flags, cache, racecheck)
-        unit_key = _sha256(json.dumps([_BUILDER_VERSION, identity, flags, _sha256(unit), [r.name for r in runtime]]))
-        target = cache / unit_key[:32]
-        library = target / "module.so"
-        log = ""
-        cache_hit = library.exists()
-        if not cache_hit:
-            (work / "kernel.ii").write_text(unit)
-            runtime = tuple(str(r) for r in runtime)
-            if racecheck:  # compiled instrumented, linked without ThreadSanitizer's runtime
-                command = (cxx, *flags, *_RACECHECK_INSTRUMENT, "-c", str(work / "kernel.ii"), "-o", str(work / "kernel.o"))
-                log = _run(command, source, "compile", entries)
-                command = (cxx, *flags, "-shared", "-Wl,-z,defs", str(work / "kernel.o"), *runtime, "-o",
-                           str(work / "module.so"))
-                log += _run(command, source, "link", entries)
-                (work / "kernel.o").unlink()
-            else:
-                command = (cxx, *flags, "-shared", str(work / "kernel.ii"), *runtime, "-o", str(work / "module.so"))
-                log = _run(command, source, "compile", entries)
-            (work / "build.log").write_text(log)
-            (work / "kernel.ii").unlink()
-            _publish(work, target)
-        _write_manifest(manifest, depends, library.relative_to(cache))
+    # One build per key at a time: a second process (pytest-xdist's other worker) waits for the
+    # first and then finds its library, instead of compiling the same unit beside it.
+    with _locked(cache / "locks" / f"{inputs_key}.lock"):
+        library = _from_manifest(manifest, cache)
+        if library is not None:
+            return BuildResult(library, True, time.perf_counter() - start, "")
+        with tempfile.TemporaryDirectory(prefix="build-", dir=cache) as work_dir:
+            work = Path(work_dir)
+            preprocessed, depends = _preprocess(cxx, source, flags, macro_flags, include_flags, work, entries)
+            preprocessed = _ptx.rewrite_inline_asm(preprocessed, SHIM_DIR)
+            _rewrite.check_supported(preprocessed, SHIM_DIR)
+            unit = _rewrite.rewrite_shared(preprocessed)
+            unit += _trampolines.generate(entries, str(source))
+            runtime = _runtime_objects(cxx, identity, flags, cache, racecheck)
+            unit_key = _sha256(json.dumps([_BUILDER_VERSION, identity, flags, _sha256(unit), [r.name for r in runtime]]))
+            target = cache / unit_key[:32]
+            library = target / "module.so"
+            log = ""
+            cache_hit = library.exists()
+            if not cache_hit:
+                (work / "kernel.ii").write_text(unit)
+                runtime = tuple(str(r) for r in runtime)
+                if racecheck:  # compiled instrumented, linked without ThreadSanitizer's runtime
+                    command = (cxx, *flags, *_RACECHECK_INSTRUMENT, "-c", str(work / "kernel.ii"), "-o", str(work / "kernel.o"))
+                    log = _run(command, source, "compile", entries)
+                    command = (cxx, *flags, "-shared", "-Wl,-z,defs", str(work / "kernel.o"), *runtime, "-o",
+                               str(work / "module.so"))
+                    log += _run(command, source, "link", entries)
+                    (work / "kernel.o").unlink()
+                else:
+                    command = (cxx, *flags, "-shared", str(work / "kernel.ii"), *runtime, "-o", str(work / "module.so"))
+                    log = _run(command, source, "compile", entries)
+                (work / "build.log").write_text(log)
+                (work / "kernel.ii").unlink()
+                _publish(work, target)
+            _write_manifest(manifest, depends, library.relative_to(cache))
     return BuildResult(library, cache_hit, time.perf_counter() - start, log)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path` (created if missing), held while the block runs."""
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _preprocess(cxx, source, flags, macro_flags, include_flags, work, entries):

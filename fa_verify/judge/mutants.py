@@ -10,28 +10,39 @@ backend `SplitKvCpuBackend` of the mutant's layout with the mutated module; `mut
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
 from fa_verify.backends.cuda_kernels import CpuKernelBackend
 from fa_verify.backends.split_kv import SplitKvCpuBackend
+from fa_verify.kernels.catalogue import kernels_dir
 from fa_verify.kernels.mutants import Mutant
 
 
-def _mutant_folder(mutant: Mutant, root: Path) -> Path:
-    """A folder per mutant and source text, so an edited mutants.toml never reuses a stale copy."""
-    digest = hashlib.sha256((mutant.find + "\0" + mutant.replace).encode()).hexdigest()[:12]
-    return root / f"{mutant.name}-{digest}"
+def mutant_source(mutant: Mutant) -> Path:
+    """The mutated source, in a folder of the runner's cache named by the mutant and the text it
+    builds from. A fixed path lets the content-addressed build cache (whose units name their
+    source) serve every process, test and later run; an edited kernel or mutant gets a new folder."""
+    from fa_verify.cuda_cpu import default_cache_dir
+
+    family, kernels = mutant.kernel_family, kernels_dir()
+    text = mutant.mutate((kernels / family.source).read_text()) + (kernels / "fa_common.cuh").read_text()
+    folder = default_cache_dir().parent / "mutants" / f"{mutant.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    if not (folder / family.source).is_file():
+        # Written aside and renamed into place: a concurrent process never sees half a folder.
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staged = Path(tempfile.mkdtemp(prefix=f".{mutant.name}-", dir=folder.parent))
+        mutant.materialise(staged)
+        try:
+            os.replace(staged, folder)
+        except OSError:  # another process published it first
+            shutil.rmtree(staged, ignore_errors=True)
+    return folder / family.source
 
 
 _MODULES: dict = {}
-_ROOT: list = []
-
-
-def _root() -> Path:
-    if not _ROOT:
-        _ROOT.append(tempfile.TemporaryDirectory(prefix="fa_verify_mutants_"))
-    return Path(_ROOT[0].name)
 
 
 def mutant_module(mutant: Mutant, sanitize: bool = False, racecheck: bool = False):
@@ -41,11 +52,9 @@ def mutant_module(mutant: Mutant, sanitize: bool = False, racecheck: bool = Fals
 
     key = (mutant.name, mutant.find, mutant.replace, sanitize, racecheck)
     if key not in _MODULES:
-        folder = _mutant_folder(mutant, _root())
-        source = mutant.materialise(folder)
-        family = mutant.kernel_family
-        _MODULES[key] = CpuKernelModule(source, entries=family.signatures(), include_dirs=(str(folder),),
-                                        sanitize=sanitize, racecheck=racecheck)
+        source = mutant_source(mutant)
+        _MODULES[key] = CpuKernelModule(source, entries=mutant.kernel_family.signatures(),
+                                        include_dirs=(str(source.parent),), sanitize=sanitize, racecheck=racecheck)
     return _MODULES[key]
 
 
