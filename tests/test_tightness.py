@@ -449,3 +449,17 @@ def test_the_oracle_bound_counts_d_plus_3_roundings_of_each_score_or_one_more_fo
         assert counted == pytest.approx(d + roundings + extra_out, rel=1e-5), (m, counted)
         counted = lse_bound[0] / (1e6 * U64)
         assert counted == pytest.approx(d + roundings + extra_lse, rel=1e-5), (m, counted)
+
+
+def test_the_oracle_bound_counts_every_accumulated_rounding():
+    """The other leading term: where the scores are exact (A = 0, m = 0), the bound is the P.V
+    sums' gamma_n, n = 1024 + ceil(N / 1024) per term (P.V in chunks of 1024 keys): output
+    coefficient 2 gamma_n, LSE bound gamma_n (with l = 1)."""
+    problem = AttentionProblem(*(np.zeros((1, 1, 1, 4), np.float16) for _ in range(3)))
+    n = 10 ** 7  # gamma_n ~ 1e-9: exp's allowance (2^-50) is 1e-6 of it
+    coefficient, _, lse_bound = certified._bounds(problem, np.ones(1), np.zeros(1), np.zeros(1), n, np.zeros(1))
+    assert coefficient[0] / (2 * n * U64) == pytest.approx(1, rel=1e-5)
+    assert lse_bound[0] / (n * U64) == pytest.approx(1, rel=1e-5)
+    keys = np.zeros((1, 3000, 4))
+    *_, rounds, _ = certified._attend(np.zeros((1, 2, 4)), keys, keys, None, 0.5)
+    assert rounds == 1024 + 3
