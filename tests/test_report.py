@@ -17,8 +17,10 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -552,7 +554,11 @@ def test_the_reproducer_of_a_cell_replays_its_failure_on_the_real_backend(tmp_pa
     case = section.overview[0].failure
     # the property its backend declares for the deviation, as the deviations table says
     assert (case.element["got"], case.element["expected"], case.property) == (0.0, -np.inf, "fully_masked_rows")
-    rerun = subprocess.run(case.reproducer, shell=True, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    # The reproducer says `python3 SCRIPT`; run SCRIPT with this interpreter, not the PATH's python3
+    # (a virtual environment that is not activated has fa_verify, the PATH's python3 may not).
+    command = shlex.split(case.reproducer)
+    assert command[0] == "python3" and len(command) == 2, case.reproducer
+    rerun = subprocess.run([sys.executable, command[1]], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert rerun.returncode == 1 and "property 'fully_masked_rows' failed" in rerun.stdout, rerun.stderr[-2000:]
     assert "got 0, expected -inf" in rerun.stdout
 

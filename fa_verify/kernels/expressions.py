@@ -64,9 +64,17 @@ def evaluate(tree: ast.expr, values: Mapping[str, object], where: str):
         raise InvalidArgumentError(f"{where}={ast.unparse(tree)!r} cannot be evaluated ({exc}) for {shown}") from None
 
 
+def _is_number(value) -> bool:
+    """int or float, not bool (True and False are ints to Python, not numbers to a spec)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _allowed(node, text, where, names) -> None:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return
+    if isinstance(node, ast.Constant):
+        if _is_number(node.value):
+            return
+        raise InvalidArgumentError(f"{where}={text!r}: constant {node.value!r} ({type(node.value).__name__}) is "
+                                   "not allowed; only int and float numbers are constants of a spec expression")
     if isinstance(node, ast.Name):
         if node.id in names or node.id in FUNCTIONS:
             return
@@ -86,6 +94,8 @@ def _allowed(node, text, where, names) -> None:
 
 def _value(node, values):
     if isinstance(node, ast.Constant):
+        if not _is_number(node.value):  # a tree built by hand skips parse's check
+            raise ValueError(f"constant {node.value!r} is not a number")
         return node.value
     if isinstance(node, ast.Name):
         return values[node.id] if node.id in values else FUNCTIONS[node.id]

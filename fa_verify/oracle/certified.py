@@ -10,7 +10,8 @@ exact scale, the computed t_ij is within g_{D+2} scale_hi A_i of scale * q_i.k_j
 gamma_D, one rounding more for Q' and one for a rounded scale), so |t_ij| <= (1 + g_{D+2})
 scale_hi A_i, and x's subtraction adds u (|t_ij| + |m_i|). Every computed x_ij is thus within
     b_i = u |m_i| + g_{D+3} scale_hi A_i
-of the exact scaled score minus m_i. Then every probability has relative error
+of the exact scaled score minus m_i (g_{D+4} where the float64 1/sqrt(D) is more than one
+rounding off: `scale_roundings`). Then every probability has relative error
 r_i <= expm1(b_i) + eps_exp e^{b_i}, and `softmax_output_coefficient` turns r into the
 output bound. Exact t - m vs computed m does not matter: softmax is shift invariant.
 
@@ -37,8 +38,10 @@ Underflow of p (x < -708) and of products p*v is covered by an absolute term (ta
 
 from __future__ import annotations
 
+import functools
 import math
 
+import mpmath
 import numpy as np
 
 from fa_verify.oracle import mp_path
@@ -140,11 +143,26 @@ def _gemm_magnitude(q, k, mask, rows):
     return out / (1 - gamma(q.shape[-1]))
 
 
+@functools.cache
+def scale_roundings(scale: float, head_dim: int) -> int:
+    """How many roundings of size u the default scale's error counts as: the least k >= 1 with
+    |scale - 1/sqrt(D)| <= k u / sqrt(D), for the float64 `scale` that stands for 1/sqrt(D).
+    AttentionProblem.scale_value rounds twice (the sqrt, then the reciprocal) and can miss by
+    more than one rounding: 1.21 u at D = 3, 1.24 u at D = 6 and 96, 1.39 u at D = 75 (k = 2).
+    Exact: mpmath at 40 digits."""
+    with mpmath.workdps(40):
+        exact = 1 / mpmath.sqrt(head_dim)
+        error = abs(mpmath.mpf(scale) - exact) / (exact * mpmath.mpf(U64))
+        return max(1, int(mpmath.ceil(error)))
+
+
 def _bounds(problem, l, m, magnitude, rounds, v_max, extra=None):
     """Relative output coefficient, absolute underflow term and LSE bound, per row; `extra`
     bounds the logits' rounding beyond the scores' (variants)."""
-    scale_hi = problem.scale_value / (1 - (0 if problem.scale_is_exact else U64))
-    b = U64 * np.abs(m) + gamma(problem.head_dim + 3) * scale_hi * magnitude
+    # The scale counts as one rounding (exact or not), or as many as its error needs.
+    k = 1 if problem.scale_is_exact else scale_roundings(problem.scale_value, problem.head_dim)
+    scale_hi = problem.scale_value / (1 - (0 if problem.scale_is_exact else k * U64))
+    b = U64 * np.abs(m) + gamma(problem.head_dim + 2 + k) * scale_hi * magnitude
     if extra is not None:
         b = b + extra
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):

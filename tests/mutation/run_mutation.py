@@ -1,0 +1,148 @@
+"""Mutation testing of fa_verify's numerics core with mutmut. Not part of the test suite:
+
+    pip install mutmut                        # 3.8.1 when this was written
+    python3 tests/mutation/run_mutation.py    # the whole core; --module PATH for one file
+
+Mutated: the certified oracle (fa_verify/oracle/), the error model (error_model.py), the
+honest-ensemble rule (honest_ensemble.py), the verdict (verdict.py) and the null-model guard
+(null_model.py). Each mutant (an operator, a constant, a comparison changed in one place) is
+run against the fast tests that cover those modules (TESTS below); a mutant that no test fails
+"survived". The work happens in a copy (.mutation/ in the repository, git-ignored, kept between
+runs so that a rerun only redoes what changed; --fresh starts over), so the working tree and
+its editable install are never touched.
+
+Writes OUT (default .mutation/mutation-results.json): the score per module and overall
+(killed / checked, where mutmut's "timeout" counts as killed and "no tests" as survived), every
+survivor's name and diff, and the run's wall time; prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CORE = ["fa_verify/oracle/*", "fa_verify/error_model.py", "fa_verify/honest_ensemble.py", "fa_verify/verdict.py",
+        "fa_verify/null_model.py"]
+#: The fast tests that cover the core: 215 tests, 41 s of CPU in all (measured on 2 cores).
+#: Left out: the ones that start subprocesses (they would import the unmutated package), the
+#: property searches, and the long parametrised runs of correct kernels (torch's and the FA2
+#: model's, 2 minutes), whose job is the other side: that correct kernels pass.
+TESTS = ["tests/test_tightness.py", "tests/test_oracle.py", "tests/test_oracle_variants.py", "tests/test_verdict.py",
+         "tests/test_null_model.py", "tests/test_honest_ensemble.py", "tests/test_error_model.py"]
+DESELECT = ["tests/test_honest_ensemble.py::test_members_give_the_same_bits_under_every_blas_configuration",
+            "tests/test_error_model.py::test_correct_implementations_stay_inside_the_bound",
+            "tests/test_error_model.py::test_every_strategy_distribution_stays_inside_the_bound",
+            "tests/test_error_model.py::test_cost_stays_reasonable_at_4096",
+            "tests/test_error_model.py::test_probabilistic_mode_is_tighter_only_for_long_accumulations_and_still_holds",
+            "tests/test_verdict.py::test_correct_kernels_pass_with_margin",
+            "tests/test_null_model.py::test_check_json_carries_the_counts",
+            "tests/test_null_model.py::test_search_counts_informative_examples_and_fails_a_property_with_none"]
+KILLED = {"killed", "timeout", "caught by type check", "segfault"}
+NOT_CHECKED = {"skipped", "not checked", "check was interrupted by user"}
+
+
+def _quoted(items) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def _config(modules, tests) -> str:
+    quoted = _quoted
+    deselect = [arg for test in DESELECT for arg in ("--deselect", test)]
+    return "\n".join([
+        "[tool.pytest.ini_options]",
+        'markers = ["slow: minutes each"]',
+        "",
+        "[tool.mutmut]",
+        'source_paths = ["fa_verify"]',
+        f"only_mutate = {quoted(modules)}",
+        f"pytest_add_cli_args_test_selection = {quoted(tests)}",
+        f"pytest_add_cli_args = {quoted(['-p', 'no:cacheprovider', '-m', 'not slow', *deselect])}",
+        "",
+    ])
+
+
+def _prepare(work: Path, modules, tests, fresh: bool) -> None:
+    if fresh and work.exists():
+        shutil.rmtree(work)
+    work.mkdir(exist_ok=True)
+    for folder in ("fa_verify", "tests"):  # a changed source is copied again; mutmut redoes its mutants
+        shutil.copytree(ROOT / folder, work / folder, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "mutation"))
+    (work / "pyproject.toml").write_text(_config(modules, tests))
+    # mutmut puts mutants/ first on sys.path; it must exist before Python starts, or the import
+    # system caches it as missing and the editable install's fa_verify is imported instead.
+    (work / "mutants").mkdir(exist_ok=True)
+
+
+def _mutmut(work: Path, *args, capture=False):
+    env = {**os.environ, "PYTHONPATH": str(work / "mutants")}  # the mutated copy, never the editable install
+    return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=work, env=env, text=True,
+                          capture_output=capture, check=not capture)
+
+
+def _results(work: Path) -> dict:
+    listing = _mutmut(work, "results", "--all", "true", capture=True).stdout
+    statuses = dict(re.findall(r"^\s+(\S+__mutmut_\d+): (.+)$", listing, flags=re.MULTILINE))
+    per_module: dict = defaultdict(Counter)
+    survivors = []
+    for name, status in sorted(statuses.items()):
+        module = re.split(r"\.x(?:_|ǁ)", name)[0]
+        per_module[module][status] += 1
+        if status in ("survived", "no tests"):
+            diff = _mutmut(work, "show", name, capture=True).stdout
+            survivors.append({"name": name, "status": status, "diff": diff})
+
+    def score(counts):
+        checked = sum(n for s, n in counts.items() if s not in NOT_CHECKED)
+        killed = sum(n for s, n in counts.items() if s in KILLED)
+        return {"killed": killed, "checked": checked, "score": round(100 * killed / checked, 1) if checked else None,
+                "by_status": dict(counts)}
+
+    total = sum(per_module.values(), Counter())
+    return {"overall": score(total), "modules": {m: score(c) for m, c in sorted(per_module.items())},
+            "survivors": survivors}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--module", action="append", help="a file or glob under fa_verify/ to mutate "
+                        "(repeatable; default: the numerics core)")
+    parser.add_argument("--test", action="append", help="a test file or node id to run (repeatable; default: TESTS)")
+    parser.add_argument("--work", type=Path, default=ROOT / ".mutation", help="work folder (default .mutation/)")
+    parser.add_argument("--out", type=Path, help="results file (default WORK/mutation-results.json)")
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--fresh", action="store_true", help="forget earlier results")
+    args = parser.parse_args(argv)
+    try:
+        import mutmut  # noqa: F401
+    except ImportError:
+        print("mutmut is not installed: pip install mutmut", file=sys.stderr)
+        return 2
+    work = args.work.resolve()
+    _prepare(work, args.module or CORE, args.test or TESTS, args.fresh)
+    start = time.perf_counter()
+    _mutmut(work, "run", "--max-children", str(args.max_children))
+    seconds = time.perf_counter() - start
+    results = {"seconds": round(seconds, 1), "max_children": args.max_children, **_results(work)}
+    out = args.out or work / "mutation-results.json"
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    overall = results["overall"]
+    print(f"mutation score {overall['score']}% ({overall['killed']} of {overall['checked']} mutants killed) "
+          f"in {seconds / 60:.1f} min with {args.max_children} workers")
+    for module, s in results["modules"].items():
+        print(f"  {module}: {s['score']}% ({s['killed']} / {s['checked']})")
+    print(f"{len(results['survivors'])} survivors with their diffs in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
