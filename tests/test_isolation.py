@@ -99,12 +99,12 @@ def test_input_and_output_buffer_checks_run_in_the_worker(fixtures_dir):
         _backend("skips_row_1").run(p)
 
 
-def test_isolation_needs_an_importable_function_and_sane_limits():
+def test_isolation_needs_an_importable_function_and_sane_limits(fixtures_dir):
     with pytest.raises(InvalidArgumentError, match="cannot be isolated.*isolate=False"):
         CallableBackend(lambda q, k, v, *, causal, scale: q, isolate=True)
     for bad in (dict(timeout=0), dict(timeout=float("inf")), dict(memory_limit="lots"), dict(memory_limit=-1)):
         with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
-            CallableBackend(load_callable("fa_verify.backends.naive:naive_attention"), isolate=True, **bad)
+            CallableBackend(load_callable("misbehaving_kernels:exits"), isolate=True, **bad)
     assert parse_size("4GiB") == parse_size("4g") == 4 * 2**30 and parse_size("none") is None
     assert 0 < parse_size("50%") <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
