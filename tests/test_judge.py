@@ -256,29 +256,6 @@ def test_mutants_command_json(capsys, tmp_path):
     assert "| fa_verify | 2/2 (100%) | 0 of 2 suite runs |" in markdown.read_text()
 
 
-@needs_cpu_runner
-def test_mutants_command_fails_on_a_surviving_mutant(tmp_path, capsys):
-    """An 'equivalent mutant' (a comment edit) survives: exit 1, and the table says so."""
-    path = tmp_path / "mutants.toml"
-    path.write_text('''
-[[mutant]]
-name = "fa2-comment"
-family = "fa2"
-bug_class = "none"
-description = "a comment edited: the kernel is unchanged"
-find = "// Epilogue: o = acc / l, lse = m + log l; rows that attended nothing get 0 and -inf."
-replace = "// Epilogue."
-caught_by = "property"
-''')
-    from fa_verify.cli.main import main
-
-    code = main(["mutants", "--mutants-file", str(path), "--seeds", "0", "--no-rules", "--no-sanitizer",
-                 "--max-examples", "3"])
-    out = capsys.readouterr().out
-    assert code == 1
-    assert "SURVIVED our suite: fa2-comment" in out
-
-
 def test_mutants_command_usage_errors(capsys, monkeypatch):
     from fa_verify.backends.base import Availability
     from fa_verify.cli.main import main
