@@ -111,3 +111,4 @@ def test_mutants_exit_1_when_a_mutant_survives(tmp_path):
     code, out = exit_code("mutants", "--mutants-file", str(mutants), "--seeds", "0", "--no-rules", "--no-sanitizer",
                           "--max-examples", "2", "--first-kill")
     assert code == 1, out
+    assert "SURVIVED our suite: fa2-comment-only" in out  # and the table says so
