@@ -463,3 +463,39 @@ def test_the_oracle_bound_counts_every_accumulated_rounding():
     keys = np.zeros((1, 3000, 4))
     *_, rounds, _ = certified._attend(np.zeros((1, 2, 4)), keys, keys, None, 0.5)
     assert rounds == 1024 + 3
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_every_trivial_lse_is_tried_and_rejected_by_the_lse_bound(dtype):
+    """The guard of the LSE properties (judged=("lse",)): each trivial LSE that is not the right
+    one is tried, and the error model's LSE bound rejects it on informative inputs (measured: the
+    closest, uniform attention's log(n) on `uniform`, is 34x the bound in bf16, 1.1e4x in fp32).
+    `dominant_key` is left out: every row's LSE is the dominant key's score, the shifted rows'
+    within 4e-6 of it in fp32, and the guard rightly calls that example uninformative."""
+    precision = PrecisionModel.flash(dtype)
+    for distribution in (d for d in INFORMATIVE if d != "dominant_key"):
+        problem = make_problem(distribution, (1, 2, 1, 8, 24, 16), dtype, 1, causal=True)
+        ref = reference(problem)
+        bound = error_bound(problem, precision, ref).lse
+        live = np.isfinite(ref.lse)
+        nulls = null_outputs(problem, ref, precision.output)
+        # a right LSE, rounded to float32 as every trivial LSE is
+        right = {null.name for null in nulls
+                 if np.all(np.abs(null.lse[live] - ref.lse[live]) <= UNIT["fp32"] * (1 + np.abs(ref.lse[live])))}
+        result = guard(nulls, lambda null, bound=bound, live=live, ref=ref: bool(
+            np.all(np.abs(null.lse[live].astype(np.float64) - ref.lse[live]) <= bound[live])), judged=("lse",))
+        assert set(result.tried) == TRIVIAL - right, (distribution, result.tried, right)
+        assert result.informative, (distribution, result.passing)
+
+
+def test_uniform_attention_is_the_mean_and_log_count_of_the_attended_keys_of_a_window():
+    """A sliding window (keys i-3..i+1) makes rows start past key 0: uniform attention averages
+    exactly the keys a row sees, and its LSE is the log of their number (as if every score were 0)."""
+    problem = make_problem("normal", (1, 1, 1, 9, 9, 4), "fp32", 2).replace(window_size=(3, 1))
+    nulls = {null.name: null for null in null_outputs(problem, reference(problem), "fp32")}
+    uniform, v = nulls["uniform attention"], problem.v.astype(np.float64)[0, 0]
+    for i in range(9):
+        seen = [j for j in range(9) if i - 3 <= j <= i + 1]
+        assert problem.mask[i].nonzero()[0].tolist() == seen
+        np.testing.assert_allclose(uniform.out[0, 0, i], v[seen].mean(axis=0), rtol=1e-6)
+        assert uniform.lse[0, 0, i] == np.float32(math.log(len(seen)))
