@@ -44,6 +44,9 @@ def test_a_hang_fails_each_property_with_the_seconds_and_where_it_hung(fixtures_
     assert code == 1 and "0 passed, 2 failed" in out
     assert len(failures) == 2
     assert all("did not return within 0.5 s" in line and "misbehaving_kernels.py:" in line for line in failures)
+    # One example each: a hang is not shrunk (every smaller try would wait the whole limit again).
+    assert out.count("not shrunk: each smaller try would wait the whole time limit again") == 2
+    assert out.count("FAILED after 1 examples") == 2
 
 
 def test_40_gb_fails_each_property_with_the_bytes_and_the_limit(fixtures_dir, capsys):

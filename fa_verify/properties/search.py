@@ -24,7 +24,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky, Unsatisfiable
 
-from fa_verify.errors import BackendOutputError, FaVerifyError, KernelRunError
+from fa_verify.errors import BackendOutputError, FaVerifyError, KernelRunError, KernelTimeoutError
 from fa_verify.isolation import RAISED_AT
 from fa_verify.problem import AttentionProblem
 from fa_verify.profiles import RELAXED_HEALTH_CHECKS
@@ -218,6 +218,16 @@ class _Abort(Exception):
     """Stops Hypothesis after a setup error, which is re-raised as itself."""
 
 
+class _TimedOut(BaseException):
+    """Stops Hypothesis at a target's first timeout: not an Exception, so Hypothesis neither
+    shrinks nor replays it (each try would wait the whole time limit again)."""
+
+
+#: Appended to a timeout's detail: why its example is the first that timed out, not a minimal one.
+NOT_SHRUNK = ("(not shrunk: each smaller try would wait the whole time limit again; this is the first "
+              "example that timed out)")
+
+
 #: Examples drawn after a failing edge case, for failures of other kinds (Hypothesis bounds its own
 #: search on after a failure it found: to twice the calls it took, at least 10, at most 10 s).
 CONTINUED_EXAMPLES = 10
@@ -293,8 +303,12 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         """Run and judge one example; False when the property does not apply to it."""
         problem = backend.judged_under.problem(problem)  # e.g. the scale as the target rounds it
         began = time.perf_counter()
+        timed_out = False
         try:
             result = prop(backend, problem, seed)
+        except KernelTimeoutError as exc:
+            result, timed_out = _target_failure(prop, problem, exc), True
+            result = replace(result, detail=f"{result.detail}\n{NOT_SHRUNK}")
         except (BackendOutputError, KernelRunError) as exc:
             result = _target_failure(prop, problem, exc)
         except FaVerifyError as exc:
@@ -325,6 +339,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
                 outcome.examples_to_failure = outcome.examples
             kind = failure_kind(problem, result)
             found[kind] = (problem, seed, result)
+            if timed_out:
+                raise _TimedOut
             raise _failure_type(kind)(result)
         return True
 
@@ -368,6 +384,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         search(min(max_examples, CONTINUED_EXAMPLES) if found else max_examples)
     except _Abort:
         raise setup_error[0] from None
+    except _TimedOut:
+        pass  # found holds the timeout (and any failure before it)
     except (PropertyFailure, Flaky, BaseExceptionGroup) as exc:
         if setup_error:  # an _Abort among several failures
             raise setup_error[0] from None
