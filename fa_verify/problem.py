@@ -33,11 +33,14 @@ import numpy as np
 
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype, round_to
 from fa_verify.errors import InvalidArgumentError, InvalidArgumentTypeError, InvalidProblemError
+from fa_verify.outputs import attention_outputs
 
 CAUSAL_ALIGNMENTS = ("bottom-right", "top-left")
 #: The variants a problem may use, by the callable protocol's keyword that passes each.
 FEATURES = {"window": "window_size", "softcap": "softcap", "alibi": "alibi_slopes", "sinks": "sinks"}
 NO_WINDOW = (-1, -1)
+#: Why a forward output may not be NaN or infinite.
+FINITE_ATTENTION = "attention of finite inputs is finite"
 #: The variants' arrays, saved beside q, k and v when the problem has them.
 _VARIANT_ARRAYS = ("alibi_slopes", "sinks")
 
@@ -258,6 +261,12 @@ class AttentionProblem:
     kind = "dense"
     #: how out and LSE are laid out, for messages
     out_label, lse_label = "[B,H,Nq,D]", "[B,H,Nq]"
+    #: why a non-finite output is wrong (`backends.watch`)
+    finite_because = FINITE_ATTENTION
+
+    def outputs(self, precision) -> tuple:
+        """What a run returns (`fa_verify.outputs`): out and the LSE (optional)."""
+        return attention_outputs(self, precision)
 
     @property
     def lse_shape(self) -> tuple:

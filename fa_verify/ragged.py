@@ -32,7 +32,8 @@ import numpy as np
 
 from fa_verify.dtypes import dtype_name, numpy_dtype
 from fa_verify.errors import InvalidArgumentError, InvalidProblemError
-from fa_verify.problem import FEATURES, AttentionProblem
+from fa_verify.outputs import attention_outputs
+from fa_verify.problem import FEATURES, FINITE_ATTENTION, AttentionProblem
 
 LAYOUTS = ("varlen", "paged")
 #: Options every sequence must share (alibi_slopes may differ: a [B, H] batch's rows).
@@ -272,9 +273,15 @@ class RaggedProblem:
                    tags=tuple(tuple(t) for t in parameters["tags"]))
 
     # --- the kind protocol (fa_verify.kinds) --------------------------------------------------
+    finite_because = FINITE_ATTENTION
+
     @property
     def kind(self) -> str:
         return self.layout
+
+    def outputs(self, precision) -> tuple:
+        """What a run returns (`fa_verify.outputs`): out and the LSE (optional), in the layout's shapes."""
+        return attention_outputs(self, precision)
 
     @property
     def out_label(self) -> str:

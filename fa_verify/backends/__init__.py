@@ -1,6 +1,6 @@
 """Attention implementations under test, behind one protocol: `run(problem) -> (out, lse | None)`."""
 
-from fa_verify.backends.base import Availability, Backend, check_output
+from fa_verify.backends.base import Availability, Backend
 from fa_verify.backends.naive import NaiveBackend, naive_attention
 from fa_verify.backends.numpy_tiled import NumpyTiledBackend, tiled_attention
 from fa_verify.backends.registry import backend_table, builtin_backends, get_backend
@@ -16,7 +16,6 @@ __all__ = [
     "TorchSdpaBackend",
     "backend_table",
     "builtin_backends",
-    "check_output",
     "get_backend",
     "load_callable",
     "naive_attention",

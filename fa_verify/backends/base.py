@@ -20,13 +20,10 @@ import numpy as np
 from fa_verify.backends import watch
 from fa_verify.backends.buffers import InputSnapshot
 from fa_verify.conventions import Conventions
-from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
-from fa_verify.errors import (
-    BackendOutputError,
-    BackendUnavailableError,
-    InvalidArgumentError,
-)
+from fa_verify.dtypes import DTYPE_NAMES
+from fa_verify.errors import BackendUnavailableError, InvalidArgumentError
 from fa_verify.limits import Limits
+from fa_verify.outputs import check_outputs
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import AttentionProblem
 
@@ -117,11 +114,12 @@ class Backend(ABC):
             return f"{self.name} does not run dtype={problem.dtype} (it runs {', '.join(self.dtypes)})"
         return problem.unsupported_by(self)
 
-    def run(self, problem) -> tuple[np.ndarray, np.ndarray | None]:
-        """out and LSE (or None) in the problem's layout (dense: out [B,H,Nq,D], LSE [B,H,Nq]),
-        out in the precision model's output dtype, in fa_verify's conventions (the target's
-        declared ones, `judged_under`, converted part by part: a base-2 LSE comes back in base e
-        as float64).
+    def run(self, problem) -> tuple:
+        """The problem's outputs (`problem.outputs`) in its layout: for a forward problem out and
+        LSE (or None; dense: out [B,H,Nq,D], LSE [B,H,Nq]), out in the precision model's output
+        dtype, in fa_verify's conventions (the target's declared ones, `judged_under`, converted
+        part by part: a base-2 LSE comes back in base e as float64); for a backward problem
+        (dq, dk, dv) and, with sinks, dsinks.
 
         Raises BackendOutputError if the run changed a bit of its inputs or returned the wrong
         shapes or dtypes."""
@@ -132,19 +130,19 @@ class Backend(ABC):
         if reason is not None:
             raise InvalidArgumentError(
                 f"backend {self.name!r} cannot run {problem.describe()}: {reason}")
-        out, lse = leaving_inputs_unchanged(self.name, problem.input_arrays(), lambda: self._run(problem))
+        result = leaving_inputs_unchanged(self.name, problem.input_arrays(), lambda: self._run(problem))
         precision = self.precision(problem.dtype)
-        check_output(self.name, problem, out, lse, precision.output, lse_dtype=precision.lse)
-        watch.seen(problem, out, lse)
+        result = check_outputs(self.name, problem, result, precision)
+        watch.seen(problem, result, precision)
         if not self.judged_under.declared:
-            return out, lse
+            return result
         return problem.join([self.judged_under.normalise(part, *pair, precision)
-                             for part, pair in zip(problem.parts(), problem.split(out, lse))])
+                             for part, pair in zip(problem.parts(), problem.split(*result))])
 
     @abstractmethod
-    def _run(self, problem) -> tuple[np.ndarray, np.ndarray | None]:
-        """Compute (out, lse | None) in the problem's layout (a ragged problem's arrays:
-        `problem.inputs()`); `run` has checked availability and support."""
+    def _run(self, problem) -> tuple:
+        """Compute the problem's outputs in its layout (a forward problem: (out, lse | None); a
+        ragged problem's arrays: `problem.inputs()`); `run` has checked availability and support."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
@@ -156,40 +154,6 @@ def leaving_inputs_unchanged(name: str, arrays: dict, call):
     result = call()
     snapshot.check(name, *arrays.values())
     return result
-
-
-def check_output(name: str, problem, out, lse, out_dtype, layout: str = "bhsd", lse_dtype="fp32") -> None:
-    """Raise BackendOutputError unless out / lse have the shapes (`problem.out_shape`,
-    `problem.lse_shape`) and dtypes the protocol fixes.
-
-    `layout` "bshd" expects a dense out as [B, Nq, H, D]; LSE is float32 unless a convention
-    declares `lse_dtype`. Values are not checked: NaN or wrong numbers are findings, not misuse.
-    """
-    out_shape, out_label = problem.out_shape, problem.out_label
-    if layout == "bshd":
-        B, H, Nq, D = out_shape
-        out_shape, out_label = (B, Nq, H, D), "[B,Nq,H,D]"
-    for what, x, shape, dtype, label in (("out", out, out_shape, numpy_dtype(out_dtype), out_label),
-                                         ("lse", lse, problem.lse_shape, numpy_dtype(lse_dtype), problem.lse_label)):
-        if x is None and what == "lse":
-            continue
-        if not isinstance(x, np.ndarray):
-            raise BackendOutputError(
-                f"backend {name!r} returned {what} of type {type(x).__name__}; expected a numpy array"
-                + (" or None" if what == "lse" else ""))
-        if x.shape != shape or x.dtype != dtype:
-            in_input_dtype = what == "lse" and x.dtype == numpy_dtype(problem.dtype) != dtype
-            raise BackendOutputError(
-                f"backend {name!r} returned {what} with shape={x.shape} dtype={_dtype_label(x.dtype)}; "
-                f"expected shape={shape} ({label}) dtype={dtype_name(dtype)} for {problem.describe()}"
-                + (" (an LSE in the input dtype is declared with --lse-dtype input)" if in_input_dtype else ""))
-
-
-def _dtype_label(dtype: np.dtype) -> str:
-    try:
-        return dtype_name(dtype)
-    except InvalidArgumentError:
-        return str(dtype)
 
 
 def parse_precision(spec: str, dtype) -> PrecisionModel:

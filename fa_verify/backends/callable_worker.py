@@ -11,6 +11,7 @@ import signal
 import sys
 import warnings
 
+from fa_verify.backends.backward_callable import BackwardCallableBackend
 from fa_verify.backends.ragged_callable import RaggedCallableBackend
 from fa_verify.backends.user_callable import CallableBackend, _portable, _portable_warning, load_callable
 from fa_verify.worker_loop import serve
@@ -18,7 +19,8 @@ from fa_verify.worker_loop import serve
 
 def worker_main(inbox_fd: int, outbox_fd: int) -> None:
     """The worker process: ("load", sys.path, spec, options, memory_limit) -> ("ok", None) (a
-    RaggedCallableBackend when options name a ragged layout, else a CallableBackend); then
+    RaggedCallableBackend when options name a ragged layout, a BackwardCallableBackend for the
+    kind "backward", else a CallableBackend); then
     ("run", problem, *arguments) -> ("done", (its run_in_worker(problem, *arguments), warnings)) or
     ("raised", (_portable(...), warnings)),
     `warnings` those the call issued (_portable_warning); it exits after a MemoryError, whose
@@ -33,7 +35,9 @@ def worker_main(inbox_fd: int, outbox_fd: int) -> None:
             _, path, spec, options, state["limit"] = request
             sys.path[:] = path
             try:
-                state["backend"] = _backend_class(options)(load_callable(spec), **options)
+                options = dict(options)
+                backend = _backend_class(options.pop("kind", "dense"), options.get("layout"))
+                state["backend"] = backend(load_callable(spec), **options)
             except Exception as exc:  # noqa: BLE001 - reported to the parent
                 return "raised", _portable(exc, state["limit"])
             return "ok", None
@@ -50,6 +54,8 @@ def worker_main(inbox_fd: int, outbox_fd: int) -> None:
     serve(inbox_fd, outbox_fd, handle, exit_after=("out of memory",))
 
 
-def _backend_class(options: dict) -> type:
-    """The backend a worker builds from `options`: the ragged one for a varlen or paged layout."""
-    return RaggedCallableBackend if options.get("layout") in ("varlen", "paged") else CallableBackend
+def _backend_class(kind: str, layout: str | None) -> type:
+    """The backend a worker builds: by the kind it runs, and the ragged one for a varlen or paged layout."""
+    if kind == "backward":
+        return BackwardCallableBackend
+    return RaggedCallableBackend if layout in ("varlen", "paged") else CallableBackend

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fa_verify.backends.base import AVAILABLE, Backend, check_output, parse_precision
+from fa_verify.backends.base import AVAILABLE, Backend, parse_precision
 from fa_verify.backends.buffers import GuardedOutput, InputSnapshot, check_written, padded_array
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
 from fa_verify.conventions import Conventions
@@ -61,6 +61,7 @@ from fa_verify.isolation import (
     parse_size,
 )
 from fa_verify.limits import Limits, parse_limits
+from fa_verify.outputs import check_outputs
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import CAUSAL_ALIGNMENTS, FEATURES
 
@@ -85,6 +86,9 @@ class CallableBackend(Backend):
     "ftz": True}) declares where its outputs differ from fa_verify's conventions on purpose: it
     is judged under them (`fa_verify.conventions`).
     """
+
+    #: the protocol's positional arguments, in order (`_inputs` gives them)
+    positional = ("q", "k", "v")
 
     def __init__(self, fn, name: str | None = None, layout: str = "bhsd", array: str = "numpy",
                  causal_alignment: str = "bottom-right", dtypes=None,
@@ -117,10 +121,10 @@ class CallableBackend(Backend):
                 f"precision={precision.describe()!r} is for input {precision.input} only but "
                 f"dtypes={self.dtypes!r}; pass dtypes=({precision.input!r},) or a preset such as 'flash'")
         self.fn, self.layout, self.array = fn, layout, array
-        check_signature(fn, name or _qualified_name(fn), layout, ("q", "k", "v"),
-                        ("causal", "scale", *output_parameters(fn)))
+        self.fills = self._output_parameters(fn)
+        check_signature(fn, name or _qualified_name(fn), self._protocol(layout), self.positional,
+                        ("causal", "scale", *self.fills))
         self.declared_precision = True
-        self.fills = output_parameters(fn)
         self.features = variant_parameters(fn, features)
         self.causal_alignment, self._precision = causal_alignment, precision
         self.name = name or _qualified_name(fn)
@@ -128,7 +132,7 @@ class CallableBackend(Backend):
         self.pad = 0
         self._worker = isolated_worker(fn, name, isolate, timeout, memory_limit, dict(
             name=self.name, layout=layout, array=array, causal_alignment=causal_alignment, dtypes=self.dtypes,
-            precision=precision, features=self.features, conventions=self.judged_under))
+            precision=precision, features=self.features, conventions=self.judged_under, kind=self.kinds[0]))
 
     def precision(self, dtype) -> PrecisionModel:
         """The claimed model, with the LSE dtype and flushing the conventions declare."""
@@ -159,29 +163,46 @@ class CallableBackend(Backend):
         """_run in this process (the worker calls it too)."""
         # Copies, so a function that writes into its inputs cannot change the problem; the
         # snapshot shows whether it did (torch tensors share the copies' memory).
-        inputs = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if self.layout == "bshd" else x.copy()
-                  for x in (problem.q, problem.k, problem.v)]
-        snapshot = InputSnapshot.of(q=inputs[0], k=inputs[1], v=inputs[2])
+        inputs = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if self.layout == "bshd" and x.ndim == 4 else x.copy()
+                  for x in self._inputs(problem)]
+        snapshot = InputSnapshot.of(**dict(zip(self.positional, inputs)))
         buffers = self._output_buffers(problem)
         arrays = [*inputs, *(b.view for b in buffers)]
         if self.array == "torch":
             arrays = [to_torch(x) for x in arrays]
-        q, k, v, *fill = arrays
+        positional, fill = arrays[:len(inputs)], arrays[len(inputs):]
         if self.pad:  # nan_padding's run: the arguments inside NaN-filled buffers
-            q, k, v = (padded_array(x, self.pad)[0] for x in (q, k, v))
-        result = self.fn(q, k, v, causal=problem.causal, scale=problem.scale_value, **dict(zip(self.fills, fill)),
-                         **self._variant_arguments(problem))
+            positional = [padded_array(x, self.pad)[0] for x in positional]
+        result = self.fn(*positional, causal=problem.causal, scale=problem.scale_value, **dict(zip(self.fills, fill)),
+                         **self._variant_arguments(problem), **self._keywords(problem))
         snapshot.check(self.name, *inputs)
         if buffers:  # the out= form: what the function wrote, whatever it returned
             check_written(self.name, *buffers)
-            out, lse = buffers[0].view.copy(), buffers[1].view.copy() if len(buffers) > 1 else None
+            result = (buffers[0].view.copy(), buffers[1].view.copy() if len(buffers) > 1 else None)
         else:
-            out, lse = self._returned(result)
-        precision = self.precision(problem.dtype)
-        check_output(self.name, problem, out, lse, precision.output, self.layout, precision.lse)
+            result = self._returned(result, problem)
+        result = check_outputs(self.name, problem, result, self.precision(problem.dtype), self.layout)
         if self.layout == "bshd":
-            out = np.ascontiguousarray(out.transpose(0, 2, 1, 3))
-        return out, lse
+            result = tuple(np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if x is not None and x.ndim == 4 else x
+                           for x in result)
+        return result
+
+    def _inputs(self, problem) -> list:
+        """The positional arguments' arrays, in bhsd."""
+        return [problem.q, problem.k, problem.v]
+
+    def _keywords(self, problem) -> dict:
+        """Keyword arguments beyond causal, scale, the variants and the out= buffers."""
+        return {}
+
+    def _output_parameters(self, fn) -> tuple:
+        """The out= form's buffers `fn` takes (see `output_parameters`)."""
+        return output_parameters(fn)
+
+    @staticmethod
+    def _protocol(layout: str) -> str:
+        """The key of PROTOCOLS that names this backend's protocol in a refusal."""
+        return layout
 
     def _variant_arguments(self, problem) -> dict:
         """The keyword arguments of the variants the function takes, off where the problem has none."""
@@ -195,25 +216,17 @@ class CallableBackend(Backend):
             arguments[FEATURES[feature]] = value
         return arguments
 
-    def _returned(self, result):
-        """(out, lse | None) as numpy arrays from what a returning function gave back."""
-        if isinstance(result, tuple):
-            if len(result) != 2:
-                raise BackendOutputError(
-                    f"backend {self.name!r} returned a {type(result).__name__} of {len(result)} items; "
-                    "expected out or (out, lse)")
-            out, lse = result
-        else:
-            out, lse = result, None
-        return self._from_array(out, "out"), self._from_array(lse, "lse")
+    def _returned(self, result, problem):
+        """A returning function's result as a tuple of numpy arrays (`check_outputs` checks how many)."""
+        items = result if isinstance(result, tuple) else (result,)
+        names = [o.name for o in problem.outputs(self.precision(problem.dtype))] + ["item"] * len(items)
+        return tuple(self._from_array(x, name) for x, name in zip(items, names))
 
     def _output_buffers(self, problem) -> list[GuardedOutput]:
         """Guarded out= (and lse=) buffers for the out= form; none for a function that returns."""
-        B, H, Nq, D = problem.out_shape
-        shapes = {"out": (B, Nq, H, D) if self.layout == "bshd" else (B, H, Nq, D), "lse": (B, H, Nq)}
-        precision = self.precision(problem.dtype)
-        dtypes = {"out": numpy_dtype(precision.output), "lse": numpy_dtype(precision.lse)}
-        return [GuardedOutput.allocate(name, shapes[name], dtypes[name]) for name in self.fills]
+        outputs = {o.name: o.in_layout(self.layout) for o in problem.outputs(self.precision(problem.dtype))}
+        return [GuardedOutput.allocate(name, outputs[name].shape, numpy_dtype(outputs[name].dtype))
+                for name in self.fills]
 
     def _from_array(self, x, what: str):
         if self.array == "numpy" or x is None:
@@ -230,7 +243,9 @@ PROTOCOLS = {"bhsd": "fn(q, k, v, *, causal, scale) with q [B,H,Nq,D]",
              "bshd": "fn(q, k, v, *, causal, scale) with q [B,Nq,H,D] (--layout bshd)",
              "varlen": "fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, softmax_scale) "
                        "(--layout varlen)",
-             "paged": "fn(q, k_cache, v_cache, *, cache_seqlens, block_table, causal, softmax_scale) (--layout paged)"}
+             "paged": "fn(q, k_cache, v_cache, *, cache_seqlens, block_table, causal, softmax_scale) (--layout paged)",
+             "backward": "bwd(q, k, v, out, lse, dout, *, causal, scale) -> (dq, dk, dv) (a backward: its "
+                         "signature names dout)"}
 
 
 def check_signature(fn, name: str, layout: str, positional: tuple, keywords: tuple) -> None:

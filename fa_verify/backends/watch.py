@@ -6,7 +6,8 @@ inputs are finite (`fa_verify.problem`'s input policy), so a target returning Na
 infinity in out, or NaN or +inf in the LSE, is wrong whatever a property compares: two runs
 that both give inf agree bitwise, and inf - inf is no error a relation sees. While a property
 runs (`Property.__call__` opens `watching()`), `Backend.run` reports each output here, and the
-first non-finite one makes the property fail instead of pass.
+first non-finite one makes the property fail instead of pass. The same holds of every kind's
+outputs (`problem.outputs`): the gradients of attention at finite inputs are finite too.
 """
 
 from __future__ import annotations
@@ -30,26 +31,28 @@ def watching():
         _FOUND.reset(token)
 
 
-def seen(problem, out: np.ndarray, lse) -> None:
-    """Called by `Backend.run` with every output it returns (before any convention is applied)."""
+def seen(problem, result: tuple, precision) -> None:
+    """Called by `Backend.run` with every result it returns (before any convention is applied)."""
     found = _FOUND.get()
     if found is None or found:
         return
-    finding = nonfinite(problem, out, lse)
+    finding = nonfinite(problem, result, precision)
     if finding:
         found.append(finding)
 
 
-def nonfinite(problem, out: np.ndarray, lse) -> str | None:
-    """Where `out` holds NaN or an infinity, or `lse` NaN or +inf, in words; None if nowhere."""
-    for what, x, bad in (("out", out, lambda a: ~np.isfinite(a)),
-                         ("LSE", lse, lambda a: np.isnan(a) | (a == np.inf))):
+def nonfinite(problem, result: tuple, precision) -> str | None:
+    """Where an output of `result` (`problem.outputs(precision)`, in order) holds NaN or an
+    infinity (an LSE: NaN or +inf), in words; None if nowhere."""
+    for output, x in zip(problem.outputs(precision), result):
         if x is None:
             continue
-        wrong = bad(np.asarray(x, dtype=np.float64))
+        values = np.asarray(x, dtype=np.float64)
+        wrong = (np.isnan(values) | (values == np.inf)) if output.minus_inf else ~np.isfinite(values)
         if wrong.any():
             index = tuple(int(i) for i in np.argwhere(wrong)[0])
+            what = "LSE" if output.name == "lse" else output.name
             return (f"{what} holds {int(wrong.sum())} non-finite values of {wrong.size} (first {float(x[index])!r} at "
-                    f"{list(index)} of {problem.out_label if what == 'out' else problem.lse_label}) for finite "
-                    f"inputs ({problem.describe()}): attention of finite inputs is finite")
+                    f"{list(index)} of {output.label}) for finite inputs ({problem.describe()}): "
+                    f"{problem.finite_because}")
     return None
