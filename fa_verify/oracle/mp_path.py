@@ -18,23 +18,30 @@ from fa_verify.problem import AttentionProblem
 DEFAULT_DIGITS = 50
 
 
-def _mp_scale(problem: AttentionProblem):
+def mp_scale(problem: AttentionProblem):
     """The exact scale: 1/sqrt(D) in mpmath when the problem keeps the default."""
     if problem.scale is None:
         return 1 / mpmath.sqrt(problem.head_dim)
     return mpmath.mpf(problem.scale)
 
 
+def logits(q_row, keys, scale, softcap=0.0, bias=None):
+    """(scaled scores scale q.k_j, logits: softcapped and ALiBi-biased) of one row, in mpmath."""
+    scores = [scale * mpmath.fdot(q_row, key) for key in keys]
+    z = scores
+    if softcap > 0:
+        cap = mpmath.mpf(softcap)
+        z = [cap * mpmath.tanh(x / cap) for x in z]
+    if bias is not None:
+        z = [x + mpmath.mpf(c) for x, c in zip(z, bias)]
+    return scores, z
+
+
 def _row(q_row, keys, values, scale, softcap=0.0, bias=None, sink=None):
     """Out, LSE and row scale D_c = sum_j p_j |v_jc| / sum_j p_j of one row with at least one
     key (or a sink), in mpmath; the variants as the problem module states them (bias: the
     ALiBi term per key, exact; sink: the sink logit, whose exponential joins the sum only)."""
-    t = [scale * mpmath.fdot(q_row, key) for key in keys]
-    if softcap > 0:
-        cap = mpmath.mpf(softcap)
-        t = [cap * mpmath.tanh(x / cap) for x in t]
-    if bias is not None:
-        t = [x + mpmath.mpf(c) for x, c in zip(t, bias)]
+    t = logits(q_row, keys, scale, softcap, bias)[1]
     m = max(t + ([] if sink is None else [mpmath.mpf(sink)]))
     p = [mpmath.exp(x - m) for x in t]
     total = mpmath.fsum(p + ([] if sink is None else [mpmath.exp(mpmath.mpf(sink) - m)]))
@@ -45,7 +52,7 @@ def _row(q_row, keys, values, scale, softcap=0.0, bias=None, sink=None):
     return out, lse, row_scale
 
 
-def _as_mp(x: np.ndarray):
+def as_mp(x: np.ndarray):
     """Nested lists of mpf over the last axis (exact: the inputs are binary floats)."""
     return [[mpmath.mpf(float(v)) for v in row] for row in x.reshape(-1, x.shape[-1])]
 
@@ -79,7 +86,7 @@ def mp_rows(problem: AttentionProblem, rows, digits: int = DEFAULT_DIGITS):
     g = problem.group_size
     cache = {}
     with mpmath.workdps(digits):
-        scale = _mp_scale(problem)
+        scale = mp_scale(problem)
         starts, limits = problem.key_start(), problem.key_limit()
         for b, h, i in rows:
             lo, hi = int(starts[i]), int(limits[i])
@@ -90,9 +97,9 @@ def mp_rows(problem: AttentionProblem, rows, digits: int = DEFAULT_DIGITS):
                 continue
             key = (b, h // g)
             if key not in cache:
-                cache[key] = (_as_mp(problem.k[b, h // g]), _as_mp(problem.v[b, h // g]))
+                cache[key] = (as_mp(problem.k[b, h // g]), as_mp(problem.v[b, h // g]))
             keys, values = cache[key]
-            q_row = _as_mp(problem.q[b, h, i])[0]
+            q_row = as_mp(problem.q[b, h, i])[0]
             bias = problem.alibi_bias(b, h, i)
             out, lse, row_scale = _row(q_row, keys[lo:hi], values[lo:hi], scale, problem.softcap,
                                        None if bias is None else bias[lo:hi], sink)

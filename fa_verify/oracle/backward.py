@@ -1,0 +1,337 @@
+"""The gradient oracle: the exact gradients of attention with rigorous per-element bounds.
+
+Conventions (flash-attn's; fa_verify.problem for the variants). With z the logits (scaled,
+softcapped, ALiBi-biased scores), L the exact LSE and O the exact output,
+    P = exp(z - L) (0 where masked), dV = P^T dO, dP = dO V^T, D_i = sum_c dO_ic O_ic,
+    dS = P (dP - D + dlse) (the dlse term only when given), times 1 - tanh^2(t / softcap) with a
+    softcap (t the scaled score before the cap), dQ = scale dS K, dK = scale dS^T Q,
+    dsink_h = -sum_{b, i} P_sink,i (D_i - dlse_i);
+dK and dV of a kv head sum its query heads. The exact gradient is that of exact attention of
+the given q, k, v: O and L come from the certified forward (`oracle.reference`), not from a
+kernel's rounded out and lse.
+
+Two paths, one contract (`GradientReference`):
+- "certified": float64, the bound propagated a posteriori. Every probability
+  P_hat = exp(fl(z_hat - L_hat)) carries relative error r_i <= expm1(beta_i) + eps_exp e^beta_i,
+  beta_i = (the logits' error, as in certified.py) + (the forward's LSE bound) + u |x|max, and
+  an absolute tau below the normal range (underflow). Then, elementwise,
+      g_hat = fl(fl(dP_hat - D_hat) + dlse):  |g_hat - g| <= e_dP + e_D + 2u (|dP| + |D| + |dlse|)
+      dS_hat = fl(P_hat g_hat):  |dS_hat - dS| <= (rho P_hat + tau) |g_hat| + ((1 + rho) P_hat + tau)
+                                                  |g_hat - g| + u |dS_hat|,   rho = r / (1 - r),
+  with e_dP = gamma_D |dO_i| |V_j| (norms: Cauchy-Schwarz) and e_D = sum_c |dO_ic| out_bound_ic +
+  gamma_D sum_c |dO_ic O_ic|; a softcap's factor f = 1 - tanh^2(y), y = fl(t_hat / c), is
+  within e_f = 2 (e_y + eps_exp)(1 + e_y + eps_exp) + 2u, e_y = (e_t + u |t|) / c, since
+  |d tanh / dy| <= 1 and |tanh| <= 1. The GEMMs dS K, dS^T Q, P^T dO add gamma_n (n the
+  summed length, + 1 for the scale, + the scale's own roundings) of the magnitudes; every
+  sum of |errors| x |values| is bounded by (sum of |errors|) x (max of |values|), which costs
+  no GEMM (the bound is then ~1e-13 relative, far below any fp32 kernel's). Query heads are
+  summed into kv heads with gamma_G more. The bound arithmetic's own rounding is covered by
+  _SLACK; first order in r is exact here (r enters through rho, not linearised).
+- "mpmath": the definition, row by row at `digits` digits (small problems). Its bound: every
+  value is a composition of at most n = G Nq + Nk + D + 40 operations on magnitudes bounded by
+  the |.|-versions of the same sums, each rounding at 2^-prec, amplified by at most
+  1 + 4 max|z| + scale max A (a rounding of x - m is relative to |x - m| in exp's argument);
+  times 8 for safety, plus the final rounding to float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mpmath
+import numpy as np
+from mpmath.libmp import dps_to_prec
+
+from fa_verify.errors import InvalidArgumentError
+from fa_verify.oracle import mp_path
+from fa_verify.oracle.bounds import U64, gamma
+from fa_verify.oracle.certified import (EPS_EXP, _gemm_magnitude, _norm_magnitude, _Variants,
+                                        certified_reference, scale_roundings)
+from fa_verify.problem import AttentionProblem
+
+METHODS = ("certified", "mpmath")
+#: An absolute error per probability below the normal range: exp's subnormal results.
+_TAU = 2.0 ** -1070
+#: Rows whose probabilities' relative error the free norm bound leaves above this get the GEMM one.
+_TIGHT_REL = 1e-11
+#: Slack for the float64 arithmetic of the bound itself.
+_SLACK = 1 + 1e-9
+
+
+@dataclass(frozen=True, eq=False)
+class GradientReference:
+    """The gradients of one problem for an upstream dout (and dlse); float64 arrays.
+
+    Guarantee: |dq - exact| <= dq_bound elementwise, and likewise dk, dv, dsinks. Rows that see
+    no key have dq = 0 exactly and contribute nothing to dk, dv (bound 0 there too)."""
+
+    dq: np.ndarray            # [B, H, Nq, D]
+    dk: np.ndarray            # [B, Hkv, Nk, D]
+    dv: np.ndarray            # [B, Hkv, Nk, D]
+    dsinks: np.ndarray | None  # [H] with sinks, else None
+    dq_bound: np.ndarray
+    dk_bound: np.ndarray
+    dv_bound: np.ndarray
+    dsinks_bound: np.ndarray | None
+    #: the certified forward (`oracle.Reference`) whose exact out and LSE the gradients use
+    forward: object
+    #: D_i = sum_c dO_ic O_ic of the exact O, [B, H, Nq], and its bound
+    delta: np.ndarray
+    delta_bound: np.ndarray
+    method: str
+
+    @property
+    def out(self) -> np.ndarray:
+        return self.forward.out
+
+    @property
+    def lse(self) -> np.ndarray:
+        return self.forward.lse
+
+    def tensors(self) -> dict:
+        """name -> (value, bound) of every gradient this problem has."""
+        named = {"dq": (self.dq, self.dq_bound), "dk": (self.dk, self.dk_bound), "dv": (self.dv, self.dv_bound)}
+        if self.dsinks is not None:
+            named["dsinks"] = (self.dsinks, self.dsinks_bound)
+        return named
+
+
+def checked_upstream(problem: AttentionProblem, dout, dlse):
+    """dout [B, H, Nq, D] and dlse [B, H, Nq] (or None) as float64 arrays of finite values."""
+    arrays = []
+    for name, x, shape in (("dout", dout, problem.out_shape), ("dlse", dlse, problem.lse_shape)):
+        if x is None and name == "dlse":
+            arrays.append(None)
+            continue
+        x = np.asarray(x).astype(np.float64)
+        if x.shape != shape:
+            raise InvalidArgumentError(f"{name}.shape={x.shape!r} must be {shape!r} for this problem")
+        if not np.isfinite(x).all():
+            raise InvalidArgumentError(f"{name} holds non-finite values; upstream gradients must be finite")
+        arrays.append(x)
+    return arrays
+
+
+def gradient_reference(problem: AttentionProblem, dout, dlse=None, method: str = "certified",
+                       digits: int = mp_path.DEFAULT_DIGITS) -> GradientReference:
+    """The exact gradients of `problem` for the upstream `dout` (and `dlse`), with rigorous bounds."""
+    if not isinstance(problem, AttentionProblem):
+        raise InvalidArgumentError(f"problem must be an AttentionProblem, got {type(problem).__name__}")
+    if method not in METHODS:
+        raise InvalidArgumentError(f"method={method!r}; use one of {METHODS}")
+    dout, dlse = checked_upstream(problem, dout, dlse)
+    forward = certified_reference(problem, digits=digits)
+    if method == "mpmath":
+        return _mp_gradients(problem, dout, dlse, forward, digits)
+    return _certified_gradients(problem, dout, dlse, forward)
+
+
+def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
+    B, H, Nq, D = problem.out_shape
+    Nk = problem.nk
+    q = problem.q64()
+    k, v = problem.kv64()
+    mask = problem.mask if problem.is_masked else None
+    allowed = np.broadcast_to(problem.mask, (Nq, Nk))
+    scale = problem.scale_value
+    n_scale = 1 if problem.scale_is_exact else scale_roundings(scale, D)
+    scale_hi = scale / (1 - (0 if problem.scale_is_exact else n_scale * U64))
+    u = U64
+    g_d = float(gamma(D + 1))
+
+    dq, dq_b = np.zeros((B, H, Nq, D)), np.zeros((B, H, Nq, D))
+    dk_h, dk_hb, dv_h, dv_hb = (np.zeros((B, H, Nk, D)) for _ in range(4))
+    delta, delta_b = np.zeros((B, H, Nq)), np.zeros((B, H, Nq))
+    sink_terms = np.zeros((B, H, Nq)) if problem.sinks is not None else None
+    sink_err = np.zeros((B, H, Nq)) if problem.sinks is not None else None
+    limits = problem.key_limit()
+    for b in range(B):
+        heads = slice(0, H)
+        qb, kb, vb, do = q[b], k[b], v[b], dout[b]
+        L, Lb = forward.lse[b], forward.lse_bound[b]
+        live = np.isfinite(L)
+        Lz = np.where(live, L, 0.0)
+        ok = allowed & live[..., None]
+
+        t = np.matmul(qb * scale, kb.swapaxes(-1, -2))
+        raw = t.copy() if problem.softcap > 0 else None
+        variants = _Variants(problem, b, heads) if problem.features else None
+        extra = variants.apply(t, mask) if variants is not None else 0.0
+        magnitude = _norm_magnitude(qb, kb, limits)
+        e_t = float(gamma(D + 2 + n_scale)) * scale_hi * magnitude  # the scores' error, per row
+        x = np.where(ok, t - Lz[..., None], -np.inf)
+        x_max = np.where(ok, np.abs(x), 0.0).max(axis=-1)
+        beta = e_t + extra + Lb + u * x_max
+        loose = np.nonzero(live & ~(beta <= _TIGHT_REL))
+        if loose[0].size:
+            magnitude[loose] = np.minimum(magnitude[loose], _gemm_magnitude(qb, kb, mask, loose))
+            e_t = float(gamma(D + 2 + n_scale)) * scale_hi * magnitude
+            beta = e_t + extra + Lb + u * x_max
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = np.expm1(beta) + EPS_EXP * np.exp(beta)
+            rho = np.where(r < 1, r / (1 - r), np.inf)
+        with np.errstate(under="ignore"):
+            p = np.exp(x)
+        tau = np.where(ok, _TAU, 0.0)
+
+        # D from the certified output, and dP, with their errors
+        out, out_b = forward.out[b], forward.out_bound[b]
+        delta[b] = (do * out).sum(axis=-1)
+        delta_b[b] = ((np.abs(do) * out_b).sum(axis=-1) + g_d * (np.abs(do * out)).sum(axis=-1)) * (1 + g_d)
+        dp = np.matmul(do, vb.swapaxes(-1, -2))
+        slack = 1 - gamma(D + 1)
+        e_dp = g_d * np.sqrt((do * do).sum(-1))[..., None] * np.sqrt((vb * vb).sum(-1))[..., None, :] / slack**2
+        up = 0.0 if dlse is None else dlse[b]
+        g_hat = dp - delta[b][..., None]
+        if dlse is not None:
+            g_hat = g_hat + up[..., None]
+        e_g = e_dp + delta_b[b][..., None] + 2 * u * (np.abs(dp) + np.abs(delta[b])[..., None] + np.abs(up)[..., None])
+        ds = p * g_hat
+        e_ds = ((rho[..., None] * p + tau) * np.abs(g_hat) + ((1 + rho[..., None]) * p + tau) * e_g
+                + u * np.abs(ds))
+        if raw is not None:
+            c = problem.softcap
+            y = raw / c
+            th = np.tanh(y)
+            f = 1 - th * th
+            e_y = (e_t[..., None] + u * np.abs(raw)) / c
+            e_f = 2 * (e_y + EPS_EXP) * (1 + e_y + EPS_EXP) + 2 * u
+            ds_pre = ds
+            ds = ds_pre * f
+            e_ds = e_ds * (1 + e_f) + np.abs(ds_pre) * e_f + u * np.abs(ds)
+        e_ds = np.where(ok, np.where(np.isnan(e_ds), np.inf, e_ds), 0.0)
+        ds = np.where(ok, ds, 0.0)
+
+        # dQ = scale dS K over Nk keys (+1 the product with the scale, + the scale's roundings)
+        k_max = np.abs(kb).max(axis=-2)[:, None, :]
+        dq[b] = np.matmul(ds, kb) * scale
+        g_q = float(gamma(Nk + 1 + n_scale))
+        dq_b[b] = scale_hi * (e_ds.sum(-1)[..., None] + g_q * np.abs(ds).sum(-1)[..., None]) * k_max
+        # dK = scale dS^T Q over Nq rows, per query head (kv heads: summed below)
+        q_max = np.abs(qb).max(axis=-2)[:, None, :]
+        g_k = float(gamma(Nq + 1 + n_scale))
+        dk_h[b] = np.matmul(ds.swapaxes(-1, -2), qb) * scale
+        dk_hb[b] = scale_hi * (e_ds.sum(-2)[..., None] + g_k * np.abs(ds).sum(-2)[..., None]) * q_max
+        # dV = P^T dO
+        do_max = np.abs(do).max(axis=-2)[:, None, :]
+        p = np.where(ok, p, 0.0)
+        dv_h[b] = np.matmul(p.swapaxes(-1, -2), do)
+        w = (rho[..., None] + float(gamma(Nq)) * (1 + rho[..., None])) * p + tau
+        dv_hb[b] = np.where(np.isnan(w), np.inf, w).sum(-2)[..., None] * do_max
+
+        if sink_terms is not None:
+            sink = problem.sinks.astype(np.float64)[:, None]
+            finite = np.isfinite(L)
+            xs = np.where(finite, sink - Lz, -np.inf)
+            bs = Lb + u * np.abs(np.where(finite, xs, 0.0))
+            with np.errstate(over="ignore", invalid="ignore"):
+                rs = np.expm1(bs) + EPS_EXP * np.exp(bs)
+                rhos = np.where(rs < 1, rs / (1 - rs), np.inf)
+            with np.errstate(under="ignore"):
+                ps = np.exp(xs)
+            dd = delta[b] - (0.0 if dlse is None else up)
+            e_dd = delta_b[b] + u * np.abs(dd)
+            term = ps * dd
+            sink_terms[b] = -term
+            sink_err[b] = ((rhos * ps + _TAU) * np.abs(dd) + ((1 + rhos) * ps + _TAU) * e_dd
+                           + u * np.abs(term))
+
+    dq_b = np.where(np.isnan(dq_b), np.inf, dq_b) * _SLACK
+    dk, dk_b = _group_sum(problem, dk_h, dk_hb)
+    dv, dv_b = _group_sum(problem, dv_h, dv_hb)
+    dsinks = dsinks_b = None
+    if sink_terms is not None:
+        dsinks = sink_terms.sum(axis=(0, 2))
+        n = B * Nq
+        dsinks_b = (sink_err.sum(axis=(0, 2)) + float(gamma(n)) * np.abs(sink_terms).sum(axis=(0, 2))
+                    + float(gamma(n)) * sink_err.sum(axis=(0, 2))) * _SLACK
+    return GradientReference(dq=dq, dk=dk, dv=dv, dsinks=dsinks, dq_bound=dq_b, dk_bound=dk_b * _SLACK,
+                             dv_bound=dv_b * _SLACK, dsinks_bound=dsinks_b, forward=forward,
+                             delta=delta, delta_bound=delta_b, method="certified")
+
+
+def _group_sum(problem, per_head, bound):
+    """Per-query-head [B, H, Nk, D] values and bounds summed into kv heads [B, Hkv, Nk, D]:
+    G - 1 more additions, gamma_G of the magnitudes."""
+    B, H, Nk, D = per_head.shape
+    G = problem.group_size
+    shaped = per_head.reshape(B, H // G, G, Nk, D)
+    bound = bound.reshape(B, H // G, G, Nk, D)
+    total = shaped.sum(axis=2)
+    b = bound.sum(axis=2)
+    if G > 1:
+        b = b + float(gamma(G)) * (np.abs(shaped).sum(axis=2) + b)
+    return total, np.where(np.isnan(b), np.inf, b)
+
+
+def _mp_gradients(problem, dout, dlse, forward, digits) -> GradientReference:
+    """The definition in mpmath, row by row, with the bound of the module's doc."""
+    B, H, Nq, D = problem.out_shape
+    G, Nk, Hkv = problem.group_size, problem.nk, problem.kv_heads
+    shapes = {"dq": (B, H, Nq, D), "dk": (B, Hkv, Nk, D), "dv": (B, Hkv, Nk, D), "delta": (B, H, Nq)}
+    mags = {name: np.zeros(shape) for name, shape in shapes.items()}
+    mags["dsinks"] = np.zeros(H)
+    amp = 1.0
+    starts, limits = problem.key_start(), problem.key_limit()
+    with mpmath.workdps(digits):
+        scale = mp_path.mp_scale(problem)
+        acc = {name: np.full(shape, mpmath.mpf(0), dtype=object) for name, shape in shapes.items()}
+        acc["dsinks"] = np.full(H, mpmath.mpf(0), dtype=object)
+        for b, h in np.ndindex(B, H):
+            hk = h // G
+            keys, values = mp_path.as_mp(problem.k[b, hk]), mp_path.as_mp(problem.v[b, hk])
+            abs_k, abs_v = np.abs(problem.k[b, hk].astype(np.float64)), np.abs(problem.v[b, hk].astype(np.float64))
+            queries, grads = mp_path.as_mp(problem.q[b, h]), mp_path.as_mp(dout[b, h])
+            sink = None if problem.sinks is None else mpmath.mpf(float(problem.sinks[h]))
+            for i in range(Nq):
+                lo, hi = int(starts[i]), max(int(starts[i]), int(limits[i]))
+                up = mpmath.mpf(0) if dlse is None else mpmath.mpf(float(dlse[b, h, i]))
+                if lo == hi:  # no key: only a sink's LSE depends on anything
+                    if sink is not None:
+                        acc["dsinks"][h] += up
+                        mags["dsinks"][h] += abs(float(up))
+                    continue
+                bias = problem.alibi_bias(b, h, i)
+                t, z = mp_path.logits(queries[i], keys[lo:hi], scale, problem.softcap,
+                                      None if bias is None else bias[lo:hi])
+                logits = z + ([] if sink is None else [sink])
+                m = max(logits)
+                e = [mpmath.exp(x - m) for x in logits]
+                total = mpmath.fsum(e)
+                p = [x / total for x in e]
+                abs_q = np.abs(problem.q[b, h, i].astype(np.float64))
+                abs_do = np.abs(dout[b, h, i])
+                amp = max(amp, 4 * float(max(abs(x) for x in logits)) + 4
+                          + float(scale) * float((abs_k[lo:hi] @ abs_q).max()))
+                o = [mpmath.fdot(p[:hi - lo], [values[j][c] for j in range(lo, hi)]) for c in range(D)]
+                d_i = mpmath.fdot(grads[i], o)
+                acc["delta"][b, h, i] = d_i
+                mags["delta"][b, h, i] = float(abs_do @ np.abs(np.array([float(x) for x in o])))
+                p_f = np.array([float(x) for x in p[:hi - lo]])
+                g_mag = p_f * (abs_v[lo:hi] @ abs_do + mags["delta"][b, h, i] + abs(float(up)))
+                ds = []
+                for n, j in enumerate(range(lo, hi)):
+                    d = p[n] * (mpmath.fdot(grads[i], values[j]) - d_i + up)
+                    if problem.softcap > 0:
+                        d *= 1 - mpmath.tanh(t[n] / problem.softcap) ** 2
+                    ds.append(d)
+                    acc["dk"][b, hk, j] += [scale * d * x for x in queries[i]]
+                    acc["dv"][b, hk, j] += [p[n] * x for x in grads[i]]
+                acc["dq"][b, h, i] = [scale * mpmath.fdot(ds, [keys[j][c] for j in range(lo, hi)])
+                                      for c in range(D)]
+                mags["dq"][b, h, i] = float(scale) * (g_mag @ abs_k[lo:hi])
+                mags["dk"][b, hk, lo:hi] += float(scale) * g_mag[:, None] * abs_q
+                mags["dv"][b, hk, lo:hi] += p_f[:, None] * abs_do
+                if sink is not None:
+                    acc["dsinks"][h] -= p[-1] * (d_i - up)
+                    mags["dsinks"][h] += float(p[-1]) * (mags["delta"][b, h, i] + abs(float(up)))
+        values = {name: np.vectorize(float, otypes=[np.float64])(x) for name, x in acc.items()}
+
+    coefficient = 8 * (G * Nq + Nk + D + 40) * 2.0 ** -dps_to_prec(digits) * amp
+    bounds = {name: coefficient * mags[name] + U64 * np.abs(values[name]) for name in values}
+    sinks = problem.sinks is not None
+    return GradientReference(
+        dq=values["dq"], dk=values["dk"], dv=values["dv"], dsinks=values["dsinks"] if sinks else None,
+        dq_bound=bounds["dq"], dk_bound=bounds["dk"], dv_bound=bounds["dv"],
+        dsinks_bound=bounds["dsinks"] if sinks else None, forward=forward, delta=values["delta"],
+        delta_bound=bounds["delta"], method="mpmath")
