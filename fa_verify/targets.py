@@ -204,15 +204,23 @@ def _callable_options(values: dict, prefix: str, say) -> dict:
 
 
 def _callable(name: str, options: dict):
-    """The backend of MODULE:FUNC: a CallableBackend, or for a varlen or paged layout a
-    RaggedCallableBackend."""
+    """The backend of MODULE:FUNC: a CallableBackend, for a varlen or paged layout a
+    RaggedCallableBackend, for a function whose signature names dout a BackwardCallableBackend."""
     from fa_verify.backends import CallableBackend, load_callable
+    from fa_verify.backends.backward_callable import BackwardCallableBackend, is_backward
     from fa_verify.backends.ragged_callable import RaggedCallableBackend
 
     sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
     fn = load_callable(name)
     if options["layout"] in RAGGED_LAYOUTS:
         return RaggedCallableBackend(fn, name=name, **options)
+    if is_backward(fn):
+        if options["conventions"].declared:
+            raise InvalidArgumentError(
+                f"{name} is a backward (its signature names dout): it is given out and lse in fa_verify's "
+                f"conventions, so the convention options ({options['conventions'].describe()}) do not apply; "
+                "drop them")
+        return BackwardCallableBackend(fn, name=name, **options)
     return CallableBackend(fn, name=name, **options)
 
 

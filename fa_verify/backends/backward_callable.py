@@ -6,8 +6,9 @@ Protocol: `bwd(q, k, v, out, lse, dout, *, causal, scale) -> (dq, dk, dv)`, plus
 (-inf for rows that see no key); the gradients come back in the input dtype. The variants'
 keywords are passed as to a forward function (`CallableBackend`), and `dlse` ([B,H,Nq] float32)
 when the signature names it: problems with an upstream LSE gradient are drawn only then.
-Arrays, isolation, limits and precision as for `CallableBackend`; a function is told from a
-forward one by its signature (it names `dout`: `is_backward`).
+Arrays, isolation, limits and precision as for `CallableBackend`; `deterministic_dq=True`
+declares its dq bitwise reproducible (dk and dv must be whatever it declares). A function is
+told from a forward one by its signature (it names `dout`: `is_backward`).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ class BackwardCallableBackend(CallableBackend):
     kinds = ("backward",)
     positional = ("q", "k", "v", "out", "lse", "dout")
 
-    def __init__(self, fn, *args, **kwargs):
+    def __init__(self, fn, *args, deterministic_dq: bool = False, **kwargs):
         super().__init__(fn, *args, **kwargs)
         try:
             self.takes_dlse = "dlse" in inspect.signature(fn).parameters
         except (TypeError, ValueError):
             self.takes_dlse = False
+        self.deterministic_dq = deterministic_dq
 
     def supports(self, problem):
         reason = super().supports(problem)

@@ -98,6 +98,11 @@ class Backend(ABC):
     writes_buffers: bool = False
     #: a paged target's twin taking the varlen layout, if it has one (paged_contiguous compares them)
     contiguous: "Backend | None" = None
+    # --- what backward targets declare ---
+    #: it takes an upstream LSE gradient (dlse): problems with one are drawn
+    takes_dlse: bool = False
+    #: its dq is bitwise the same from run to run (a deterministic mode; dk and dv always must be)
+    deterministic_dq: bool = False
 
     @abstractmethod
     def precision(self, dtype) -> PrecisionModel:

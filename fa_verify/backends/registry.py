@@ -5,6 +5,7 @@ from __future__ import annotations
 from fa_verify.backends.base import Backend
 from fa_verify.backends.cuda_kernels import CpuKernelBackend, PyCudaKernelBackend
 from fa_verify.backends.naive import NaiveBackend
+from fa_verify.backends.numpy_backward import NumpyBackwardBackend
 from fa_verify.backends.numpy_ragged import numpy_ragged_backends
 from fa_verify.backends.numpy_tiled import NumpyTiledBackend
 from fa_verify.backends.split_kv import split_kv_backends
@@ -28,6 +29,7 @@ _BUILTINS = (
     lambda: PyCudaKernelBackend("naive"),
     lambda: CpuKernelBackend("naive16"),
     lambda: PyCudaKernelBackend("naive16"),
+    NumpyBackwardBackend,
 )
 
 

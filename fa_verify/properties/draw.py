@@ -142,27 +142,30 @@ def _causal_modes(prop: Property, *allowed: tuple) -> tuple:
     return tuple(c for c in (False, True) if c in wanted and all(c in modes for modes in allowed))
 
 
-def edge_problems(prop: Property, backend: Backend, selection: Selection) -> tuple[list[AttentionProblem], tuple]:
-    """The edge cases for the selected dtypes and causal modes that the target runs, each moved to
-    the nearest shape within the target's declared limits; and notes on what was moved or dropped."""
+def edge_problems(prop: Property, backend: Backend, selection: Selection, cases=EDGE_CASES,
+                  as_kind=None) -> tuple[list[AttentionProblem], tuple]:
+    """The edge `cases` ((shape, distribution) pairs) for the selected dtypes and causal modes
+    that the target runs (made problems of its kind by `as_kind`, as `capabilities` probes), each
+    moved to the nearest shape within the target's declared limits; and notes on what was moved
+    or dropped."""
     if not prop.edge_cases:
         return [], ()
     limits = backend.limits
     causal = _causal_modes(prop, selection.causal, limits.causal)
     modes = ([(False, "bottom-right")] * (False in causal)
              + [(True, a) for a in CAUSAL_ALIGNMENTS] * (True in causal))
-    cases, notes = {}, []
-    for shape, dist in EDGE_CASES:
+    adapted_cases, notes = {}, []
+    for shape, dist in cases:
         adapted = limits.adapt(fst.Shape(*shape))
         if isinstance(adapted, str):
             notes.append(f"edge case {fst.Shape(*shape)} dropped: {adapted}")
         else:
-            cases.setdefault((adapted, dist), None)
+            adapted_cases.setdefault((adapted, dist), None)
     if limits.declared:
-        notes.append(f"{len(EDGE_CASES)} edge cases moved to {len(cases)} shapes within the declared limits")
+        notes.append(f"{len(cases)} edge cases moved to {len(adapted_cases)} shapes within the declared limits")
     problems = [fst.make_problem(dist, shape, dtype, seed=0, causal=c, causal_alignment=a)
-                for shape, dist in cases for dtype in selection.dtypes for c, a in modes]
-    return [p for p in problems if _runs(backend, p)], tuple(notes)
+                for shape, dist in adapted_cases for dtype in selection.dtypes for c, a in modes]
+    return [p for p in problems if _runs(backend, p, as_kind)], tuple(notes)
 
 
 def _shape_limits(limits: Limits) -> dict:

@@ -18,7 +18,8 @@ from typing import Callable
 from hypothesis import strategies as st
 
 from fa_verify.problem import AttentionProblem
-from fa_verify.properties import draw, draw_ragged
+from fa_verify.backward import BackwardProblem
+from fa_verify.properties import draw, draw_backward, draw_ragged
 from fa_verify.ragged import RaggedProblem
 
 
@@ -52,6 +53,8 @@ KINDS = {kind.name: kind for kind in (
     Kind("dense", AttentionProblem, None, _dense_problems, draw.edge_problems),
     _ragged("varlen"),
     _ragged("paged"),
+    Kind("backward", BackwardProblem, draw_backward.as_backward, draw_backward.backward_strategy,
+         draw_backward.edge_problems),
 )}
 
 

@@ -12,6 +12,7 @@ from fa_verify.errors import InvalidArgumentError
 from fa_verify.problem import FEATURES
 from fa_verify.properties import (
     agreement,
+    backward,
     convexity,
     independence,
     masking,
@@ -124,6 +125,13 @@ PROPERTIES = (
     Property("unused_cache", ragged.check_unused_cache, kinds=("paged",)),
     Property("split_invariance", ragged.check_split_invariance, kinds=RAGGED, target_reason=ragged.not_split),
     Property("unwritten_rows", ragged.check_unwritten_rows, kinds=RAGGED, target_reason=ragged.returns_its_output),
+    # the backward pass (fa_verify.backward)
+    Property("gradient_agreement", backward.check_gradient_agreement, kinds=("backward",), edge_cases=True),
+    Property("gradient_variant_agreement", backward.check_gradient_variant_agreement, kinds=("backward",),
+             features=tuple(FEATURES)),
+    Property("gradient_determinism", backward.check_gradient_determinism, kinds=("backward",)),
+    Property("gradient_nan_padding", backward.check_gradient_nan_padding, kinds=("backward",),
+             target_reason=backward.not_padded),
 )
 
 PROPERTY_NAMES = tuple(p.name for p in PROPERTIES)

@@ -128,7 +128,8 @@ class Target:
     """What a reproducer rebuilds: a built-in backend (`reference` None), or the function
     `reference` (MODULE:FUNC, imported from `folder`) wrapped as `kind` ("callable": the callable
     protocol, CallableBackend with `options`; "run": a run(problem) function, RunFunctionBackend;
-    "ragged": a varlen or paged function, RaggedCallableBackend)."""
+    "ragged": a varlen or paged function, RaggedCallableBackend; "backward": a backward function,
+    BackwardCallableBackend)."""
 
     name: str
     kind: str = "builtin"
@@ -140,9 +141,14 @@ class Target:
     def of(cls, backend, dtype: str) -> "Target":
         """The target that rebuilds `backend` for problems of `dtype`; NotReproducible if none can."""
         from fa_verify.backends import CallableBackend, builtin_backends
+        from fa_verify.backends.backward_callable import BackwardCallableBackend
         from fa_verify.backends.ragged_callable import RaggedCallableBackend
         from fa_verify.properties._subject import RunFunctionBackend
 
+        if isinstance(backend, BackwardCallableBackend):
+            reference, folder = _reference(backend.fn, backend.name)
+            options = {**callable_options(backend, dtype), "deterministic_dq": backend.deterministic_dq}
+            return cls(backend.name, "backward", reference, folder, options)
         if isinstance(backend, RaggedCallableBackend):
             reference, folder = _reference(backend.fn, backend.name)
             return cls(backend.name, "ragged", reference, folder, ragged_callable_options(backend, dtype))
@@ -171,13 +177,16 @@ class Target:
                 "run": "from fa_verify.backends import load_callable\n"
                        "    from fa_verify.properties import as_backend",
                 "ragged": "from fa_verify.backends import load_callable\n"
-                          "    from fa_verify.backends.ragged_callable import RaggedCallableBackend"}[self.kind]
+                          "    from fa_verify.backends.ragged_callable import RaggedCallableBackend",
+                "backward": "from fa_verify.backends import load_callable\n"
+                            "    from fa_verify.backends.backward_callable import BackwardCallableBackend"}[self.kind]
 
     def expression(self) -> str:
         """Python that rebuilds the target (after `imports()`), one keyword argument a line."""
         if self.kind == "builtin":
             return f"get_backend({self.name!r})"
-        make = {"run": "as_backend", "callable": "CallableBackend", "ragged": "RaggedCallableBackend"}[self.kind]
+        make = {"run": "as_backend", "callable": "CallableBackend", "ragged": "RaggedCallableBackend",
+                "backward": "BackwardCallableBackend"}[self.kind]
         arguments = [f"load_callable({self.reference!r})", f"name={self.name!r}",
                      *(f"{k}={v!r}" for k, v in self.options.items())]
         return f"{make}(\n        " + ",\n        ".join(arguments) + ")"

@@ -18,8 +18,11 @@ their first tiles) and `long_key_shapes()` (Nk in the thousands, a few rows), pa
 scores and `small_rises()` by `deep_problems()` / `long_key_problems()`, are mixed into another
 strategy in fixed shares by `depth_shares()`. `ragged_problems(layout)` draws
 varlen and paged batches (fa_verify.ragged) with page tables and split counts.
+`backward_problems(forwards)` pairs forward problems with upstream gradients (`DOUT_DISTRIBUTIONS`),
+a fixed share with rows `anti_aligned` to every key (very negative LSE), for backward targets.
 """
 
+from fa_verify.strategies._backward import DOUT_DISTRIBUTIONS, anti_aligned, backward_problems
 from fa_verify.strategies._depth import (
     DEEP_SHARE,
     DEEP_TILE_SIZES,
