@@ -14,6 +14,9 @@ Everything else is float32: the scores (|S| and |LSE| are a few units here, so P
 few 2^-24 relative) and the sums over Nk keys or D dims, each under (Nk + D) 2^-24 m even when
 every addition rounds the same way. floor is the dtype's smallest subnormal, the rounding of a
 gradient that underflows. Rows that see no key have m = 0: their gradient must be 0.
+Measured on these cases (torch 2.13, jax 0.10, Triton 3.9's interpreter): fp16/bf16 errors up
+to 3.0 u m (our Triton kernel in bf16; 1.9 u m for the others), fp32 up to 12 x 2^-24 m,
+against the 62 to 86 x 2^-24 m allowed.
 """
 
 from __future__ import annotations
@@ -233,7 +236,9 @@ grads = [tuple(map(to_numpy, backward(*map(to_torch, inputs), causal=causal, sca
 with open(sys.argv[2], "wb") as file:
     pickle.dump(grads, file)
 """
-TRITON_SHAPES = {"gqa-d16": (1, 4, 2, 32, 32, 16), "mha-d32": (1, 2, 2, 48, 48, 32)}
+#: (B, H, Hkv, N, N, D): every head dim it supports, MHA, GQA and MQA
+TRITON_SHAPES = {"gqa-d16": (2, 4, 2, 32, 32, 16), "mha-d32": (1, 2, 2, 48, 48, 32), "mqa-d64": (1, 3, 1, 32, 32, 64),
+                 "mqa-d128": (1, 2, 1, 16, 16, 128)}
 TRITON_CASES = {(dtype, causal, shape): _case(dtype, causal, "bottom-right", TRITON_SHAPES[shape])
                 for dtype in DTYPES for causal in (False, True) for shape in TRITON_SHAPES}
 #: given the forward kernel's base-2 LSE instead of the natural log

@@ -6,8 +6,8 @@ Three kernels, FlashAttention-2's backward split so that no two programs write o
   the forward does);
 - `_dkdv`, one program per (block of keys, batch x kv head): it walks every query block of
   every query head that reads this kv head (GQA sums over the group there, not through atomics),
-  recomputes P = exp2(S log2(e) - LSE2) and accumulates dV += P^T dO and dK += dS^T Q, with
-  dS = P (dO V^T - D);
+  recomputes P = exp2(scale log2(e) Q K^T - LSE2) and accumulates dV += P^T dO and
+  dK += dS^T Q, with dS = P (dO V^T - D);
 - `_dq`, one program per (block of queries, batch x head): it walks the key blocks and
   accumulates dQ += dS K, in a fixed order (a deterministic dQ, unlike FA2's atomic adds).
 Scores, P, dP, dS and the accumulators are float32; P and dS are rounded to the input dtype
@@ -15,10 +15,13 @@ before their GEMMs (FlashAttention-2's precision model); the scale multiplies dK
 the end; gradients are stored in the input dtype.
 
 Its limits are the forward's: Nq = Nk, N a multiple of 16, D in {16, 32, 64, 128}, MHA, GQA,
-MQA; causal masking (top-left = bottom-right when Nq = Nk). Inputs are CPU or GPU torch tensors
-(`--array torch`); on the CPU it runs with TRITON_INTERPRET=1:
+MQA; causal masking (top-left = bottom-right when Nq = Nk). Inputs are torch tensors
+(`--array torch`); on the CPU it runs with TRITON_INTERPRET=1 (tests/test_backward_adapters.py
+checks it there; no GPU has run it yet):
     TRITON_INTERPRET=1 python3 -m fa_verify check kernels.triton.fa_triton_bwd:backward --array torch \
         --limits kernels/triton/limits.toml
+(limits.toml's `lse-base = 2` is the forward's LSE output; the backward reads the protocol's
+natural-log LSE whatever it says.)
 """
 
 from __future__ import annotations
