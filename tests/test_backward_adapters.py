@@ -149,8 +149,8 @@ def test_torch_sdpa_backward_matches_float64(sdpa, kernel, causal, dtype):
 
 
 def test_torch_sdpa_causal_is_top_left_and_nq_above_nk_works(sdpa):
-    """Nq > Nk: top-left leaves no row empty; judged bottom-right, the same gradients fail."""
-    shape = (1, 2, 1, 40, 24, 16)
+    """Nq > Nk (and MHA): top-left leaves no row empty; judged bottom-right, the same gradients fail."""
+    shape = (1, 2, 2, 40, 24, 16)
     top_left = _case("fp32", True, "top-left", shape)
     for kernel in (sdpa.math_backward, sdpa.flash_backward):
         grads = top_left.call(kernel)
