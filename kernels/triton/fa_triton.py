@@ -83,14 +83,20 @@ def _forward(Q, K, V, O, LSE, scale_log2,
     tl.store(LSE + batch_head * seq + rows, running_max + tl.math.log2(running_sum))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float):
-    """(out, lse2): q [B, H, N, D], k and v [B, Hkv, N, D]; lse2 [B, H, N] float32, base 2."""
-    batch, heads, seq, dim = q.shape
-    kv_heads = k.shape[1]
+def check_limits(q: torch.Tensor, k: torch.Tensor) -> None:
+    """The declared limits, shared with the backward kernel (fa_triton_bwd.py)."""
+    seq, dim = q.shape[2:]
     assert k.shape[2] == seq, "Nq = Nk only"
     assert seq % BLOCK == 0, f"N must be a multiple of {BLOCK}"
     assert dim in HEAD_DIMS, f"D must be one of {HEAD_DIMS}"
-    assert heads % kv_heads == 0
+    assert q.shape[1] % k.shape[1] == 0
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float):
+    """(out, lse2): q [B, H, N, D], k and v [B, Hkv, N, D]; lse2 [B, H, N] float32, base 2."""
+    check_limits(q, k)
+    batch, heads, seq, dim = q.shape
+    kv_heads = k.shape[1]
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.empty_like(q)
     lse = torch.empty((batch, heads, seq), dtype=torch.float32, device=q.device)
