@@ -50,7 +50,8 @@ from fa_verify.oracle.certified import (EPS_EXP, _gemm_magnitude, _norm_magnitud
 from fa_verify.problem import AttentionProblem
 
 METHODS = ("certified", "mpmath")
-#: An absolute error per probability below the normal range: exp's subnormal results.
+#: An absolute error per probability below the normal range: exp's subnormal results carry up to
+#: one subnormal spacing (2^-1074) of error; 16 of them leave room for exp's own inaccuracy there.
 _TAU = 2.0 ** -1070
 #: Rows whose probabilities' relative error the free norm bound leaves above this get the GEMM one.
 _TIGHT_REL = 1e-11
@@ -328,7 +329,8 @@ def _mp_gradients(problem, dout, dlse, forward, digits) -> GradientReference:
         values = {name: np.vectorize(float, otypes=[np.float64])(x) for name, x in acc.items()}
 
     coefficient = 8 * (G * Nq + Nk + D + 40) * 2.0 ** -dps_to_prec(digits) * amp
-    bounds = {name: coefficient * mags[name] + U64 * np.abs(values[name]) for name in values}
+    # the rounding to float64: half an ulp, at least half a subnormal spacing
+    bounds = {name: coefficient * mags[name] + U64 * np.abs(values[name]) + 2.0 ** -1075 for name in values}
     sinks = problem.sinks is not None
     return GradientReference(
         dq=values["dq"], dk=values["dk"], dv=values["dv"], dsinks=values["dsinks"] if sinks else None,
