@@ -157,11 +157,13 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
 
         # P = exp(z - L) and its relative error rho per row (module doc)
         t = np.matmul(qb * scale, kb.swapaxes(-1, -2))
-        raw_max = np.maximum(t.max(axis=-1), -t.min(axis=-1))
-        raw = t.copy() if problem.softcap > 0 else None
-        extra = _Variants(problem, b, slice(0, H)).apply(t, mask) if problem.features else 0.0
-        z_max = np.maximum(t.max(axis=-1), -t.min(axis=-1))
         magnitude = _norm_magnitude(qb, kb, limits)
+        raw = t.copy() if problem.softcap > 0 else None
+        if problem.features:  # the logits' largest magnitude, read off (it only enters as u |x|)
+            extra = _Variants(problem, b, slice(0, H)).apply(t, mask)
+            z_max = np.maximum(t.max(axis=-1), -t.min(axis=-1))
+        else:  # |t_ij| <= (1 + g_t) scale_hi A_i over the keys row i attends
+            extra, z_max = 0.0, (1 + g_t) * scale_hi * magnitude
         x_max = (z_max + np.abs(Lz)) * (1 + u)
         beta = g_t * scale_hi * magnitude + extra + Lb + u * x_max
         loose = np.nonzero(~(beta <= _TIGHT_REL))
@@ -185,39 +187,39 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
         n_do = np.sqrt((do * do).sum(-1)) / slack
         n_v = np.sqrt((vb * vb).sum(-1))
         dp = np.matmul(do, vb.swapaxes(-1, -2))
-        p_abs_dp = np.abs(dp)
-        p_abs_dp *= p
-        pdp_rows = p_abs_dp.sum(-1)
+        w = 1 + rho
+        buf = np.abs(dp)
+        buf *= p  # p |dP|
+        pdp_rows = buf.sum(-1)
+        pdp_cols = np.matmul(w[:, None, :], buf)[:, 0]
         # e_g = |g_hat - g| <= g_d n_do_i n_v_j + c_i + 2u |dP_ij|, c_i = delta_b + 2u (|D| + |dlse|)
         c = delta_b[b] + 2 * u * (np.abs(delta[b]) + np.abs(up))
         dp -= delta[b][..., None]
         if dlse is not None:
             dp += up[..., None]
         ds = np.multiply(p, dp, out=dp)  # dS before the softcap's factor
-        abs_ds = np.abs(ds)
-        s1_rows, s1_cols = abs_ds.sum(-1), abs_ds.sum(-2)
+        abs_ds = np.abs(ds, out=buf)
+        s1_rows = abs_ds.sum(-1)
+        s1_cols, rho_ds_cols = np.moveaxis(np.matmul(np.stack([np.ones_like(rho), rho / (1 - u)], axis=1), abs_ds), 1, 0)
         # dS_hat's error summed over keys (rows) and over rows (columns), see the module doc; the
-        # tau part uses |g_hat| + e_g <= 2 (n_do n_v + |D| + |dlse| + delta_b)
-        p_rows = p.sum(-1)
-        p_nv = np.matmul(p, n_v[..., None])[..., 0]
+        # tau part uses |g_hat| + e_g <= 2 (n_do n_v + |D| + |dlse| + delta_b). One pass over p
+        # for all row sums, one for all column sums.
+        p_nv, p_rows = np.moveaxis(np.matmul(p, np.stack([n_v, np.ones_like(n_v)], axis=-1)), -1, 0)
+        col_weights = np.stack([w * n_do, w * c, rho + g_v * w], axis=1)
+        p_nd_cols, p_c_cols, dv_cols = np.moveaxis(np.matmul(col_weights, p), 1, 0)
         rest = np.abs(delta[b]) + np.abs(up) + delta_b[b]
-        err_rows = (rho / (1 - u) * s1_rows + (1 + rho) * (g_d * n_do * p_nv + c * p_rows + 2 * u * pdp_rows)
+        err_rows = (rho / (1 - u) * s1_rows + w * (g_d * n_do * p_nv + c * p_rows + 2 * u * pdp_rows)
                     + u * s1_rows + 2 * _TAU * keys_per_row * (n_do * n_v.max(axis=-1, keepdims=True) + rest))
-        w = 1 + rho
-        err_cols = ((np.matmul((rho / (1 - u) + u)[:, None, :], abs_ds)[:, 0]
-                     + g_d * n_v * np.matmul((w * n_do)[:, None, :], p)[:, 0]
-                     + np.matmul((w * c)[:, None, :], p)[:, 0]
-                     + 2 * u * np.matmul(w[:, None, :], p_abs_dp)[:, 0])
+        err_cols = (rho_ds_cols + u * s1_cols + g_d * n_v * p_nd_cols + p_c_cols + 2 * u * pdp_cols
                     + 2 * _TAU * (n_do.sum(-1, keepdims=True) * n_v + rest.sum(-1, keepdims=True)) * (rows_per_key > 0))
-        del p_abs_dp
         if raw is not None:  # times f = 1 - tanh^2(t / c), within e_f (module doc), per head
             cap = problem.softcap
             th = np.tanh(raw / cap, out=raw)
             f = np.subtract(1.0, th * th, out=th)
-            e_y = (e_t + u * raw_max) / cap
+            e_y = (e_t + u * (1 + g_t) * scale_hi * magnitude) / cap  # u |t|, |t| <= (1 + g_t) scale A
             e_f = (2 * (e_y + EPS_EXP) * (1 + e_y + EPS_EXP) + 2 * u).max(axis=-1)
             ds *= f
-            abs_ds = np.abs(ds)
+            abs_ds = np.abs(ds, out=buf)
             err_rows = err_rows * (1 + e_f[:, None]) + e_f[:, None] * s1_rows + u * abs_ds.sum(-1)
             err_cols = err_cols * (1 + e_f[:, None]) + e_f[:, None] * s1_cols + u * abs_ds.sum(-2)
             s1_rows, s1_cols = abs_ds.sum(-1), abs_ds.sum(-2)
@@ -229,8 +231,7 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
         dk_h[b] = np.matmul(ds.swapaxes(-1, -2), qb) * scale
         dk_hb[b] = scale_hi * (err_cols + g_k * s1_cols)[..., None] * np.abs(qb).max(axis=-2)[:, None, :]
         dv_h[b] = np.matmul(p.swapaxes(-1, -2), do)
-        w_v = np.matmul((rho + g_v * (1 + rho))[:, None, :], p)[:, 0] + _TAU * rows_per_key
-        dv_hb[b] = w_v[..., None] * np.abs(do).max(axis=-2)[:, None, :]
+        dv_hb[b] = (dv_cols + _TAU * rows_per_key)[..., None] * np.abs(do).max(axis=-2)[:, None, :]
 
         if sinks:
             sink = problem.sinks.astype(np.float64)[:, None]
