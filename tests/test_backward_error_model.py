@@ -408,3 +408,30 @@ def test_non_finite_and_structural_zero_violations_have_their_own_rules():
     assert verdict.rule == "shape" and "dtype" in verdict.message()
     good = check_gradients(grads, problem, dout, **judge)
     assert good.passed and good.as_dict()["worst_ratio"] == good.worst_ratio < 1
+
+
+def test_row_chunks_do_not_change_the_bound(monkeypatch):
+    """_CHUNK_ENTRIES only bounds memory: chunks of 2 rows give the same bound."""
+    import fa_verify.backward_error_model as model
+    problem, precision, dout, ref = _setup("bf16", sinks="per_head")
+    kwargs = dict(out_given=round_to(ref.out, "bf16"), lse_given=ref.lse.astype(np.float32))
+    whole = gradient_error_bound(problem, dout, precision, ref, **kwargs)
+    monkeypatch.setattr(model, "_CHUNK_ENTRIES", 2 * problem.nk)
+    chunked = gradient_error_bound(problem, dout, precision, ref, **kwargs)
+    for tensor in ("dq", "dk", "dv", "dsinks"):
+        np.testing.assert_allclose(chunked.bound(tensor), whole.bound(tensor), rtol=1e-12)
+
+
+def test_probabilistic_accumulation_tightens_only_the_gamma_terms_and_still_holds():
+    problem = _problem("fp32", h=3, nq=64, nk=256, d=64, seed=18)
+    precision = PrecisionModel.flash("fp32")
+    dout = round_to(np.random.default_rng(19).standard_normal(problem.out_shape), "fp32")
+    out, lse = tiled_attention(problem, precision)
+    ref = gradient_reference(problem, dout)
+    kwargs = dict(out_given=out, lse_given=lse)
+    worst = gradient_error_bound(problem, dout, precision, ref, **kwargs)
+    likely = gradient_error_bound(problem, dout, precision, ref, accumulation="probabilistic", **kwargs)
+    assert (likely.terms["dk"]["accumulation"] < worst.terms["dk"]["accumulation"]).all()
+    np.testing.assert_array_equal(likely.terms["dq"]["ds_rounding"], worst.terms["dq"]["ds_rounding"])
+    grads = dict(zip(("dq", "dk", "dv"), fa2_backward(problem, out, lse, dout, precision=precision)))
+    assert check_gradients(grads, problem, dout, reference=ref, bound=likely, **kwargs).passed
