@@ -24,7 +24,7 @@ from fa_verify.dtypes import numpy_dtype
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.oracle.backward import GradientReference, gradient_reference
 from fa_verify.problem import AttentionProblem
-from fa_verify.verdict import _as_numpy, _g, _index, _pct, _r, _ratio, _resolve_precision
+from fa_verify.verdict import _as_numpy, _first, _g, _index, _pct, _r, _ratio, _resolve_precision
 
 RULES = ("shape", "finite", "structural_zeros", "error_bound")
 
@@ -138,9 +138,8 @@ def check_gradients(grads: dict, problem: AttentionProblem, dout, *, out_given, 
     refs = reference.tensors()
 
     bad = {name: ~np.isfinite(x) & np.isfinite(refs[name][0]) for name, x in got.items()}
-    parts = [f"{name} holds {int(b.sum())} NaN/Inf values where the exact gradient is finite "
-             f"(first {got[name][w]} at {list(w)})"
-             for name, b in bad.items() if b.any() for w in [_index(int(np.argmax(b)), b.shape)]]
+    parts = [f"{name} holds {int(b.sum())} NaN/Inf values where the exact gradient is finite {_first(b, got[name])}"
+             for name, b in bad.items() if b.any()]
     if parts:
         failures.append(("finite", "; ".join(parts)))
 
@@ -149,9 +148,8 @@ def check_gradients(grads: dict, problem: AttentionProblem, dout, *, out_given, 
     for name, where in zeros.items():
         nonzero = where & (got[name] != 0)
         if nonzero.any():
-            w = _index(int(np.argmax(nonzero)), nonzero.shape)
             parts.append(f"{name} is not 0 at {int(nonzero.sum())} elements of rows or keys that attend nothing "
-                         f"(first {got[name][w]} at {list(w)})")
+                         f"{_first(nonzero, got[name])}")
     if parts:
         failures.append(("structural_zeros", "; ".join(parts) + " (convention: exactly 0)"))
 

@@ -252,6 +252,12 @@ def _index(flat_argmax: int, shape) -> tuple:
     return tuple(int(i) for i in np.unravel_index(flat_argmax, shape))
 
 
+def _first(bad: np.ndarray, values: np.ndarray) -> str:
+    """"(first X at [i, ...])": the first element of `values` where `bad` holds, for messages."""
+    where = _index(int(np.argmax(bad)), bad.shape)
+    return f"(first {values[where]} at {list(where)})"
+
+
 def _ratio(err: np.ndarray, bound: np.ndarray) -> np.ndarray:
     """err / bound with 0/0 = 0 and x/0 = inf (err is NaN-free: NaN was mapped to inf)."""
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -317,13 +323,11 @@ def check_attention(out, problem: AttentionProblem, lse=None, precision=None, re
     if bad.any() or lse_bad.any():
         parts = []
         if bad.any():
-            where = _index(int(np.argmax(bad)), bad.shape)
             parts.append(f"out holds {int(bad.sum())} NaN/Inf values where the reference is finite "
-                         f"(first {got[where]} at {list(where)})")
+                         f"{_first(bad, got)}")
         if lse_bad.any():
-            where = _index(int(np.argmax(lse_bad)), lse_bad.shape)
             parts.append(f"lse holds {int(lse_bad.sum())} NaN/Inf values where the reference is finite "
-                         f"(first {lse64[where]} at {list(where)})")
+                         f"{_first(lse_bad, lse64)}")
         failures.append(("finite", "; ".join(parts)))
 
     # masked rows: exactly 0 and -inf
@@ -333,13 +337,9 @@ def check_attention(out, problem: AttentionProblem, lse=None, precision=None, re
         lse_wrong = (np.zeros_like(masked) if lse is None else masked & ~(lse64 == -np.inf))
         parts = []
         if nonzero.any():
-            where = _index(int(np.argmax(nonzero)), nonzero.shape)
-            parts.append(f"{int(nonzero.sum())} outputs of fully masked rows are not 0 "
-                         f"(first {got[where]} at {list(where)})")
+            parts.append(f"{int(nonzero.sum())} outputs of fully masked rows are not 0 {_first(nonzero, got)}")
         if lse_wrong.any():
-            where = _index(int(np.argmax(lse_wrong)), lse_wrong.shape)
-            parts.append(f"{int(lse_wrong.sum())} LSEs of fully masked rows are not -inf "
-                         f"(first {lse64[where]} at {list(where)})")
+            parts.append(f"{int(lse_wrong.sum())} LSEs of fully masked rows are not -inf {_first(lse_wrong, lse64)}")
         if parts:
             failures.append(("masked_rows", "; ".join(parts) + " (convention: output 0, LSE -inf)"))
 

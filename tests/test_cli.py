@@ -64,6 +64,8 @@ def test_bench_oracle_json_reports_ratio_and_bound(capsys):
     row = result["sizes"][0]
     assert row["n"] == 256 and row["ratio"] > 0
     assert 0 < row["max_relative_bound"] <= 1e-12
+    assert result["backward"][0]["n"] == 256 and result["backward"][0]["ratio"] > 0
+    assert 0 < result["backward"][0]["max_relative_bound"] <= 1e-10
     assert result["mpmath"]["seconds"] > 0
     assert code == (0 if result["meets_target"] else 1)
 

@@ -50,7 +50,8 @@ from fa_verify.oracle.certified import (EPS_EXP, _gemm_magnitude, _norm_magnitud
 from fa_verify.problem import AttentionProblem
 
 METHODS = ("certified", "mpmath")
-#: An absolute error per probability below the normal range: exp's subnormal results.
+#: An absolute error per probability below the normal range: exp's subnormal results carry up to
+#: one subnormal spacing (2^-1074) of error; 16 of them leave room for exp's own inaccuracy there.
 _TAU = 2.0 ** -1070
 #: Rows whose probabilities' relative error the free norm bound leaves above this get the GEMM one.
 _TIGHT_REL = 1e-11
@@ -132,122 +133,136 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
     q = problem.q64()
     k, v = problem.kv64()
     mask = problem.mask if problem.is_masked else None
-    allowed = np.broadcast_to(problem.mask, (Nq, Nk))
     scale = problem.scale_value
     n_scale = 1 if problem.scale_is_exact else scale_roundings(scale, D)
     scale_hi = scale / (1 - (0 if problem.scale_is_exact else n_scale * U64))
     u = U64
-    g_d = float(gamma(D + 1))
+    g_d, g_t = float(gamma(D + 1)), float(gamma(D + 2 + n_scale))
+    g_q, g_k, g_v = float(gamma(Nk + 1 + n_scale)), float(gamma(Nq + 1 + n_scale)), float(gamma(Nq))
+    keys_per_row = np.maximum(problem.key_limit() - problem.key_start(), 0)
+    rows_per_key = problem.mask.sum(axis=0)
+    slack = (1 - gamma(D + 1)) ** 2  # two norms, each a sum of D squares and a sqrt
 
     dq, dq_b = np.zeros((B, H, Nq, D)), np.zeros((B, H, Nq, D))
     dk_h, dk_hb, dv_h, dv_hb = (np.zeros((B, H, Nk, D)) for _ in range(4))
     delta, delta_b = np.zeros((B, H, Nq)), np.zeros((B, H, Nq))
-    sink_terms = np.zeros((B, H, Nq)) if problem.sinks is not None else None
-    sink_err = np.zeros((B, H, Nq)) if problem.sinks is not None else None
+    sinks = problem.sinks is not None
+    sink_terms, sink_err = (np.zeros((B, H, Nq)) for _ in range(2)) if sinks else (None, None)
     limits = problem.key_limit()
     for b in range(B):
-        heads = slice(0, H)
         qb, kb, vb, do = q[b], k[b], v[b], dout[b]
         L, Lb = forward.lse[b], forward.lse_bound[b]
-        live = np.isfinite(L)
-        Lz = np.where(live, L, 0.0)
-        ok = allowed & live[..., None]
+        Lz = np.where(np.isfinite(L), L, 0.0)  # rows with LSE -inf see no key: p = 0 by the mask
+        up = np.zeros((H, Nq)) if dlse is None else dlse[b]
 
+        # P = exp(z - L) and its relative error rho per row (module doc)
         t = np.matmul(qb * scale, kb.swapaxes(-1, -2))
-        raw = t.copy() if problem.softcap > 0 else None
-        variants = _Variants(problem, b, heads) if problem.features else None
-        extra = variants.apply(t, mask) if variants is not None else 0.0
         magnitude = _norm_magnitude(qb, kb, limits)
-        e_t = float(gamma(D + 2 + n_scale)) * scale_hi * magnitude  # the scores' error, per row
-        x = np.where(ok, t - Lz[..., None], -np.inf)
-        x_max = np.where(ok, np.abs(x), 0.0).max(axis=-1)
-        beta = e_t + extra + Lb + u * x_max
-        loose = np.nonzero(live & ~(beta <= _TIGHT_REL))
-        if loose[0].size:
+        raw = t.copy() if problem.softcap > 0 else None
+        if problem.features:  # the logits' largest magnitude, read off (it only enters as u |x|)
+            extra = _Variants(problem, b, slice(0, H)).apply(t, mask)
+            z_max = np.maximum(t.max(axis=-1), -t.min(axis=-1))
+        else:  # |t_ij| <= (1 + g_t) scale_hi A_i over the keys row i attends
+            extra, z_max = 0.0, (1 + g_t) * scale_hi * magnitude
+        x_max = (z_max + np.abs(Lz)) * (1 + u)
+        beta = g_t * scale_hi * magnitude + extra + Lb + u * x_max
+        loose = np.nonzero(~(beta <= _TIGHT_REL))
+        if loose[0].size:  # the free norm bound is too loose there: the |q||K|^T GEMM row
             magnitude[loose] = np.minimum(magnitude[loose], _gemm_magnitude(qb, kb, mask, loose))
-            e_t = float(gamma(D + 2 + n_scale)) * scale_hi * magnitude
-            beta = e_t + extra + Lb + u * x_max
+        e_t = g_t * scale_hi * magnitude  # the scores' error, per row
+        beta = e_t + extra + Lb + u * x_max
         with np.errstate(over="ignore", invalid="ignore"):
             r = np.expm1(beta) + EPS_EXP * np.exp(beta)
             rho = np.where(r < 1, r / (1 - r), np.inf)
+        t -= Lz[..., None]
+        if mask is not None:
+            t[:, ~mask] = -np.inf
         with np.errstate(under="ignore"):
-            p = np.exp(x)
-        tau = np.where(ok, _TAU, 0.0)
+            p = np.exp(t, out=t)
 
-        # D from the certified output, and dP, with their errors
+        # D from the certified output, and dP = dO V^T: |dP_ij error| <= g_d |dO_i| |V_j|
         out, out_b = forward.out[b], forward.out_bound[b]
         delta[b] = (do * out).sum(axis=-1)
-        delta_b[b] = ((np.abs(do) * out_b).sum(axis=-1) + g_d * (np.abs(do * out)).sum(axis=-1)) * (1 + g_d)
+        delta_b[b] = ((np.abs(do) * out_b).sum(axis=-1) + g_d * np.abs(do * out).sum(axis=-1)) * (1 + g_d)
+        n_do = np.sqrt((do * do).sum(-1)) / slack
+        n_v = np.sqrt((vb * vb).sum(-1))
         dp = np.matmul(do, vb.swapaxes(-1, -2))
-        slack = 1 - gamma(D + 1)
-        e_dp = g_d * np.sqrt((do * do).sum(-1))[..., None] * np.sqrt((vb * vb).sum(-1))[..., None, :] / slack**2
-        up = 0.0 if dlse is None else dlse[b]
-        g_hat = dp - delta[b][..., None]
+        w = 1 + rho
+        buf = np.abs(dp)
+        buf *= p  # p |dP|
+        pdp_rows = buf.sum(-1)
+        pdp_cols = np.matmul(w[:, None, :], buf)[:, 0]
+        # e_g = |g_hat - g| <= g_d n_do_i n_v_j + c_i + 2u |dP_ij|, c_i = delta_b + 2u (|D| + |dlse|)
+        c = delta_b[b] + 2 * u * (np.abs(delta[b]) + np.abs(up))
+        dp -= delta[b][..., None]
         if dlse is not None:
-            g_hat = g_hat + up[..., None]
-        e_g = e_dp + delta_b[b][..., None] + 2 * u * (np.abs(dp) + np.abs(delta[b])[..., None] + np.abs(up)[..., None])
-        ds = p * g_hat
-        e_ds = ((rho[..., None] * p + tau) * np.abs(g_hat) + ((1 + rho[..., None]) * p + tau) * e_g
-                + u * np.abs(ds))
-        if raw is not None:
-            c = problem.softcap
-            y = raw / c
-            th = np.tanh(y)
-            f = 1 - th * th
-            e_y = (e_t[..., None] + u * np.abs(raw)) / c
-            e_f = 2 * (e_y + EPS_EXP) * (1 + e_y + EPS_EXP) + 2 * u
-            ds_pre = ds
-            ds = ds_pre * f
-            e_ds = e_ds * (1 + e_f) + np.abs(ds_pre) * e_f + u * np.abs(ds)
-        e_ds = np.where(ok, np.where(np.isnan(e_ds), np.inf, e_ds), 0.0)
-        ds = np.where(ok, ds, 0.0)
+            dp += up[..., None]
+        ds = np.multiply(p, dp, out=dp)  # dS before the softcap's factor
+        abs_ds = np.abs(ds, out=buf)
+        s1_rows = abs_ds.sum(-1)
+        s1_cols, rho_ds_cols = np.moveaxis(np.matmul(np.stack([np.ones_like(rho), rho / (1 - u)], axis=1), abs_ds), 1, 0)
+        # dS_hat's error summed over keys (rows) and over rows (columns), see the module doc; the
+        # tau part uses |g_hat| + e_g <= 2 (n_do n_v + |D| + |dlse| + delta_b). One pass over p
+        # for all row sums, one for all column sums.
+        p_nv, p_rows = np.moveaxis(np.matmul(p, np.stack([n_v, np.ones_like(n_v)], axis=-1)), -1, 0)
+        col_weights = np.stack([w * n_do, w * c, rho + g_v * w], axis=1)
+        p_nd_cols, p_c_cols, dv_cols = np.moveaxis(np.matmul(col_weights, p), 1, 0)
+        rest = np.abs(delta[b]) + np.abs(up) + delta_b[b]
+        err_rows = (rho / (1 - u) * s1_rows + w * (g_d * n_do * p_nv + c * p_rows + 2 * u * pdp_rows)
+                    + u * s1_rows + 2 * _TAU * keys_per_row * (n_do * n_v.max(axis=-1, keepdims=True) + rest))
+        err_cols = (rho_ds_cols + u * s1_cols + g_d * n_v * p_nd_cols + p_c_cols + 2 * u * pdp_cols
+                    + 2 * _TAU * (n_do.sum(-1, keepdims=True) * n_v + rest.sum(-1, keepdims=True)) * (rows_per_key > 0))
+        if raw is not None:  # times f = 1 - tanh^2(t / c), within e_f (module doc), per head
+            cap = problem.softcap
+            th = np.tanh(raw / cap, out=raw)
+            f = np.subtract(1.0, th * th, out=th)
+            e_y = (e_t + u * (1 + g_t) * scale_hi * magnitude) / cap  # u |t|, |t| <= (1 + g_t) scale A
+            e_f = (2 * (e_y + EPS_EXP) * (1 + e_y + EPS_EXP) + 2 * u).max(axis=-1)
+            ds *= f
+            abs_ds = np.abs(ds, out=buf)
+            err_rows = err_rows * (1 + e_f[:, None]) + e_f[:, None] * s1_rows + u * abs_ds.sum(-1)
+            err_cols = err_cols * (1 + e_f[:, None]) + e_f[:, None] * s1_cols + u * abs_ds.sum(-2)
+            s1_rows, s1_cols = abs_ds.sum(-1), abs_ds.sum(-2)
 
-        # dQ = scale dS K over Nk keys (+1 the product with the scale, + the scale's roundings)
-        k_max = np.abs(kb).max(axis=-2)[:, None, :]
+        # dQ = scale dS K over Nk keys (+1 the product with the scale, + the scale's roundings);
+        # sums of |errors| |K| bounded by (sum of |errors|) max |K| (no GEMM)
         dq[b] = np.matmul(ds, kb) * scale
-        g_q = float(gamma(Nk + 1 + n_scale))
-        dq_b[b] = scale_hi * (e_ds.sum(-1)[..., None] + g_q * np.abs(ds).sum(-1)[..., None]) * k_max
-        # dK = scale dS^T Q over Nq rows, per query head (kv heads: summed below)
-        q_max = np.abs(qb).max(axis=-2)[:, None, :]
-        g_k = float(gamma(Nq + 1 + n_scale))
+        dq_b[b] = scale_hi * (err_rows + g_q * s1_rows)[..., None] * np.abs(kb).max(axis=-2)[:, None, :]
         dk_h[b] = np.matmul(ds.swapaxes(-1, -2), qb) * scale
-        dk_hb[b] = scale_hi * (e_ds.sum(-2)[..., None] + g_k * np.abs(ds).sum(-2)[..., None]) * q_max
-        # dV = P^T dO
-        do_max = np.abs(do).max(axis=-2)[:, None, :]
-        p = np.where(ok, p, 0.0)
+        dk_hb[b] = scale_hi * (err_cols + g_k * s1_cols)[..., None] * np.abs(qb).max(axis=-2)[:, None, :]
         dv_h[b] = np.matmul(p.swapaxes(-1, -2), do)
-        w = (rho[..., None] + float(gamma(Nq)) * (1 + rho[..., None])) * p + tau
-        dv_hb[b] = np.where(np.isnan(w), np.inf, w).sum(-2)[..., None] * do_max
+        dv_hb[b] = (dv_cols + _TAU * rows_per_key)[..., None] * np.abs(do).max(axis=-2)[:, None, :]
 
-        if sink_terms is not None:
+        if sinks:
             sink = problem.sinks.astype(np.float64)[:, None]
-            finite = np.isfinite(L)
-            xs = np.where(finite, sink - Lz, -np.inf)
-            bs = Lb + u * np.abs(np.where(finite, xs, 0.0))
+            xs = sink - Lz
+            bs = Lb + u * np.abs(xs)
             with np.errstate(over="ignore", invalid="ignore"):
                 rs = np.expm1(bs) + EPS_EXP * np.exp(bs)
                 rhos = np.where(rs < 1, rs / (1 - rs), np.inf)
             with np.errstate(under="ignore"):
                 ps = np.exp(xs)
-            dd = delta[b] - (0.0 if dlse is None else up)
-            e_dd = delta_b[b] + u * np.abs(dd)
+            dd = delta[b] - up
             term = ps * dd
             sink_terms[b] = -term
-            sink_err[b] = ((rhos * ps + _TAU) * np.abs(dd) + ((1 + rhos) * ps + _TAU) * e_dd
+            sink_err[b] = ((rhos * ps + _TAU) * np.abs(dd) + ((1 + rhos) * ps + _TAU) * (delta_b[b] + u * np.abs(dd))
                            + u * np.abs(term))
 
-    dq_b = np.where(np.isnan(dq_b), np.inf, dq_b) * _SLACK
     dk, dk_b = _group_sum(problem, dk_h, dk_hb)
     dv, dv_b = _group_sum(problem, dv_h, dv_hb)
     dsinks = dsinks_b = None
-    if sink_terms is not None:
+    if sinks:
         dsinks = sink_terms.sum(axis=(0, 2))
-        n = B * Nq
-        dsinks_b = (sink_err.sum(axis=(0, 2)) + float(gamma(n)) * np.abs(sink_terms).sum(axis=(0, 2))
-                    + float(gamma(n)) * sink_err.sum(axis=(0, 2))) * _SLACK
-    return GradientReference(dq=dq, dk=dk, dv=dv, dsinks=dsinks, dq_bound=dq_b, dk_bound=dk_b * _SLACK,
-                             dv_bound=dv_b * _SLACK, dsinks_bound=dsinks_b, forward=forward,
-                             delta=delta, delta_bound=delta_b, method="certified")
+        g_n = float(gamma(B * Nq))
+        dsinks_b = (sink_err.sum(axis=(0, 2)) * (1 + g_n) + g_n * np.abs(sink_terms).sum(axis=(0, 2))) * _SLACK
+    return GradientReference(dq=dq, dk=dk, dv=dv, dsinks=dsinks, dq_bound=_no_nan(dq_b) * _SLACK,
+                             dk_bound=dk_b * _SLACK, dv_bound=dv_b * _SLACK, dsinks_bound=dsinks_b,
+                             forward=forward, delta=delta, delta_bound=delta_b, method="certified")
+
+
+def _no_nan(bound):
+    """inf where an inf error met a zero magnitude (0 * inf): no bound is no bound."""
+    return np.where(np.isnan(bound), np.inf, bound)
 
 
 def _group_sum(problem, per_head, bound):
@@ -261,7 +276,7 @@ def _group_sum(problem, per_head, bound):
     b = bound.sum(axis=2)
     if G > 1:
         b = b + float(gamma(G)) * (np.abs(shaped).sum(axis=2) + b)
-    return total, np.where(np.isnan(b), np.inf, b)
+    return total, _no_nan(b)
 
 
 def _mp_gradients(problem, dout, dlse, forward, digits) -> GradientReference:
@@ -328,7 +343,8 @@ def _mp_gradients(problem, dout, dlse, forward, digits) -> GradientReference:
         values = {name: np.vectorize(float, otypes=[np.float64])(x) for name, x in acc.items()}
 
     coefficient = 8 * (G * Nq + Nk + D + 40) * 2.0 ** -dps_to_prec(digits) * amp
-    bounds = {name: coefficient * mags[name] + U64 * np.abs(values[name]) for name in values}
+    # the rounding to float64: half an ulp, at least half a subnormal spacing
+    bounds = {name: coefficient * mags[name] + U64 * np.abs(values[name]) + 2.0 ** -1075 for name in values}
     sinks = problem.sinks is not None
     return GradientReference(
         dq=values["dq"], dk=values["dk"], dv=values["dv"], dsinks=values["dsinks"] if sinks else None,
