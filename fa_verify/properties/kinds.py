@@ -62,12 +62,20 @@ def _common(prop, backend) -> list:
     return [KINDS[name] for name in backend.kinds if name in prop.kinds]
 
 
+def kind_reason(prop, backend) -> str | None:
+    """Why `prop` is about no kind of problem `backend` runs, or None."""
+    if _common(prop, backend):
+        return None
+    return (f"a property of {' and '.join(prop.kinds)} problems; {backend.name} runs "
+            f"{' and '.join(backend.kinds)} problems")
+
+
 def problem_strategy(prop, backend, selection):
     """Problems of every kind both `prop` is about and `backend` runs, or why there are none."""
+    reason = kind_reason(prop, backend)
+    if reason:
+        return reason
     common = _common(prop, backend)
-    if not common:
-        return (f"a property of {' and '.join(prop.kinds)} problems; {backend.name} runs "
-                f"{' and '.join(backend.kinds)} problems")
     found = [kind.problems(prop, backend, selection) for kind in common]
     strategies = [s for s in found if not isinstance(s, str)]
     return st.one_of(strategies) if strategies else found[0]

@@ -30,7 +30,7 @@ from fa_verify.problem import AttentionProblem
 from fa_verify.profiles import RELAXED_HEALTH_CHECKS
 from fa_verify.properties._result import FAILED, NOT_APPLICABLE, PASSED, PropertyFailure, PropertyResult
 from fa_verify.properties._subject import as_backend
-from fa_verify.properties.kinds import edge_problems, problem_strategy
+from fa_verify.properties.kinds import edge_problems, kind_reason, problem_strategy
 from fa_verify.properties.precision_hint import precision_hint
 from fa_verify.properties.registry import NON_FINITE, Property, get_property
 from fa_verify.properties.reproduce import NotReproducible, Target, write_reproducer
@@ -285,7 +285,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
     if backend.judged_under.declared:
         outcome.judged_under = backend.judged_under.describe()
     start = time.perf_counter()
-    strategy = (prop.target_reason and prop.target_reason(backend)) or problem_strategy(prop, backend, selection)
+    strategy = (kind_reason(prop, backend) or (prop.target_reason and prop.target_reason(backend))
+                or problem_strategy(prop, backend, selection))
     if isinstance(strategy, str):
         outcome.status, outcome.reason = NOT_APPLICABLE, strategy
         return outcome
