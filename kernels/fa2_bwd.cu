@@ -160,8 +160,8 @@ FA_DEVICE void fa2_bwd_p_and_ds(const Fa2BwdTiles<D, BLOCK_M, BLOCK_N>& t, FA2_B
 }
 
 // acc[i][c] += sum_j dS[r][j] K[j][c] over the key tile, for query rows r = warp + WARPS i and
-// columns lane + 32 c.
-template <int D, int BLOCK_M, int BLOCK_N, int THREADS, int ROWS, int COLS>
+// columns lane + 32 c (in fp32; T, the input dtype, is what dS and K hold).
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS, int ROWS, int COLS>
 FA_DEVICE void fa2_bwd_ds_k(const Fa2BwdTiles<D, BLOCK_M, BLOCK_N>& t, float (&acc)[ROWS][COLS]) {
     constexpr int LD = D + 1, LDS = BLOCK_N + 1, WARPS = THREADS / 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -219,7 +219,7 @@ __device__ void fa2_bwd_key_tile(FA2_BWD_PARAMS(T)) {
             }
             if (dq_accum) {
                 float dq_part[Q_ROWS][COLS] = {};
-                fa2_bwd_ds_k<D, BLOCK_M, BLOCK_N, THREADS>(t, dq_part);
+                fa2_bwd_ds_k<T, D, BLOCK_M, BLOCK_N, THREADS>(t, dq_part);
 #pragma unroll
                 for (int i = 0; i < Q_ROWS; ++i) {
                     const int r = warp + i * WARPS;
@@ -270,7 +270,7 @@ __device__ void fa2_bwd_query_tile(FA2_BWD_PARAMS(T)) {
         __syncthreads();
         fa2_bwd_p_and_ds<T, D, BLOCK_M, BLOCK_N, THREADS>(t, FA2_BWD_ARGS, b, h, m0, n0);
         __syncthreads();
-        fa2_bwd_ds_k<D, BLOCK_M, BLOCK_N, THREADS>(t, dq_acc);
+        fa2_bwd_ds_k<T, D, BLOCK_M, BLOCK_N, THREADS>(t, dq_acc);
         __syncthreads();  // the next key tile overwrites K, V, P and dS
     }
 #pragma unroll
