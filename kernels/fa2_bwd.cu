@@ -175,6 +175,23 @@ FA_DEVICE void fa2_bwd_ds_k(const Fa2BwdTiles<D, BLOCK_M, BLOCK_N>& t, float (&a
         }
 }
 
+// store(at, scale acc[i][c]) for this thread's dQ entries below Nq and D: query row m0 + r
+// (r = warp + WARPS i), column lane + 32 c, `at` its offset in a [B, H, Nq, D] tensor.
+template <int D, int THREADS, int ROWS, int COLS, typename Store>
+FA_DEVICE void fa2_bwd_each_dq(const float (&acc)[ROWS][COLS], int b, int h, int H, int Nq, int m0, float scale,
+                               Store store) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+        const int r = warp + i * (THREADS / 32);
+        if (m0 + r >= Nq) continue;
+        const size_t row = fa_row_offset(b, h, H, Nq, m0 + r, D);
+#pragma unroll
+        for (int c = 0; c < COLS; ++c)
+            if (lane + 32 * c < D) store(row + lane + 32 * c, scale * acc[i][c]);
+    }
+}
+
 // 2. One key tile of one kv head: dK, dV over the group's query heads, dQ's partials by atomicAdd.
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS>
 __device__ void fa2_bwd_key_tile(FA2_BWD_PARAMS(T)) {
@@ -220,15 +237,8 @@ __device__ void fa2_bwd_key_tile(FA2_BWD_PARAMS(T)) {
             if (dq_accum) {
                 float dq_part[Q_ROWS][COLS] = {};
                 fa2_bwd_ds_k<T, D, BLOCK_M, BLOCK_N, THREADS>(t, dq_part);
-#pragma unroll
-                for (int i = 0; i < Q_ROWS; ++i) {
-                    const int r = warp + i * WARPS;
-                    if (m0 + r >= Nq) continue;
-                    float* dq_row = dq_accum + fa_row_offset(b, h, H, Nq, m0 + r, D);
-#pragma unroll
-                    for (int c = 0; c < COLS; ++c)
-                        if (lane + 32 * c < D) atomicAdd(dq_row + lane + 32 * c, scale * dq_part[i][c]);
-                }
+                fa2_bwd_each_dq<D, THREADS>(dq_part, b, h, H, Nq, m0, scale,
+                                            [&](size_t at, float x) { atomicAdd(dq_accum + at, x); });
             }
             __syncthreads();  // the next query tile overwrites Q, dO, P and dS
         }
@@ -255,7 +265,6 @@ __device__ void fa2_bwd_query_tile(FA2_BWD_PARAMS(T)) {
     constexpr int LD = D + 1, WARPS = THREADS / 32, COLS = (D + 31) / 32, Q_ROWS = BLOCK_M / WARPS;
     extern __shared__ __align__(16) unsigned char smem[];
     const Fa2BwdTiles<D, BLOCK_M, BLOCK_N> t(smem);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int m0 = blockIdx.x * BLOCK_M, h = blockIdx.y, b = blockIdx.z, kv_h = h / (H / Hkv);
     const int right = causal ? 0 : window_right;
 
@@ -273,15 +282,7 @@ __device__ void fa2_bwd_query_tile(FA2_BWD_PARAMS(T)) {
         fa2_bwd_ds_k<T, D, BLOCK_M, BLOCK_N, THREADS>(t, dq_acc);
         __syncthreads();  // the next key tile overwrites K, V, P and dS
     }
-#pragma unroll
-    for (int i = 0; i < Q_ROWS; ++i) {
-        const int r = warp + i * WARPS;
-        if (m0 + r >= Nq) continue;
-        T* dq_row = dq + fa_row_offset(b, h, H, Nq, m0 + r, D);
-#pragma unroll
-        for (int c = 0; c < COLS; ++c)
-            if (lane + 32 * c < D) dq_row[lane + 32 * c] = from_float<T>(scale * dq_acc[i][c]);
-    }
+    fa2_bwd_each_dq<D, THREADS>(dq_acc, b, h, H, Nq, m0, scale, [&](size_t at, float x) { dq[at] = from_float<T>(x); });
 }
 
 // 3. dq = the fp32 workspace rounded to T.

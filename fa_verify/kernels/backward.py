@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fa_verify.errors import InvalidArgumentError, KernelRunError
+from fa_verify.errors import InvalidArgumentError
 from fa_verify.kernels.catalogue import SMEM_ALIGN, TileConfig, kernels_dir
 from fa_verify.kernels.split_kv import KernelLaunch
 from fa_verify.precision import PrecisionModel
@@ -252,9 +252,7 @@ _GPU_LOCK = threading.Lock()
 
 def _run_plan_on_pycuda(the_plan: BackwardPlan, source: str) -> None:
     """Every launch of `the_plan` through PyCUDA, in the selected device's primary context."""
-    import pycuda.driver as cuda
-
-    from fa_verify.kernels.pycuda_runner import cached_cubin, load_in_primary_context
+    from fa_verify.kernels.pycuda_runner import cached_cubin, load_in_primary_context, run_launches
 
     key = hashlib.sha256(source.encode()).hexdigest()
     with _GPU_LOCK:
@@ -263,31 +261,7 @@ def _run_plan_on_pycuda(the_plan: BackwardPlan, source: str) -> None:
             _GPU_MODULES[key] = load_in_primary_context(lambda cuda, arch: cuda.module_from_buffer(cached_cubin(
                 source, SOURCE, arch, [str(folder)], key_parts=[(folder / "fa_common.cuh").read_text()])))
         context, module = _GPU_MODULES[key]
-    host = {name: a for name, a in the_plan.buffers.items() if a is not None}
-    context.push()
-    device = {}
-    try:
-        for name, array in host.items():
-            device[name] = cuda.mem_alloc(max(1, array.nbytes))
-            cuda.memcpy_htod(device[name], np.ascontiguousarray(array))
-        for launch in the_plan.launches:
-            args = [(np.uintp(int(device[a])) if a in device else np.uintp(0)) if isinstance(a, str)
-                    else np.float32(a) if kind == "float" else np.int32(a)
-                    for a, kind in zip(launch.args, launch.signature)]
-            func = module.get_function(launch.entry)
-            if launch.shared_bytes > 48 * 1024:
-                func.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.shared_bytes)
-            func(*args, grid=launch.grid, block=launch.block, shared=launch.shared_bytes)
-            cuda.Context.synchronize()  # a fault is reported at the launch that caused it
-        for name in the_plan.outputs:
-            if name in device:
-                cuda.memcpy_dtoh(the_plan.buffers[name], device[name])
-    except cuda.Error as exc:
-        raise KernelRunError(f"{NAME} failed through PyCUDA: {exc}") from None
-    finally:
-        for buf in device.values():
-            buf.free()
-        cuda.Context.pop()
+    run_launches(context, module, the_plan.launches, the_plan.buffers, the_plan.outputs, what=NAME)
 
 
 def run_fa2_backward(problem: AttentionProblem, out, lse, dout, *, runner: str = "cpu", deterministic: bool = False,
