@@ -28,7 +28,6 @@ import numpy as np
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.kernels.catalogue import SMEM_ALIGN, TileConfig, kernels_dir
 from fa_verify.kernels.split_kv import KernelLaunch
-from fa_verify.precision import PrecisionModel
 from fa_verify.problem import AttentionProblem, unsupported_features
 
 NAME, LABEL, SOURCE = "fa2_bwd", "fa2-bwd", "fa2_bwd.cu"
@@ -51,11 +50,6 @@ ENTRY_KINDS = {
     "pre": (("ptr",) * 7 + ("int",) * 9, ("input", "input") + ("fp32",) * 5),
     "convert": (("ptr", "ptr", "int"), ("fp32", "input")),
 }
-
-
-def precision(dtype) -> PrecisionModel:
-    """FA2's forward model for the recomputed P; the backward rounds P and dS to the dtype, accumulates in fp32."""
-    return PrecisionModel.flash(dtype)
 
 
 def entry(kind: str, dtype: str, head_dim: int) -> str:
@@ -104,14 +98,12 @@ def supports(problem: AttentionProblem, shared_limit: int | None = None) -> str 
     return None
 
 
-def _bits(x: np.ndarray) -> np.ndarray:
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x
-
-
 def _strided(name: str, x, problem: AttentionProblem) -> tuple[np.ndarray, tuple[int, int, int]]:
     """(the memory of a [B,H,Nq,D] array as a contiguous buffer, its (batch, head, row) strides in
     elements): an array whose axes are a permutation of a contiguous one (bhsd, bshd, ...) with
     contiguous columns is passed as it lies, anything else copied to bhsd."""
+    from fa_verify.backends.cuda_kernels import _bits
+
     x = np.asarray(x)
     if x.shape != problem.out_shape or x.dtype != problem.q.dtype:
         raise InvalidArgumentError(f"{name} must be {problem.q.dtype} of shape {problem.out_shape}; "
@@ -135,6 +127,10 @@ class BackwardPlan:
 
 
 def plan(problem: AttentionProblem, out, lse, dout, *, deterministic: bool = False) -> BackwardPlan:
+    """The launches of `problem`'s backward pass (run_fa2_backward's arguments), and their buffers:
+    the inputs as the kernels read them, the outputs NaN-filled."""
+    from fa_verify.backends.cuda_kernels import _bits
+
     reason = supports(problem)
     if reason is not None:
         raise InvalidArgumentError(f"cannot run the backward pass of {problem.describe()}: {reason}")
@@ -219,9 +215,6 @@ class Fa2BackwardKernel:
         if kind == "convert":
             return CONVERT_THREADS, 0
         return CONFIGS[head_dim].threads, shared_bytes(head_dim)
-
-    def precision(self, dtype) -> PrecisionModel:
-        return precision(dtype)
 
 
 FA2_BWD = Fa2BackwardKernel()
