@@ -140,7 +140,7 @@ def _alibi(H):
 #: Nq > Nk: rows that see no key); GQA ratio 3, MQA and MHA; D 40, 64, 72; Nk = 1, 63, 64, 65 mod 64
 #: (a partial last key tile of 32, or none); each variant (a window crossing tiles, a binding
 #: softcap, ALiBi [H] and [B, H], sinks above and below the scores, all at once); rows with very
-#: negative lse beside a partial key tile; dout in bshd memory.
+#: negative lse beside a partial key tile; dout in bshd memory; D 128 (shared memory past 48 KiB).
 CASES = {
     "fp16-bottom-right-gqa3-d64-nk65": ((1, 3, 1, 50, 65, 64), "fp16", dict(causal=True)),
     "bf16-top-left-gqa3-d40-nk63": ((1, 3, 1, 70, 63, 40), "bf16", dict(causal=True, causal_alignment="top-left")),
@@ -160,6 +160,7 @@ CASES = {
                                         sinks=np.full(3, 1.5, np.float32))),
     "fp16-anti-aligned-d64-nk65": ((1, 3, 1, 20, 65, 64), "fp16", dict(anti_aligned=8)),
     "bf16-dout-bshd-gqa3-d64": ((1, 3, 1, 30, 65, 64), "bf16", dict(dout_layout="bshd")),
+    "fp16-d128-opt-in-nk33": ((1, 2, 2, 20, 33, 128), "fp16", dict(causal=True)),  # 75 KiB of shared memory
 }
 _CACHE: dict = {}
 
