@@ -29,10 +29,6 @@
         int alibi_batch_stride, const float* __restrict__ sinks
 #define FA2_VARIANT_ARGS window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, sinks
 
-// The first key, and one past the last, that the query row with diagonal key `diag` sees.
-FA_DEVICE int fa2_first_key(int diag, int left) { return left < 0 ? 0 : max(diag - left, 0); }
-FA_DEVICE int fa2_key_limit(int diag, int right, int Nk) { return right < 0 ? Nk : max(0, min(diag + right + 1, Nk)); }
-
 template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS>
 __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
     static_assert(THREADS % 32 == 0 && THREADS >= BLOCK_M, "one softmax thread per query row");

@@ -52,6 +52,11 @@ FA_DEVICE int fa_key_limit(int i, int Nk, int causal, int causal_offset) {
     return limit < 0 ? 0 : (limit > Nk ? Nk : limit);
 }
 
+// The first key, and one past the last, that the query row with diagonal key `diag` (i + causal_offset)
+// sees in flash-attn 2's window (left, right) (-1: unbounded; causal passes right = 0), within Nk.
+FA_DEVICE int fa2_first_key(int diag, int left) { return left < 0 ? 0 : max(diag - left, 0); }
+FA_DEVICE int fa2_key_limit(int diag, int right, int Nk) { return right < 0 ? Nk : max(0, min(diag + right + 1, Nk)); }
+
 // Element offset of row `row` of head `head` in batch `b` of a [B, heads, N, D] tensor.
 FA_DEVICE size_t fa_row_offset(int b, int head, int heads, int N, int row, int D) {
     return ((static_cast<size_t>(b) * heads + head) * N + row) * static_cast<size_t>(D);
@@ -102,15 +107,16 @@ template <> struct TileElement<float> {
     template <typename T> static FA_DEVICE float from(T x) { return to_float(x); }
 };
 
-// Rows row0 .. row0 + ROWS - 1 of a [N, D] head -> a shared tile of U with row stride LD; rows
-// past N are zero. All THREADS threads of the block take part; the caller syncs. `zero` is
-// converted once, before the loop: converting it per element costs nvcc a branch per element.
+// Rows row0 .. row0 + ROWS - 1 of a [N, D] head (rows `row_stride` elements apart: D when
+// contiguous) -> a shared tile of U with row stride LD; rows past N are zero. All THREADS threads
+// of the block take part; the caller syncs. `zero` is converted once, before the loop:
+// converting it per element costs nvcc a branch per element.
 template <int ROWS, int D, int LD, int THREADS, typename U, typename T>
-FA_DEVICE void fa_load_rows(U* tile, const T* head, int row0, int N) {
+FA_DEVICE void fa_load_rows(U* tile, const T* head, int row0, int N, size_t row_stride = D) {
     const U zero = from_float<U>(0.0f);
     for (int idx = threadIdx.x; idx < ROWS * D; idx += THREADS) {
         const int r = idx / D, c = idx % D;
-        tile[r * LD + c] = row0 + r < N ? TileElement<U>::from(head[static_cast<size_t>(row0 + r) * D + c]) : zero;
+        tile[r * LD + c] = row0 + r < N ? TileElement<U>::from(head[static_cast<size_t>(row0 + r) * row_stride + c]) : zero;
     }
 }
 

@@ -32,7 +32,8 @@ from fa_verify.properties import Selection
 CPU = cpu_runner_availability()
 needs_cpu_runner = pytest.mark.skipif(not CPU.available, reason=CPU.reason)
 
-MUTANTS = load_mutants()
+#: The forward kernels' mutants: the backward kernel's (Mutant.backward) have tests/test_backward_kernel.py.
+MUTANTS = [m for m in load_mutants() if not m.backward]
 BY_NAME = {m.name: m for m in MUTANTS}
 #: Issue 5's bug classes, then issue 15's for fa2's variants, as mutants.toml names them: each must have a mutant.
 REQUIRED_CLASSES = (

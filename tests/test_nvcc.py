@@ -11,7 +11,9 @@ import pytest
 
 from fa_verify.cli.main import main
 from fa_verify.kernels import FAMILIES
+from fa_verify.kernels.backward import FA2_BWD
 from fa_verify.kernels.mutants import load_mutants
+from fa_verify.kernels.split_kv import SPLIT_KV
 from fa_verify.kernels.nvcc import (
     NvccNotFoundError,
     check_build,
@@ -96,6 +98,21 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
             assert e.dynamic_smem == FAMILIES[name].shared_bytes(int(d[1:]), dtype)
             # fits every sm_80+ GPU (sm_86/89 allow 99 KiB per block)
             assert e.dynamic_smem + e.static_smem <= 99 * 1024
+
+
+@pytest.mark.slow
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("kernel", [SPLIT_KV, FA2_BWD], ids=lambda kernel: kernel.name)
+def test_kernels_with_their_own_abi_compile(kernel, arch):
+    """split_kv.cu and fa2_bwd.cu (not catalogue families): every entry, launched with the
+    resources their host sides give them."""
+    result = compile_file([kernel], arch, NVCC)
+    assert result.ok, f"{result.log}\n{result.command}"
+    assert [e.entry for e in result.entries] == kernel.entries()
+    for e in result.entries:
+        assert 0 < e.registers <= 255 and e.static_smem == 0
+        assert e.dynamic_smem == kernel.resources(e.entry)[1]
 
 
 @pytest.mark.slow

@@ -155,6 +155,27 @@ def test_fake_driver_runs_split_kv_bit_identical_to_the_cpu_runner():
                               "paged-alibi-sinks-p16-auto": [True, 0]}
 
 
+def test_fake_driver_runs_fa2_bwd_bit_identical_to_the_cpu_runner():
+    """run_fa2_backward through PyCUDA (four entries, a strided dout, null pointers for the unused
+    variants and, deterministic, the dQ workspace) on the fake driver returns what the CPU runner
+    returns, bit for bit, in both modes."""
+    answer = on_fake_driver("""
+        sys.path.insert(0, "tests")
+        from test_backward_kernel import case
+        from fa_verify.kernels.backward import run_fa2_backward
+        rows = {}
+        for name in ("fp16-all-variants-gqa3-d64", "bf16-dout-bshd-gqa3-d64", "fp32-top-left-d72-nk129"):
+            c = case(name)
+            for deterministic in (False, True):
+                gpu, cpu = (run_fa2_backward(c.problem, c.out, c.lse, c.dout, runner=runner, deterministic=deterministic)
+                            for runner in ("pycuda", "cpu"))
+                rows[f"{name} {deterministic}"] = all(a is None and b is None or np.array_equal(a.view(np.uint8), b.view(np.uint8))
+                                                      for a, b in zip(gpu, cpu))
+        answer(rows=rows)
+    """)
+    assert answer["rows"] and all(answer["rows"].values()), answer["rows"]
+
+
 @pytest.mark.slow
 def test_fake_driver_runs_the_pycuda_tests_of_test_kernels():
     """tests/test_kernels.py's PyCUDA tests (every family x dtype x causal mode against the oracle, and

@@ -203,25 +203,6 @@ def test_mutant_is_caught_by_the_grid(mutant):
     assert found, f"mutant {mutant.name} ({mutant.description}) passed every {mutant.layout} case of the grid"
 
 
-# --- nvcc ---------------------------------------------------------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_split_kv_compiles_with_nvcc(arch):
-    from fa_verify.kernels.nvcc import NvccNotFoundError, compile_file, find_nvcc
-
-    try:
-        nvcc = find_nvcc()
-    except NvccNotFoundError as exc:
-        pytest.skip(f"nvcc not found: {exc}")
-    result = compile_file([split_kv.SPLIT_KV], arch, nvcc)
-    assert result.ok, f"{result.log}\n{result.command}"
-    assert [e.entry for e in result.entries] == split_kv.SPLIT_KV.entries()
-    for e in result.entries:
-        assert 0 < e.registers <= 255 and e.static_smem == 0
-        assert e.dynamic_smem == (0 if "_combine_" in e.entry else split_kv.shared_bytes(int(e.entry.rsplit("_d", 1)[1])))
-
-
 # --- the varlen/paged properties, and the mutants' layouts ------------------------------------------------
 
 def test_a_split_kv_mutant_must_name_its_layout(tmp_path):

@@ -19,9 +19,9 @@ import numpy as np
 from fa_verify.backends.base import Availability, Backend
 from fa_verify.backends.buffers import GuardedOutput, output_buffers
 from fa_verify.backends.cuda_kernels import _bits, cpu_runner_availability
-from fa_verify.errors import BackendOutputError, KernelRunError
+from fa_verify.errors import BackendOutputError
 from fa_verify.kernels import split_kv
-from fa_verify.kernels.catalogue import DEFAULT_SHARED_LIMIT, kernels_dir
+from fa_verify.kernels.catalogue import kernels_dir
 from fa_verify.limits import Limits
 from fa_verify.precision import PrecisionModel
 
@@ -157,41 +157,15 @@ class SplitKvPyCudaBackend(SplitKvBackend):
             return cls._gpu
 
     def _run(self, problem):
-        import pycuda.driver as cuda
+        from fa_verify.kernels.pycuda_runner import run_launches
 
         context, module = self._loaded()
         buffers = output_buffers(problem, self.precision(problem.dtype).output)
         o, lse = buffers
         plan = split_kv.plan(problem, problem.inputs(), o, lse)
-        host = {name: (a.buffer if isinstance(a, GuardedOutput) else a) for name, a in plan.buffers.items()
-                if a is not None}
-        context.push()
-        device = {}
-        try:
-            for name, array in host.items():
-                device[name] = cuda.mem_alloc(max(1, array.nbytes))
-                cuda.memcpy_htod(device[name], np.ascontiguousarray(array))
-            pointers = {name: np.uintp(int(buf)) for name, buf in device.items()}
-            pointers["out"] = np.uintp(int(device["out"]) + o.offset * o.buffer.itemsize)
-            pointers["lse"] = np.uintp(int(device["lse"]) + lse.offset * 4)
-            for optional in ("block_table", "alibi_slopes", "sinks"):  # null when unused
-                pointers.setdefault(optional, np.uintp(0))
-            for launch in plan.launches:
-                args = [pointers[a] if isinstance(a, str) else np.float32(a) if kind == "float" else np.int32(a)
-                        for a, kind in zip(launch.args, launch.signature)]
-                func = module.get_function(launch.entry)
-                if launch.shared_bytes > DEFAULT_SHARED_LIMIT:
-                    func.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.shared_bytes)
-                func(*args, grid=launch.grid, block=launch.block, shared=launch.shared_bytes)
-                cuda.Context.synchronize()  # a fault is reported at the launch that caused it
-            for guarded in buffers:
-                cuda.memcpy_dtoh(guarded.buffer, device[guarded.name])
-        except cuda.Error as exc:
-            raise KernelRunError(f"{plan.split.entry} failed through PyCUDA: {exc}") from None
-        finally:
-            for buf in device.values():
-                buf.free()
-            cuda.Context.pop()
+        host = {name: (a.buffer if isinstance(a, GuardedOutput) else a) for name, a in plan.buffers.items()}
+        run_launches(context, module, plan.launches, host, outputs=("out", "lse"),
+                     offsets={"out": o.offset * o.buffer.itemsize, "lse": lse.offset * 4}, what=plan.split.entry)
         return _outputs(self.name, buffers)
 
 

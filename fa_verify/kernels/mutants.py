@@ -44,6 +44,12 @@ class Mutant:
         """The mutated kernel: a catalogue family, or split_kv.cu (SplitKvKernel, its own ABI)."""
         return mutable_kernels()[self.family]
 
+    @property
+    def backward(self) -> bool:
+        """Whether the mutated kernel computes gradients (fa2_bwd): the forward property suite
+        and the campaign leave such mutants out."""
+        return getattr(self.kernel_family, "backward", False)
+
     def mutate(self, source: str) -> str:
         count = source.count(self.find)
         if count != 1:
@@ -64,11 +70,14 @@ class Mutant:
 
 
 def mutable_kernels() -> dict:
-    """{family: kernel} of every kernel a mutant may edit: the catalogue's dense families, and
-    the split-KV kernel (fa_verify.kernels.split_kv), whose mutants run as ragged backends."""
+    """{family: kernel} of every kernel a mutant may edit: the catalogue's dense families, the
+    split-KV kernel (fa_verify.kernels.split_kv), whose mutants run as ragged backends, and the
+    backward kernel (fa_verify.kernels.backward), whose mutants tests/test_backward_kernel.py
+    runs (the forward property suite cannot judge gradients: `Mutant.backward`)."""
+    from fa_verify.kernels.backward import FA2_BWD
     from fa_verify.kernels.split_kv import SPLIT_KV
 
-    return {**FAMILIES, SPLIT_KV.name: SPLIT_KV}
+    return {**FAMILIES, SPLIT_KV.name: SPLIT_KV, FA2_BWD.name: FA2_BWD}
 
 
 def load_mutants(path: str | Path | None = None, *, families=None, names=None) -> list[Mutant]:

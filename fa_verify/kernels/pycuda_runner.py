@@ -177,6 +177,42 @@ def load_in_primary_context(load):
         cuda.Context.pop()
 
 
+def run_launches(context, module, launches, buffers: dict, outputs, offsets=None, what: str = "kernel") -> None:
+    """Copy `buffers` ({name: host array; None: a null pointer}) to the device in `context`, run
+    `launches` (split_kv.KernelLaunch: a str argument names a buffer, passed `offsets[name]` bytes
+    into it) from `module` in order, synchronised after each so that a fault is reported at the
+    launch that caused it, and copy the buffers named in `outputs` back into their host arrays.
+    A CUDA error is a KernelRunError naming `what`."""
+    import pycuda.driver as cuda
+
+    offsets = offsets or {}
+    context.push()
+    device = {}
+    try:
+        for name, array in buffers.items():
+            if array is not None:
+                device[name] = cuda.mem_alloc(max(1, array.nbytes))
+                cuda.memcpy_htod(device[name], np.ascontiguousarray(array))
+        for launch in launches:
+            args = [(np.uintp(int(device[a]) + offsets.get(a, 0)) if a in device else np.uintp(0)) if isinstance(a, str)
+                    else np.float32(a) if kind == "float" else np.int32(a)
+                    for a, kind in zip(launch.args, launch.signature)]
+            func = module.get_function(launch.entry)
+            if launch.shared_bytes > DEFAULT_SHARED_LIMIT:
+                func.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.shared_bytes)
+            func(*args, grid=launch.grid, block=launch.block, shared=launch.shared_bytes)
+            cuda.Context.synchronize()
+        for name in outputs:
+            if name in device:
+                cuda.memcpy_dtoh(buffers[name], device[name])
+    except cuda.Error as exc:
+        raise KernelRunError(f"{what} failed through PyCUDA: {exc}") from None
+    finally:
+        for buf in device.values():
+            buf.free()
+        cuda.Context.pop()
+
+
 def arch_problem(family: KernelFamily, arch: str) -> str | None:
     """Why `family` cannot be built for `arch`, or None."""
     if int(arch[3:]) < family.min_arch:

@@ -5,8 +5,8 @@ entry name says the kernel family, dtype and head dimension (`<family>_<dtype>_d
 catalogue's naming); the parameter buffer is unpacked by the catalogue's signature, each
 pointer becomes a numpy view of the fake device allocation it points into (a null one stays null), and the same
 entry of a CPU build of the same .cu (`fa_verify.backends.cuda_kernels.cpu_module`, which
-reads kernels_dir() as PyCUDA's compile did) runs the launch; split_kv.cu's entries (its own
-ABI: fa_verify.kernels.split_kv) likewise. What the kernel prints goes to
+reads kernels_dir() as PyCUDA's compile did) runs the launch; split_kv.cu's and fa2_bwd.cu's
+entries (their own ABIs: fa_verify.kernels.split_kv, fa_verify.kernels.backward) likewise. What the kernel prints goes to
 file descriptor 1, as a driver flushes device printf. Returns a CUresult.
 """
 
@@ -96,6 +96,19 @@ def _split_kv_entry(entry: str):
     return cpu_module(), entry, signature, pointers
 
 
+def _backward_entry(entry: str):
+    """(CPU module, entry, signature, pointer dtypes) of an entry of fa2_bwd.cu, or None."""
+    from fa_verify.backends.cuda_kernels import cpu_module
+    from fa_verify.kernels import backward
+
+    signature = backward.signatures().get(entry)
+    if signature is None:
+        return None
+    element = np.float32 if entry.rsplit("_", 2)[1] == "fp32" else np.uint16
+    pointers = tuple(element if kind == "input" else np.float32 for kind in backward.pointer_kinds(entry))
+    return cpu_module(backward.FA2_BWD), entry, signature, pointers
+
+
 def _spec_entry(symbol: str):
     """(CPU module, entry, signature, pointer dtypes) of an entry of $FA_FAKE_CUDA_SPEC's kernel, or None.
 
@@ -149,9 +162,9 @@ def run(entry: str, grid, block, shared: int, params: bytes, device: int) -> int
         KernelDeadlockError,
         KernelTimeoutError,
     )
-    target = _catalogued(entry) or _split_kv_entry(entry) or _spec_entry(entry)
+    target = _catalogued(entry) or _split_kv_entry(entry) or _backward_entry(entry) or _spec_entry(entry)
     if target is None:
-        _say(f"{entry} is not a catalogued kernel entry, a split_kv.cu entry nor one of ${SPEC_ENV}'s; "
+        _say(f"{entry} is not a catalogued kernel entry, a split_kv.cu or fa2_bwd.cu entry nor one of ${SPEC_ENV}'s; "
              "the fake driver runs only those")
         return CUDA_ERROR_NOT_SUPPORTED
     module, name, signature, pointer_dtypes = target
