@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fa_verify.backends.backward_kernel import backward_kernel_backends
 from fa_verify.backends.base import Backend
 from fa_verify.backends.cuda_kernels import CpuKernelBackend, PyCudaKernelBackend
 from fa_verify.backends.naive import NaiveBackend
@@ -36,8 +37,8 @@ _BUILTINS = (
 def builtin_backends() -> list[Backend]:
     """Every built-in backend, of every kind of problem, available or not (check
     `availability()` before running one): the dense ones, then the numpy references and our
-    split-KV kernel's for varlen / paged KV."""
-    return [make() for make in _BUILTINS] + numpy_ragged_backends() + split_kv_backends()
+    split-KV kernel's for varlen / paged KV, and our backward kernel's."""
+    return [make() for make in _BUILTINS] + numpy_ragged_backends() + split_kv_backends() + backward_kernel_backends()
 
 
 def get_backend(name: str) -> Backend:

@@ -72,11 +72,6 @@ def _run(args) -> int:
     if args.mutants_file is not None and not Path(args.mutants_file).exists():
         raise InvalidArgumentError(f"--mutants-file {args.mutants_file!r}: no such file")
     mutants = load_mutants(args.mutants_file, families=args.family, names=args.mutant)
-    backward = [m.name for m in mutants if m.backward]
-    if backward and (args.family or args.mutant):
-        raise InvalidArgumentError(f"{', '.join(backward)}: the backward kernel's mutants have no property suite to "
-                                   "judge them yet (tests/test_backward_kernel.py runs them)")
-    mutants = [m for m in mutants if not m.backward]
     runner = cpu_runner_availability()
     if not runner.available:
         raise BackendUnavailableError(f"the mutants run through the CUDA-on-CPU runner: {runner.reason}")

@@ -3,7 +3,8 @@
 `MutantBackend(mutant)` runs a mutated kernel (fa_verify.kernels.mutants) exactly as
 `CpuKernelBackend` runs the original: same catalogue launch, same precision model, same runner,
 only the module differs. A mutant of split_kv.cu runs as `RaggedMutantBackend`, the ragged
-backend `SplitKvCpuBackend` of the mutant's layout with the mutated module; `mutant_backend` and
+backend `SplitKvCpuBackend` of the mutant's layout with the mutated module; a mutant of
+fa2_bwd.cu as `BackwardKernelBackend` with the mutated text; `mutant_backend` and
 `unmutated_backend` pick the right one for any mutant.
 """
 
@@ -15,6 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from fa_verify.backends.backward_kernel import BackwardKernelBackend
 from fa_verify.backends.cuda_kernels import CpuKernelBackend
 from fa_verify.backends.split_kv import SplitKvCpuBackend
 from fa_verify.kernels.catalogue import kernels_dir
@@ -96,10 +98,16 @@ class RaggedMutantBackend(SplitKvCpuBackend):
 
 
 def mutant_backend(mutant: Mutant, sanitize: bool = False):
-    """The backend running `mutant`: dense (MutantBackend) or ragged (RaggedMutantBackend)."""
+    """The backend running `mutant`: dense (MutantBackend), ragged (RaggedMutantBackend), or the
+    backward kernel's (BackwardKernelBackend running the mutated text)."""
+    if mutant.backward:
+        text = mutant.mutate((kernels_dir() / mutant.kernel_family.source).read_text())
+        return BackwardKernelBackend("cpu", source=text, name=f"{mutant.name}-cpu", sanitize=sanitize)
     return (RaggedMutantBackend if mutant.layout else MutantBackend)(mutant, sanitize=sanitize)
 
 
 def unmutated_backend(mutant: Mutant):
     """The backend of the kernel `mutant` edits, unedited: the control its kills are judged against."""
+    if mutant.backward:
+        return BackwardKernelBackend("cpu")
     return SplitKvCpuBackend(mutant.layout) if mutant.layout else CpuKernelBackend(mutant.kernel_family)

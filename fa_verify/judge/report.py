@@ -233,14 +233,16 @@ def _log(message: str, quiet: bool) -> None:
 
 def unmutated_backends(families):
     """The CPU-runner backends of the unmutated kernel families (split_kv: its paged and varlen
-    ragged backends)."""
+    ragged backends; fa2_bwd: the backward kernel's)."""
+    from fa_verify.backends.backward_kernel import BackwardKernelBackend
     from fa_verify.backends.cuda_kernels import CpuKernelBackend
     from fa_verify.backends.split_kv import SplitKvCpuBackend
+    from fa_verify.kernels.backward import FA2_BWD
     from fa_verify.kernels.split_kv import SPLIT_KV
 
-    return [backend for f in families
-            for backend in ([SplitKvCpuBackend("paged"), SplitKvCpuBackend("varlen")] if f == SPLIT_KV.name
-                            else [CpuKernelBackend(f)])]
+    special = {SPLIT_KV.name: lambda: [SplitKvCpuBackend("paged"), SplitKvCpuBackend("varlen")],
+               FA2_BWD.name: lambda: [BackwardKernelBackend("cpu")]}
+    return [backend for f in families for backend in special.get(f, lambda: [CpuKernelBackend(f)])()]
 
 
 def run_campaign(mutants, selection: Selection, *, profile: str = "ci", seeds=range(20), families=None,

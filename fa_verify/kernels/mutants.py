@@ -46,8 +46,8 @@ class Mutant:
 
     @property
     def backward(self) -> bool:
-        """Whether the mutated kernel computes gradients (fa2_bwd): the forward property suite
-        and the campaign leave such mutants out."""
+        """Whether the mutated kernel computes gradients (fa2_bwd): it runs as a backend of
+        backward problems (fa_verify.judge.mutants.mutant_backend)."""
         return getattr(self.kernel_family, "backward", False)
 
     def mutate(self, source: str) -> str:
@@ -72,8 +72,8 @@ class Mutant:
 def mutable_kernels() -> dict:
     """{family: kernel} of every kernel a mutant may edit: the catalogue's dense families, the
     split-KV kernel (fa_verify.kernels.split_kv), whose mutants run as ragged backends, and the
-    backward kernel (fa_verify.kernels.backward), whose mutants tests/test_backward_kernel.py
-    runs (the forward property suite cannot judge gradients: `Mutant.backward`)."""
+    backward kernel (fa_verify.kernels.backward), whose mutants run as backward backends
+    (`Mutant.backward`)."""
     from fa_verify.kernels.backward import FA2_BWD
     from fa_verify.kernels.split_kv import SPLIT_KV
 
