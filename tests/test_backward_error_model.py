@@ -263,15 +263,16 @@ def test_every_term_follows_its_formula(variant, tensor, name):
 
 
 def test_second_order_is_twice_the_largest_relative_perturbation_of_the_first_order():
+    """eps >= u_p (bf16: 2^-8) and here barely more: the factor 2 eps / (1 - 2 eps), measured
+    2.02 u_p on every tensor; the window [2, 8] u_p fails a factor 4x off either way."""
     problem, precision, dout, ref = _setup("bf16")
     out_given = round_to(ref.out, "bf16")
     bound = gradient_error_bound(problem, dout, precision, ref, out_given=out_given, lse_given=ref.lse)
-    terms = bound.terms["dq"]
-    first = sum(terms[n] for n in ("scores", "softmax", "given_lse", "given_out", "dp", "ds_rounding",
-                                   "accumulation"))
-    ratio = terms["second_order"] / first
-    # eps >= u_p (bf16: 2^-8), at most a few u_p here: the factor 2 eps / (1 - 2 eps)
-    assert 2 * 2.0 ** -8 <= ratio.min() and ratio.max() <= 8 * 2.0 ** -8, (ratio.min(), ratio.max())
+    for tensor in ("dq", "dk", "dv"):
+        terms = bound.terms[tensor]
+        first = sum(terms[n] for n in TERMS if n not in ("second_order", "output_rounding", "reference"))
+        ratio = terms["second_order"] / first
+        assert 2 * 2.0 ** -8 <= ratio.min() and ratio.max() <= 8 * 2.0 ** -8, (tensor, ratio.min(), ratio.max())
 
 
 def test_reference_term_is_the_oracles_bound_and_terms_add_up():
