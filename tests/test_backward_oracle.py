@@ -214,3 +214,15 @@ def test_arguments_are_validated():
         gradient_reference(problem, dout, method="exact")
     with pytest.raises(InvalidArgumentError, match="non-finite"):
         gradient_reference(problem, dout * np.nan)
+
+
+def test_heads_in_chunks_give_the_same_gradients(monkeypatch):
+    """_CHUNK_ENTRIES only bounds memory: one head at a time gives the same gradients and bounds."""
+    import fa_verify.oracle.backward as backward
+    problem = CASES["everything"]
+    dout, dlse = _upstream(problem, 9, True)
+    whole = gradient_reference(problem, dout, dlse)
+    monkeypatch.setattr(backward, "_CHUNK_ENTRIES", 1)
+    for (x, bx), (y, by) in zip(whole.tensors().values(), gradient_reference(problem, dout, dlse).tensors().values()):
+        np.testing.assert_allclose(x, y, rtol=1e-13, atol=1e-300)
+        np.testing.assert_allclose(bx, by, rtol=1e-12)

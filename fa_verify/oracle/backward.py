@@ -36,6 +36,7 @@ Two paths, one contract (`GradientReference`):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import mpmath
@@ -45,7 +46,7 @@ from mpmath.libmp import dps_to_prec
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.oracle import mp_path
 from fa_verify.oracle.bounds import U64, gamma
-from fa_verify.oracle.certified import (EPS_EXP, _gemm_magnitude, _norm_magnitude, _Variants,
+from fa_verify.oracle.certified import (_CHUNK_ENTRIES, EPS_EXP, _gemm_magnitude, _norm_magnitude, _Variants,
                                         certified_reference, scale_roundings)
 from fa_verify.problem import AttentionProblem
 
@@ -149,18 +150,21 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
     sinks = problem.sinks is not None
     sink_terms, sink_err = (np.zeros((B, H, Nq)) for _ in range(2)) if sinks else (None, None)
     limits = problem.key_limit()
-    for b in range(B):
-        qb, kb, vb, do = q[b], k[b], v[b], dout[b]
-        L, Lb = forward.lse[b], forward.lse_bound[b]
+    heads_per_chunk = max(1, _CHUNK_ENTRIES // (Nq * Nk))  # memory: a few [heads, Nq, Nk] arrays
+    for b, h0 in itertools.product(range(B), range(0, H, heads_per_chunk)):
+        hs = slice(h0, h0 + heads_per_chunk)
+        at = (b, hs)
+        qb, kb, vb, do = q[at], k[at], v[at], dout[at]
+        L, Lb = forward.lse[at], forward.lse_bound[at]
         Lz = np.where(np.isfinite(L), L, 0.0)  # rows with LSE -inf see no key: p = 0 by the mask
-        up = np.zeros((H, Nq)) if dlse is None else dlse[b]
+        up = np.zeros(L.shape) if dlse is None else dlse[at]
 
         # P = exp(z - L) and its relative error rho per row (module doc)
         t = np.matmul(qb * scale, kb.swapaxes(-1, -2))
         magnitude = _norm_magnitude(qb, kb, limits)
         raw = t.copy() if problem.softcap > 0 else None
         if problem.features:  # the logits' largest magnitude, read off (it only enters as u |x|)
-            extra = _Variants(problem, b, slice(0, H)).apply(t, mask)
+            extra = _Variants(problem, b, hs).apply(t, mask)
             z_max = np.maximum(t.max(axis=-1), -t.min(axis=-1))
         else:  # |t_ij| <= (1 + g_t) scale_hi A_i over the keys row i attends
             extra, z_max = 0.0, (1 + g_t) * scale_hi * magnitude
@@ -181,9 +185,9 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
             p = np.exp(t, out=t)
 
         # D from the certified output, and dP = dO V^T: |dP_ij error| <= g_d |dO_i| |V_j|
-        out, out_b = forward.out[b], forward.out_bound[b]
-        delta[b] = (do * out).sum(axis=-1)
-        delta_b[b] = ((np.abs(do) * out_b).sum(axis=-1) + g_d * np.abs(do * out).sum(axis=-1)) * (1 + g_d)
+        out, out_b = forward.out[at], forward.out_bound[at]
+        delta[at] = (do * out).sum(axis=-1)
+        delta_b[at] = ((np.abs(do) * out_b).sum(axis=-1) + g_d * np.abs(do * out).sum(axis=-1)) * (1 + g_d)
         n_do = np.sqrt((do * do).sum(-1)) / slack
         n_v = np.sqrt((vb * vb).sum(-1))
         dp = np.matmul(do, vb.swapaxes(-1, -2))
@@ -193,8 +197,8 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
         pdp_rows = buf.sum(-1)
         pdp_cols = np.matmul(w[:, None, :], buf)[:, 0]
         # e_g = |g_hat - g| <= g_d n_do_i n_v_j + c_i + 2u |dP_ij|, c_i = delta_b + 2u (|D| + |dlse|)
-        c = delta_b[b] + 2 * u * (np.abs(delta[b]) + np.abs(up))
-        dp -= delta[b][..., None]
+        c = delta_b[at] + 2 * u * (np.abs(delta[at]) + np.abs(up))
+        dp -= delta[at][..., None]
         if dlse is not None:
             dp += up[..., None]
         ds = np.multiply(p, dp, out=dp)  # dS before the softcap's factor
@@ -207,7 +211,7 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
         p_nv, p_rows = np.moveaxis(np.matmul(p, np.stack([n_v, np.ones_like(n_v)], axis=-1)), -1, 0)
         col_weights = np.stack([w * n_do, w * c, rho + g_v * w], axis=1)
         p_nd_cols, p_c_cols, dv_cols = np.moveaxis(np.matmul(col_weights, p), 1, 0)
-        rest = np.abs(delta[b]) + np.abs(up) + delta_b[b]
+        rest = np.abs(delta[at]) + np.abs(up) + delta_b[at]
         err_rows = (rho / (1 - u) * s1_rows + w * (g_d * n_do * p_nv + c * p_rows + 2 * u * pdp_rows)
                     + u * s1_rows + 2 * _TAU * keys_per_row * (n_do * n_v.max(axis=-1, keepdims=True) + rest))
         err_cols = (rho_ds_cols + u * s1_cols + g_d * n_v * p_nd_cols + p_c_cols + 2 * u * pdp_cols
@@ -226,15 +230,15 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
 
         # dQ = scale dS K over Nk keys (+1 the product with the scale, + the scale's roundings);
         # sums of |errors| |K| bounded by (sum of |errors|) max |K| (no GEMM)
-        dq[b] = np.matmul(ds, kb) * scale
-        dq_b[b] = scale_hi * (err_rows + g_q * s1_rows)[..., None] * np.abs(kb).max(axis=-2)[:, None, :]
-        dk_h[b] = np.matmul(ds.swapaxes(-1, -2), qb) * scale
-        dk_hb[b] = scale_hi * (err_cols + g_k * s1_cols)[..., None] * np.abs(qb).max(axis=-2)[:, None, :]
-        dv_h[b] = np.matmul(p.swapaxes(-1, -2), do)
-        dv_hb[b] = (dv_cols + _TAU * rows_per_key)[..., None] * np.abs(do).max(axis=-2)[:, None, :]
+        dq[at] = np.matmul(ds, kb) * scale
+        dq_b[at] = scale_hi * (err_rows + g_q * s1_rows)[..., None] * np.abs(kb).max(axis=-2)[:, None, :]
+        dk_h[at] = np.matmul(ds.swapaxes(-1, -2), qb) * scale
+        dk_hb[at] = scale_hi * (err_cols + g_k * s1_cols)[..., None] * np.abs(qb).max(axis=-2)[:, None, :]
+        dv_h[at] = np.matmul(p.swapaxes(-1, -2), do)
+        dv_hb[at] = (dv_cols + _TAU * rows_per_key)[..., None] * np.abs(do).max(axis=-2)[:, None, :]
 
         if sinks:
-            sink = problem.sinks.astype(np.float64)[:, None]
+            sink = problem.sinks[hs].astype(np.float64)[:, None]
             xs = sink - Lz
             bs = Lb + u * np.abs(xs)
             with np.errstate(over="ignore", invalid="ignore"):
@@ -242,10 +246,10 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
                 rhos = np.where(rs < 1, rs / (1 - rs), np.inf)
             with np.errstate(under="ignore"):
                 ps = np.exp(xs)
-            dd = delta[b] - up
+            dd = delta[at] - up
             term = ps * dd
-            sink_terms[b] = -term
-            sink_err[b] = ((rhos * ps + _TAU) * np.abs(dd) + ((1 + rhos) * ps + _TAU) * (delta_b[b] + u * np.abs(dd))
+            sink_terms[at] = -term
+            sink_err[at] = ((rhos * ps + _TAU) * np.abs(dd) + ((1 + rhos) * ps + _TAU) * (delta_b[at] + u * np.abs(dd))
                            + u * np.abs(term))
 
     dk, dk_b = _group_sum(problem, dk_h, dk_hb)
