@@ -18,13 +18,14 @@ Two paths, one contract (`GradientReference`):
       g_hat = fl(fl(dP_hat - D_hat) + dlse):  |g_hat - g| <= e_dP + e_D + 2u (|dP| + |D| + |dlse|)
       dS_hat = fl(P_hat g_hat):  |dS_hat - dS| <= (rho P_hat + tau) |g_hat| + ((1 + rho) P_hat + tau)
                                                   |g_hat - g| + u |dS_hat|,   rho = r / (1 - r),
-  with e_dP = gamma_D |dO_i| |V_j| (norms: Cauchy-Schwarz) and e_D = sum_c |dO_ic| out_bound_ic +
-  gamma_D sum_c |dO_ic O_ic|; a softcap's factor f = 1 - tanh^2(y), y = fl(t_hat / c), is
+  with e_dP = gamma_D |dO_i| |V_j| (norms: Cauchy-Schwarz, which also bounds the 2u |dP|) and
+  e_D = sum_c |dO_ic| out_bound_ic + gamma_D sum_c |dO_ic O_ic|; a softcap's factor f = 1 - tanh^2(y), y = fl(t_hat / c), is
   within e_f = 2 (e_y + eps_exp)(1 + e_y + eps_exp) + 2u, e_y = (e_t + u |t|) / c, since
   |d tanh / dy| <= 1 and |tanh| <= 1. The GEMMs dS K, dS^T Q, P^T dO add gamma_n (n the
   summed length, + 1 for the scale, + the scale's own roundings) of the magnitudes; every
   sum of |errors| x |values| is bounded by (sum of |errors|) x (max of |values|), which costs
-  no GEMM (the bound is then ~1e-13 relative, far below any fp32 kernel's). Query heads are
+  no GEMM, only row sums and matrix-vector products (the bound is then ~1e-13 of the terms'
+  magnitudes, far below any fp32 kernel's error). Query heads are
   summed into kv heads with gamma_G more. The bound arithmetic's own rounding is covered by
   _SLACK; first order in r is exact here (r enters through rho, not linearised).
 - "mpmath": the definition, row by row at `digits` digits (small problems). Its bound: every
@@ -192,29 +193,26 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
         n_v = np.sqrt((vb * vb).sum(-1))
         dp = np.matmul(do, vb.swapaxes(-1, -2))
         w = 1 + rho
-        buf = np.abs(dp)
-        buf *= p  # p |dP|
-        pdp_rows = buf.sum(-1)
-        pdp_cols = np.matmul(w[:, None, :], buf)[:, 0]
-        # e_g = |g_hat - g| <= g_d n_do_i n_v_j + c_i + 2u |dP_ij|, c_i = delta_b + 2u (|D| + |dlse|)
+        # e_g = |g_hat - g| <= g_d n_do_i n_v_j + c_i + 2u |dP_ij| <= g_dp n_do_i n_v_j + c_i,
+        # g_dp = g_d + 2u (Cauchy-Schwarz for |dP|), c_i = delta_b + 2u (|D| + |dlse|)
+        g_dp = g_d + 2 * u
         c = delta_b[at] + 2 * u * (np.abs(delta[at]) + np.abs(up))
         dp -= delta[at][..., None]
         if dlse is not None:
             dp += up[..., None]
         ds = np.multiply(p, dp, out=dp)  # dS before the softcap's factor
-        abs_ds = np.abs(ds, out=buf)
-        s1_rows = abs_ds.sum(-1)
-        s1_cols, rho_ds_cols = np.moveaxis(np.matmul(np.stack([np.ones_like(rho), rho / (1 - u)], axis=1), abs_ds), 1, 0)
+        abs_ds = np.abs(ds)
+        s1_rows, s1_cols = abs_ds.sum(-1), abs_ds.sum(-2)
+        rho_ds_cols = _column_sums(rho / (1 - u), abs_ds)
         # dS_hat's error summed over keys (rows) and over rows (columns), see the module doc; the
-        # tau part uses |g_hat| + e_g <= 2 (n_do n_v + |D| + |dlse| + delta_b). One pass over p
-        # for all row sums, one for all column sums.
-        p_nv, p_rows = np.moveaxis(np.matmul(p, np.stack([n_v, np.ones_like(n_v)], axis=-1)), -1, 0)
-        col_weights = np.stack([w * n_do, w * c, rho + g_v * w], axis=1)
-        p_nd_cols, p_c_cols, dv_cols = np.moveaxis(np.matmul(col_weights, p), 1, 0)
+        # tau part uses |g_hat| + e_g <= 2 (n_do n_v + |D| + |dlse| + delta_b)
+        p_rows = p.sum(-1)
+        p_nv = np.matmul(p, n_v[..., None])[..., 0]
+        p_nd_cols, p_c_cols, dv_cols = (_column_sums(x, p) for x in (w * n_do, w * c, rho + g_v * w))
         rest = np.abs(delta[at]) + np.abs(up) + delta_b[at]
-        err_rows = (rho / (1 - u) * s1_rows + w * (g_d * n_do * p_nv + c * p_rows + 2 * u * pdp_rows)
+        err_rows = (rho / (1 - u) * s1_rows + w * (g_dp * n_do * p_nv + c * p_rows)
                     + u * s1_rows + 2 * _TAU * keys_per_row * (n_do * n_v.max(axis=-1, keepdims=True) + rest))
-        err_cols = (rho_ds_cols + u * s1_cols + g_d * n_v * p_nd_cols + p_c_cols + 2 * u * pdp_cols
+        err_cols = (rho_ds_cols + u * s1_cols + g_dp * n_v * p_nd_cols + p_c_cols
                     + 2 * _TAU * (n_do.sum(-1, keepdims=True) * n_v + rest.sum(-1, keepdims=True)) * (rows_per_key > 0))
         if raw is not None:  # times f = 1 - tanh^2(t / c), within e_f (module doc), per head
             cap = problem.softcap
@@ -223,7 +221,7 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
             e_y = (e_t + u * (1 + g_t) * scale_hi * magnitude) / cap  # u |t|, |t| <= (1 + g_t) scale A
             e_f = (2 * (e_y + EPS_EXP) * (1 + e_y + EPS_EXP) + 2 * u).max(axis=-1)
             ds *= f
-            abs_ds = np.abs(ds, out=buf)
+            abs_ds = np.abs(ds, out=abs_ds)
             err_rows = err_rows * (1 + e_f[:, None]) + e_f[:, None] * s1_rows + u * abs_ds.sum(-1)
             err_cols = err_cols * (1 + e_f[:, None]) + e_f[:, None] * s1_cols + u * abs_ds.sum(-2)
             s1_rows, s1_cols = abs_ds.sum(-1), abs_ds.sum(-2)
@@ -262,6 +260,12 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
     return GradientReference(dq=dq, dk=dk, dv=dv, dsinks=dsinks, dq_bound=_no_nan(dq_b) * _SLACK,
                              dk_bound=dk_b * _SLACK, dv_bound=dv_b * _SLACK, dsinks_bound=dsinks_b,
                              forward=forward, delta=delta, delta_bound=delta_b, method="certified")
+
+
+def _column_sums(weights, x):
+    """sum_i weights[h, i] x[h, i, j], [H, Nk]: one matrix-vector product per vector (a GEMM with
+    a few rows is many times slower in OpenBLAS than that many of them)."""
+    return np.matmul(weights[:, None, :], x)[:, 0]
 
 
 def _no_nan(bound):
