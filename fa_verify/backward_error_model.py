@@ -118,6 +118,10 @@ def gradient_error_bound(problem: AttentionProblem, dout, precision: PrecisionMo
             f"precision.input={precision.input!r} does not match the problem dtype {problem.dtype!r}; "
             f"use e.g. PrecisionModel.flash({problem.dtype!r})")
     dout, dlse = checked_upstream(problem, dout, dlse)
+    if out_given is None or lse_given is None:
+        raise InvalidArgumentError(
+            "out_given and lse_given are required: pass the out (output dtype) and lse (float32) the backward "
+            "was handed by its forward; their errors are terms of the bound")
     out_given = np.asarray(out_given).astype(np.float64)
     lse_given = np.asarray(lse_given).astype(np.float64)
     if out_given.shape != problem.out_shape or lse_given.shape != problem.lse_shape:

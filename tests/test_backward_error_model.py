@@ -318,6 +318,8 @@ def test_arguments_are_validated():
         gradient_error_bound(problem, dout, PrecisionModel.flash("bf16"), ref, out_given=ref.out, lse_given=ref.lse)
     with pytest.raises(InvalidArgumentError, match="out_given.shape"):
         gradient_error_bound(problem, dout, precision, ref, out_given=ref.out[:, :1], lse_given=ref.lse)
+    with pytest.raises(InvalidArgumentError, match="out_given and lse_given are required"):
+        gradient_error_bound(problem, dout, precision, ref, out_given=None, lse_given=ref.lse)
     with pytest.raises(InvalidArgumentError, match="order"):
         fa2_backward(problem, ref.out, ref.lse, dout, order="random")
 
