@@ -96,7 +96,8 @@ def test_the_emulation_passes_every_variant_and_uses_a_share_of_the_bound(dtype,
     {"order": "descending", "dq_order": "descending"},
     {"dq_order": "shuffled", "seed": 3, "block_n": 16, "block_m": 32},
     {"d_from": "p_dp", "block_n": 128},
-], ids=["descending", "shuffled_small_tiles", "d_from_p_dp"])
+    {"gqa_reduce": "fp32", "order": "descending"},
+], ids=["descending", "shuffled_small_tiles", "d_from_p_dp", "gqa_reduce_fp32"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_every_honest_order_passes(dtype, options):
     problem = _problem(dtype, h=5, nk=129, d=72, seed=4, causal=True)
@@ -115,8 +116,8 @@ def test_adversarial_inputs_pass(dtype, kind):
 def test_sweep_of_shapes_seeds_variants_and_orders(dtype):
     """Nk = 1, 63, 64, 65 mod 64; D 40, 72, 104; GQA 3 and 5; batch 2; every variant and order."""
     rng = np.random.default_rng(11)
-    orders = [{}, {"order": "descending", "dq_order": "descending"}, {"dq_order": "shuffled"},
-              {"d_from": "p_dp", "block_n": 32}]
+    orders = [{}, {"order": "descending", "dq_order": "descending", "gqa_reduce": "fp32"},
+              {"dq_order": "shuffled"}, {"d_from": "p_dp", "block_n": 32}]
     worst = []
     for seed in range(24):
         nk = int(rng.choice([1, 63, 64, 65, 127, 129]))
@@ -214,6 +215,11 @@ def _hand_terms(problem, precision, dout, ref, out_given, lse_given):
     w["p_rounding"] = u_p * p
     w["accumulation"] = _gamma(G * Nq, u_pv) * p
     dv = {name: per_kv_head(x_.swapaxes(-1, -2) @ np.abs(dout)) for name, x_ in w.items()}
+    # FA2 rounds every query head's dK, dV to the output dtype, then the group's sum
+    own = {"dk": s * ds.swapaxes(-1, -2) @ q, "dv": p.swapaxes(-1, -2) @ dout}
+    for tensor, terms_ in (("dk", dk), ("dv", dv)):
+        heads = per_kv_head(0.5 * ulp(np.abs(own[tensor]), precision.output))
+        terms_["output_rounding"] = heads + 0.5 * ulp(np.abs(getattr(ref, tensor)), precision.output)
     terms = {"dq": dq, "dk": dk, "dv": dv}
     if problem.sinks is not None:
         sink = problem.sinks.astype(np.float64)[None, :, None]
@@ -240,8 +246,10 @@ def _term_case(name, **variant):
 
 _DQ = ("scores", "softmax", "given_lse", "given_out", "dp", "ds_rounding", "accumulation", "output_rounding")
 TERM_CHECKS = ([("dense", "dq", n) for n in _DQ]
-               + [("dense", "dk", n) for n in ("scores", "given_out", "dp", "ds_rounding", "accumulation")]
-               + [("dense", "dv", n) for n in ("scores", "softmax", "given_lse", "p_rounding", "accumulation")]
+               + [("dense", "dk", n) for n in ("scores", "given_out", "dp", "ds_rounding", "accumulation",
+                                               "output_rounding")]
+               + [("dense", "dv", n) for n in ("scores", "softmax", "given_lse", "p_rounding", "accumulation",
+                                               "output_rounding")]
                + [("softcap", "dq", n) for n in ("scores", "softmax", "dp")]
                + [("alibi", "dq", "softmax"), ("alibi", "dv", "softmax")]
                + [("sinks", "dsinks", n) for n in ("softmax", "given_lse", "given_out", "dp", "accumulation")])
