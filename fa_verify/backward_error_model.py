@@ -130,6 +130,11 @@ def gradient_error_bound(problem: AttentionProblem, dout, precision: PrecisionMo
         raise InvalidArgumentError(
             f"out_given.shape={out_given.shape!r} and lse_given.shape={lse_given.shape!r} must be "
             f"{problem.out_shape!r} and {problem.lse_shape!r}")
+    live = np.isfinite(reference.lse)
+    if not (np.isfinite(out_given).all() and np.isfinite(lse_given[live]).all()):
+        raise InvalidArgumentError(
+            "out_given or lse_given holds NaN/Inf where the exact result is finite: the backward was handed a "
+            "broken forward result, which bounds nothing; judge the forward first (check_attention)")
     U = _Units.of(problem, precision, accumulation, lam)
     B, H, Nq, D = problem.out_shape
     G, Nk, Hkv = problem.group_size, problem.nk, problem.kv_heads

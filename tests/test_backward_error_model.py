@@ -329,6 +329,8 @@ def test_arguments_are_validated():
         gradient_error_bound(problem, dout, precision, ref, out_given=ref.out[:, :1], lse_given=ref.lse)
     with pytest.raises(InvalidArgumentError, match="out_given and lse_given are required"):
         gradient_error_bound(problem, dout, precision, ref, out_given=None, lse_given=ref.lse)
+    with pytest.raises(InvalidArgumentError, match="broken forward result"):
+        gradient_error_bound(problem, dout, precision, ref, out_given=ref.out, lse_given=ref.lse * np.nan)
     with pytest.raises(InvalidArgumentError, match="order"):
         fa2_backward(problem, ref.out, ref.lse, dout, order="random")
 
@@ -447,3 +449,16 @@ def test_probabilistic_accumulation_tightens_only_the_gamma_terms_and_still_hold
     np.testing.assert_array_equal(likely.terms["dq"]["ds_rounding"], worst.terms["dq"]["ds_rounding"])
     grads = dict(zip(("dq", "dk", "dv"), fa2_backward(problem, out, lse, dout, precision=precision)))
     assert check_gradients(grads, problem, dout, reference=ref, bound=likely, **kwargs).passed
+
+
+def test_no_finite_bound_where_first_order_analysis_fails_is_said():
+    """Scores accumulated in bf16 over D = 64: gamma_64 = 1/3, the relative errors reach 1/4."""
+    problem = _problem("bf16", nq=8, nk=16, d=64, seed=20)
+    precision = PrecisionModel.input_scores("bf16")
+    dout = round_to(np.random.default_rng(21).standard_normal(problem.out_shape), "bf16")
+    ref = gradient_reference(problem, dout)
+    out, lse = tiled_attention(problem, precision)
+    grads = dict(zip(("dq", "dk", "dv"), fa2_backward(problem, out, lse, dout, precision=precision)))
+    verdict = check_gradients(grads, problem, dout, out_given=out, lse_given=lse, precision=precision, reference=ref)
+    assert verdict.passed and verdict.tensors["dq"].unbounded_count == verdict.tensors["dq"].total
+    assert "pass the rules that could judge them" in verdict.message() and "No finite bound" in verdict.message()
