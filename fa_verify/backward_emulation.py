@@ -18,6 +18,8 @@ Where correct kernels differ, a parameter chooses:
                        dtype, then each group summed and rounded once) or "fp32" (the group's
                        heads accumulated in float32, rounded once: FA3's accumulators).
 A row whose given LSE is -inf sees no key: its P is 0 (flash-attn substitutes 0 for the -inf max).
+Only FA2's stages are emulated: scores and accumulations in float32 whatever
+precision.score_accumulation and pv_accumulation say (p_rounding and output are followed).
 """
 
 from __future__ import annotations

@@ -222,8 +222,9 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
             e_f = (2 * (e_y + EPS_EXP) * (1 + e_y + EPS_EXP) + 2 * u).max(axis=-1)
             ds *= f
             abs_ds = np.abs(ds, out=abs_ds)
-            err_rows = err_rows * (1 + e_f[:, None]) + e_f[:, None] * s1_rows + u * abs_ds.sum(-1)
-            err_cols = err_cols * (1 + e_f[:, None]) + e_f[:, None] * s1_cols + u * abs_ds.sum(-2)
+            # |fl(ds f_hat) - dS f| <= e (1 + e_f) + (|ds| + e) e_f + u |dS_hat|, |f| <= 1
+            err_rows = err_rows * (1 + 2 * e_f[:, None]) + e_f[:, None] * s1_rows + u * abs_ds.sum(-1)
+            err_cols = err_cols * (1 + 2 * e_f[:, None]) + e_f[:, None] * s1_cols + u * abs_ds.sum(-2)
             s1_rows, s1_cols = abs_ds.sum(-1), abs_ds.sum(-2)
 
         # dQ = scale dS K over Nk keys (+1 the product with the scale, + the scale's roundings);
