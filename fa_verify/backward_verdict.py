@@ -76,15 +76,10 @@ class GradientVerdict:
     def message(self) -> str:
         """The rule, then per tensor how many elements exceed, the worst one and its dominant term."""
         unbounded = [c for c in self.tensors.values() if c.unbounded_count]
-        if not self.passed:
-            head = f"gradients failed rule {self.rule!r}"
-        elif unbounded:
-            head = "gradients pass the rules that could judge them"
-        else:
-            head = "gradients agree with the exact gradients within the error model"
-        lines = [f"{head} ({self.problem}; precision {self.precision})"]
-        if self.detail:
-            lines.append(self.detail)
+        judged = ("gradients pass the rules that could judge them" if unbounded
+                  else "gradients agree with the exact gradients within the error model")
+        head = judged if self.passed else f"gradients failed rule {self.rule!r}"
+        lines = [f"{head} ({self.problem}; precision {self.precision})"] + ([self.detail] if self.detail else [])
         checks = sorted(self.tensors.values(), key=lambda c: -c.ratio)
         lines.extend(c.line() for c in checks)
         lines.extend(f"No finite bound for {c.unbounded_count} / {c.total} elements of {c.tensor}: relative errors "
