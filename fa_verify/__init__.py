@@ -4,9 +4,12 @@
     problem = AttentionProblem.from_float(q, k, v, "bf16", causal=True)
     assert_attention_close(my_kernel(problem), problem, precision="flash")
 
-Backends live in `fa_verify.backends`, Hypothesis strategies in `fa_verify.strategies`.
+Gradients: `check_gradients(grads, problem, dout, out_given=..., lse_given=...)` against
+`gradient_reference` (the backward pass; docs/numerics.md). Backends live in
+`fa_verify.backends`, Hypothesis strategies in `fa_verify.strategies`.
 """
 
+from fa_verify.backward_verdict import GradientVerdict, check_gradients
 from fa_verify.conventions import Conventions
 from fa_verify.error_model import Bound, error_bound
 from fa_verify.errors import (
@@ -20,6 +23,7 @@ from fa_verify.errors import (
 from fa_verify.limits import Limits
 from fa_verify.metrics import ErrorStats, ErrorSummary, measure
 from fa_verify.oracle import Reference, reference
+from fa_verify.oracle.backward import GradientReference, gradient_reference
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import AttentionProblem
 from fa_verify.verdict import Verdict, assert_attention_close, check_attention
@@ -36,6 +40,8 @@ __all__ = [
     "ErrorStats",
     "ErrorSummary",
     "FaVerifyError",
+    "GradientReference",
+    "GradientVerdict",
     "InvalidArgumentError",
     "InvalidProblemError",
     "Limits",
@@ -44,7 +50,9 @@ __all__ = [
     "Verdict",
     "assert_attention_close",
     "check_attention",
+    "check_gradients",
     "error_bound",
+    "gradient_reference",
     "measure",
     "reference",
 ]

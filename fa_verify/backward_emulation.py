@@ -13,8 +13,13 @@ Where correct kernels differ, a parameter chooses:
     order              the order of the query tiles (and heads of a group) summed into dK, dV;
     dq_order           the order the key tiles' dQ contributions are added (FA2 uses float32
                        atomics: any order): "ascending", "descending" or "shuffled" (by `seed`);
-    d_from             "out" (rowsum(dO o O), FA2) or "p_dp" (rowsum(P o dP)).
+    d_from             "out" (rowsum(dO o O), FA2) or "p_dp" (rowsum(P o dP));
+    gqa_reduce         "expanded" (FA2's mha_bwd: each query head's dK, dV stored in the output
+                       dtype, then each group summed and rounded once) or "fp32" (the group's
+                       heads accumulated in float32, rounded once: FA3's accumulators).
 A row whose given LSE is -inf sees no key: its P is 0 (flash-attn substitutes 0 for the -inf max).
+Only FA2's stages are emulated: scores and accumulations in float32 whatever
+precision.score_accumulation and pv_accumulation say (p_rounding and output are followed).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from fa_verify.problem import AttentionProblem
 ORDERS = ("ascending", "descending")
 DQ_ORDERS = ("ascending", "descending", "shuffled")
 D_SOURCES = ("out", "p_dp")
+GQA_REDUCTIONS = ("expanded", "fp32")
 
 F32 = np.float32
 
@@ -45,12 +51,12 @@ def _tiles(n: int, size: int) -> list:
 
 def fa2_backward(problem: AttentionProblem, out, lse, dout, dlse=None, *, precision: PrecisionModel | None = None,
                  block_n: int = 64, block_m: int = 64, order: str = "ascending", dq_order: str = "ascending",
-                 d_from: str = "out", seed: int = 0):
+                 d_from: str = "out", gqa_reduce: str = "expanded", seed: int = 0):
     """(dq, dk, dv, dsinks) as an FA2 backward of `precision` computes them (see the module doc).
     `out` in precision.output's dtype, `lse` float32 [B, H, Nq]; dsinks float32 [H] or None."""
     precision = precision or PrecisionModel.flash(problem.dtype)
     for name, value, allowed in (("order", order, ORDERS), ("dq_order", dq_order, DQ_ORDERS),
-                                 ("d_from", d_from, D_SOURCES)):
+                                 ("d_from", d_from, D_SOURCES), ("gqa_reduce", gqa_reduce, GQA_REDUCTIONS)):
         if value not in allowed:
             raise InvalidArgumentError(f"{name}={value!r}; use one of {allowed}")
     dout64, dlse64 = checked_upstream(problem, dout, dlse)
@@ -101,6 +107,7 @@ def fa2_backward(problem: AttentionProblem, out, lse, dout, dlse=None, *, precis
     dk = np.zeros((B, Hkv, Nk, D), F32)
     dv = np.zeros((B, Hkv, Nk, D), F32)
     heads_of = [list(range(hk * G, hk * G + G)) for hk in range(Hkv)]
+    expanded_dk, expanded_dv = (np.zeros((B, H, Nk, D), F32) for _ in range(2))
     for b, hk in np.ndindex(B, Hkv):
         dq_parts = {h: [] for h in heads_of[hk]}
         for keys in key_tiles:
@@ -108,6 +115,8 @@ def fa2_backward(problem: AttentionProblem, out, lse, dout, dlse=None, *, precis
             dv_acc = np.zeros_like(dk_acc)
             heads = heads_of[hk] if order == "ascending" else heads_of[hk][::-1]
             for h in heads:
+                if gqa_reduce == "expanded":  # this head's own dK, dV, stored in the output dtype
+                    dk_acc, dv_acc = np.zeros_like(dk_acc), np.zeros_like(dv_acc)
                 dq_tile = np.zeros((Nq, D), F32)
                 for rows in row_tiles:
                     p, th = probabilities(b, h, rows, keys)
@@ -123,8 +132,12 @@ def fa2_backward(problem: AttentionProblem, out, lse, dout, dlse=None, *, precis
                     dk_acc += ds.T @ q[b, h, rows]
                     dq_tile[rows] = ds @ k[b, hk, keys]
                 dq_parts[h].append(dq_tile)
-            dk[b, hk, keys] = dk_acc * scale
-            dv[b, hk, keys] = dv_acc
+                if gqa_reduce == "expanded":
+                    expanded_dk[b, h, keys] = _rounded(dk_acc * scale, out_dtype)
+                    expanded_dv[b, h, keys] = _rounded(dv_acc, out_dtype)
+            if gqa_reduce == "fp32":
+                dk[b, hk, keys] = dk_acc * scale
+                dv[b, hk, keys] = dv_acc
         for h, parts in dq_parts.items():
             sequence = {"ascending": parts, "descending": parts[::-1],
                         "shuffled": [parts[i] for i in rng.permutation(len(parts))]}[dq_order]
@@ -133,6 +146,9 @@ def fa2_backward(problem: AttentionProblem, out, lse, dout, dlse=None, *, precis
                 acc += part
             dq[b, h] = acc * scale
 
+    if gqa_reduce == "expanded":  # summed over each group in float32, rounded once below
+        dk = expanded_dk.reshape(B, Hkv, G, Nk, D).sum(axis=2, dtype=F32)
+        dv = expanded_dv.reshape(B, Hkv, G, Nk, D).sum(axis=2, dtype=F32)
     dsinks = None
     if problem.sinks is not None:
         with np.errstate(under="ignore"):

@@ -41,7 +41,9 @@ over the group's query heads); P's terms reach dV as sum_i W_ij |dO_ic|. Then:
                f's error is absolute: its products with dS's errors are covered by using
                f + |delta f| (at most 1) for f in the terms above.
 * output_rounding half an ulp of the output dtype at |gradient| + every error above (dsinks:
-               float32, as flash-attn returns the gradient of a float32 parameter).
+               float32, as flash-attn returns the gradient of a float32 parameter); with GQA/MQA
+               also half an ulp at each query head's |dK_h|, |dV_h| + the errors: FA2's mha_bwd
+               stores every query head's dK, dV in the output dtype before summing the group.
 * reference    the gradient oracle's own bound.
 dsinks: dsink_h = -sum_{b,i} P_sink,i (D_i - dlse_i): P_sink's softmax and given_lse errors
 times |D - dlse|, given_out's p_sink |delta D|, dp's 2 u_s p_sink (|D| + |dlse|).
@@ -118,12 +120,21 @@ def gradient_error_bound(problem: AttentionProblem, dout, precision: PrecisionMo
             f"precision.input={precision.input!r} does not match the problem dtype {problem.dtype!r}; "
             f"use e.g. PrecisionModel.flash({problem.dtype!r})")
     dout, dlse = checked_upstream(problem, dout, dlse)
+    if out_given is None or lse_given is None:
+        raise InvalidArgumentError(
+            "out_given and lse_given are required: pass the out (output dtype) and lse (float32) the backward "
+            "was handed by its forward; their errors are terms of the bound")
     out_given = np.asarray(out_given).astype(np.float64)
     lse_given = np.asarray(lse_given).astype(np.float64)
     if out_given.shape != problem.out_shape or lse_given.shape != problem.lse_shape:
         raise InvalidArgumentError(
             f"out_given.shape={out_given.shape!r} and lse_given.shape={lse_given.shape!r} must be "
             f"{problem.out_shape!r} and {problem.lse_shape!r}")
+    live = np.isfinite(reference.lse)
+    if not (np.isfinite(out_given).all() and np.isfinite(lse_given[live]).all()):
+        raise InvalidArgumentError(
+            "out_given or lse_given holds NaN/Inf where the exact result is finite: the backward was handed a "
+            "broken forward result, which bounds nothing; judge the forward first (check_attention)")
     U = _Units.of(problem, precision, accumulation, lam)
     B, H, Nq, D = problem.out_shape
     G, Nk, Hkv = problem.group_size, problem.nk, problem.kv_heads
@@ -135,11 +146,13 @@ def gradient_error_bound(problem: AttentionProblem, dout, precision: PrecisionMo
     n_q, n_k, n_v = Nk + 2, G * Nq + 2, G * Nq
     g_q, g_k, g_v = (float(gamma(n, U.u_pv, accumulation, lam)) for n in (n_q, n_k, n_v))
     rows_per_chunk = max(1, _CHUNK_ENTRIES // Nk)
+    # each query head's own dK, dV (float64), for the rounding of FA2's per-head gradients
+    per_head = {"dk": np.zeros((B, H, Nk, D)), "dv": np.zeros((B, H, Nk, D))}
     for b, h in np.ndindex(B, H):
         for r0 in range(0, Nq, rows_per_chunk):
             rows = slice(r0, r0 + rows_per_chunk)
             at = (b, h, rows)
-            dq, dk, dv, ds = _chunk(
+            dq, dk, dv, ds, own = _chunk(
                 problem, U, (g_q, g_k, g_v), problem.mask[rows], _RowVariants.of(problem, b, h, rows),
                 q[at], k[b, h], v[b, h], dout[at], None if dlse is None else dlse[at],
                 (fwd.lse[at], fwd.lse_bound[at], fwd.out[at], fwd.out_bound[at]),
@@ -153,15 +166,17 @@ def gradient_error_bound(problem: AttentionProblem, dout, precision: PrecisionMo
                 terms["dv"][name][hk] += value
             for name, value in ds.items():
                 terms["dsinks"][name][at] = value
+            for tensor, value in own.items():
+                per_head[tensor][b, h] += value
 
     sinks = problem.sinks is not None
     sink_terms = terms.pop("dsinks")
     if sinks:  # per row -> per head, then the sum's own rounding
         n = B * Nq
-        per_head = {name: a.sum(axis=(0, 2)) for name, a in sink_terms.items()}
-        per_head["accumulation"] = float(gamma(n, U.u_pv, accumulation, lam)) * per_head["accumulation"] + (
+        summed = {name: a.sum(axis=(0, 2)) for name, a in sink_terms.items()}
+        summed["accumulation"] = float(gamma(n, U.u_pv, accumulation, lam)) * summed["accumulation"] + (
             (n + 1) * U.tiny_pv)
-        terms["dsinks"] = per_head
+        terms["dsinks"] = summed
     references = {"dq": reference.dq_bound, "dk": reference.dk_bound, "dv": reference.dv_bound,
                   "dsinks": reference.dsinks_bound}
     values = {"dq": reference.dq, "dk": reference.dk, "dv": reference.dv, "dsinks": reference.dsinks}
@@ -170,7 +185,11 @@ def gradient_error_bound(problem: AttentionProblem, dout, precision: PrecisionMo
         out_dtype = "fp32" if tensor == "dsinks" else precision.output
         named["reference"] = references[tensor]
         before = sum(named[n] for n in TERMS if n != "output_rounding")
-        named["output_rounding"] = 0.5 * ulp(np.abs(values[tensor]) + before, out_dtype)
+        heads = 0.0
+        if tensor in per_head and G > 1:  # FA2 stores each query head's dK, dV, then sums the group
+            heads = 0.5 * ulp(np.abs(per_head[tensor]) + np.repeat(before, G, axis=1), out_dtype)
+            heads = heads.reshape(B, Hkv, G, Nk, D).sum(axis=2)
+        named["output_rounding"] = heads + 0.5 * ulp(np.abs(values[tensor]) + before + heads, out_dtype)
         if tensor == "dq":  # rows that see no key: dq is exactly 0, nothing to round
             named["output_rounding"] = np.where(np.isfinite(fwd.lse)[..., None] & (_has_key(problem)[:, None]),
                                                 named["output_rounding"], 0.0)
@@ -185,7 +204,8 @@ def _has_key(problem) -> np.ndarray:
 
 def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up, fwd, given, delta):
     """The terms contributed by rows `q` [r, D] of one query head (see the module's doc):
-    (dq [r, D], dk and dv [Nk, D] to add into the kv head, dsinks [r] per row), each a dict."""
+    (dq [r, D], dk and dv [Nk, D] to add into the kv head, dsinks [r] per row), each a dict, and
+    this head's own dK and dV from these rows (float64)."""
     g_q, g_k, g_v = gammas
     L, L_bound, out, out_bound = fwd
     out_given, lse_given = given
@@ -241,7 +261,8 @@ def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up,
         e = {name: w[name] * np.abs(g) * f_hi + pg * df.get(name, 0.0) for name in ("scores", "softmax", "given_lse")}
         e["given_out"] = p * d_delta[:, None] * f_hi
     e["dp"] = (p * U.g_d * b_mag + 4 * U.u_s * m) * f_hi
-    ds = np.abs(p * g * f)
+    signed_ds = p * g * f
+    ds = np.abs(signed_ds)
     e["ds_rounding"] = (U.u_p * np.where(allowed, np.maximum(ds, U.tiny_p), 0.0) if U.p_rounds
                         else np.zeros((r, Nk)))
     e = {name: np.where(allowed, np.where(np.isnan(x), np.inf, x), 0.0) for name, x in e.items()}
@@ -286,4 +307,5 @@ def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up,
                   "accumulation": ps * dd}  # times gamma_{B Nq} once summed
         first = sum(dsinks[n] for n in ("softmax", "given_lse", "given_out", "dp"))
         dsinks["second_order"] = _scaled(first, factor)
-    return dq, dk, dv, dsinks
+    own = {"dk": scale * signed_ds.T @ q, "dv": p.T @ do}
+    return dq, dk, dv, dsinks, own

@@ -75,13 +75,16 @@ class GradientVerdict:
 
     def message(self) -> str:
         """The rule, then per tensor how many elements exceed, the worst one and its dominant term."""
-        head = (f"gradients failed rule {self.rule!r}" if not self.passed
-                else "gradients agree with the exact gradients within the error model")
-        lines = [f"{head} ({self.problem}; precision {self.precision})"]
-        if self.detail:
-            lines.append(self.detail)
+        unbounded = [c for c in self.tensors.values() if c.unbounded_count]
+        judged = ("gradients pass the rules that could judge them" if unbounded
+                  else "gradients agree with the exact gradients within the error model")
+        head = judged if self.passed else f"gradients failed rule {self.rule!r}"
+        lines = [f"{head} ({self.problem}; precision {self.precision})"] + ([self.detail] if self.detail else [])
         checks = sorted(self.tensors.values(), key=lambda c: -c.ratio)
         lines.extend(c.line() for c in checks)
+        lines.extend(f"No finite bound for {c.unbounded_count} / {c.total} elements of {c.tensor}: relative errors "
+                     "of the precision model reach 1/4 there, where a first-order bound says nothing"
+                     for c in unbounded)
         return "\n".join(lines)
 
     def as_dict(self) -> dict:

@@ -15,8 +15,9 @@ from fa_verify.dtypes import round_to, ulp, unit_roundoff
 from fa_verify.oracle.backward import gradient_reference
 
 #: Emulation error / bound, worst tensor of each default case (test_the_emulation_passes_every_
-#: variant...), measured: fp16 0.33 to 0.72 (median of the medians 0.068), bf16 0.34 to 0.85
-#: (0.070), fp32 0.008 to 0.025 (0.0016). The 0.85: dq of top-left causal row 0, one key, where
+#: variant...), measured: fp16 0.36 to 0.71 (median of the medians 0.069), bf16 0.34 to 0.85
+#: (0.072), fp32 0.008 to 0.025 (0.0016); the slow sweep, 300 cases per dtype: worst 0.99, 0.98,
+#: 0.19, median 0.60, 0.70, 0.015. The 0.85: dq of top-left causal row 0, one key, where
 #: dS = dlse and the error is two roundings (dS and dq to bf16) that line up: the bound is attained
 #: there within 15%, as it should be. Every ratio must stay below 1 (the verdict passes) and the
 #: worst above these floors: a bound loosened 4x falls below them for 16-bit dtypes. fp32's bound
@@ -96,7 +97,8 @@ def test_the_emulation_passes_every_variant_and_uses_a_share_of_the_bound(dtype,
     {"order": "descending", "dq_order": "descending"},
     {"dq_order": "shuffled", "seed": 3, "block_n": 16, "block_m": 32},
     {"d_from": "p_dp", "block_n": 128},
-], ids=["descending", "shuffled_small_tiles", "d_from_p_dp"])
+    {"gqa_reduce": "fp32", "order": "descending"},
+], ids=["descending", "shuffled_small_tiles", "d_from_p_dp", "gqa_reduce_fp32"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_every_honest_order_passes(dtype, options):
     problem = _problem(dtype, h=5, nk=129, d=72, seed=4, causal=True)
@@ -106,7 +108,7 @@ def test_every_honest_order_passes(dtype, options):
 @pytest.mark.parametrize("kind", ["near_uniform", "negative_lse", "peaky"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_adversarial_inputs_pass(dtype, kind):
-    worst, _, verdict = _judge(_problem(dtype, kind, seed=5))
+    worst, _, verdict = _judge(_problem(dtype, kind, b=2, seed=5))
     assert verdict.passed, verdict.message()
 
 
@@ -115,10 +117,10 @@ def test_adversarial_inputs_pass(dtype, kind):
 def test_sweep_of_shapes_seeds_variants_and_orders(dtype):
     """Nk = 1, 63, 64, 65 mod 64; D 40, 72, 104; GQA 3 and 5; batch 2; every variant and order."""
     rng = np.random.default_rng(11)
-    orders = [{}, {"order": "descending", "dq_order": "descending"}, {"dq_order": "shuffled"},
-              {"d_from": "p_dp", "block_n": 32}]
+    orders = [{}, {"order": "descending", "dq_order": "descending", "gqa_reduce": "fp32"},
+              {"dq_order": "shuffled"}, {"d_from": "p_dp", "block_n": 32}]
     worst = []
-    for seed in range(24):
+    for seed in range(100):
         nk = int(rng.choice([1, 63, 64, 65, 127, 129]))
         h, hkv = [(3, 1), (5, 1), (2, 2), (6, 2)][seed % 4]
         variant = dict(VARIANTS[sorted(VARIANTS)[seed % len(VARIANTS)]])
@@ -214,6 +216,11 @@ def _hand_terms(problem, precision, dout, ref, out_given, lse_given):
     w["p_rounding"] = u_p * p
     w["accumulation"] = _gamma(G * Nq, u_pv) * p
     dv = {name: per_kv_head(x_.swapaxes(-1, -2) @ np.abs(dout)) for name, x_ in w.items()}
+    # FA2 rounds every query head's dK, dV to the output dtype, then the group's sum
+    own = {"dk": s * ds.swapaxes(-1, -2) @ q, "dv": p.swapaxes(-1, -2) @ dout}
+    for tensor, terms_ in (("dk", dk), ("dv", dv)):
+        heads = per_kv_head(0.5 * ulp(np.abs(own[tensor]), precision.output))
+        terms_["output_rounding"] = heads + 0.5 * ulp(np.abs(getattr(ref, tensor)), precision.output)
     terms = {"dq": dq, "dk": dk, "dv": dv}
     if problem.sinks is not None:
         sink = problem.sinks.astype(np.float64)[None, :, None]
@@ -240,8 +247,10 @@ def _term_case(name, **variant):
 
 _DQ = ("scores", "softmax", "given_lse", "given_out", "dp", "ds_rounding", "accumulation", "output_rounding")
 TERM_CHECKS = ([("dense", "dq", n) for n in _DQ]
-               + [("dense", "dk", n) for n in ("scores", "given_out", "dp", "ds_rounding", "accumulation")]
-               + [("dense", "dv", n) for n in ("scores", "softmax", "given_lse", "p_rounding", "accumulation")]
+               + [("dense", "dk", n) for n in ("scores", "given_out", "dp", "ds_rounding", "accumulation",
+                                               "output_rounding")]
+               + [("dense", "dv", n) for n in ("scores", "softmax", "given_lse", "p_rounding", "accumulation",
+                                               "output_rounding")]
                + [("softcap", "dq", n) for n in ("scores", "softmax", "dp")]
                + [("alibi", "dq", "softmax"), ("alibi", "dv", "softmax")]
                + [("sinks", "dsinks", n) for n in ("softmax", "given_lse", "given_out", "dp", "accumulation")])
@@ -263,15 +272,16 @@ def test_every_term_follows_its_formula(variant, tensor, name):
 
 
 def test_second_order_is_twice_the_largest_relative_perturbation_of_the_first_order():
+    """eps >= u_p (bf16: 2^-8) and here barely more: the factor 2 eps / (1 - 2 eps), measured
+    2.02 u_p on every tensor; the window [2, 8] u_p fails a factor 4x off either way."""
     problem, precision, dout, ref = _setup("bf16")
     out_given = round_to(ref.out, "bf16")
     bound = gradient_error_bound(problem, dout, precision, ref, out_given=out_given, lse_given=ref.lse)
-    terms = bound.terms["dq"]
-    first = sum(terms[n] for n in ("scores", "softmax", "given_lse", "given_out", "dp", "ds_rounding",
-                                   "accumulation"))
-    ratio = terms["second_order"] / first
-    # eps >= u_p (bf16: 2^-8), at most a few u_p here: the factor 2 eps / (1 - 2 eps)
-    assert 2 * 2.0 ** -8 <= ratio.min() and ratio.max() <= 8 * 2.0 ** -8, (ratio.min(), ratio.max())
+    for tensor in ("dq", "dk", "dv"):
+        terms = bound.terms[tensor]
+        first = sum(terms[n] for n in TERMS if n not in ("second_order", "output_rounding", "reference"))
+        ratio = terms["second_order"] / first
+        assert 2 * 2.0 ** -8 <= ratio.min() and ratio.max() <= 8 * 2.0 ** -8, (tensor, ratio.min(), ratio.max())
 
 
 def test_reference_term_is_the_oracles_bound_and_terms_add_up():
@@ -317,6 +327,10 @@ def test_arguments_are_validated():
         gradient_error_bound(problem, dout, PrecisionModel.flash("bf16"), ref, out_given=ref.out, lse_given=ref.lse)
     with pytest.raises(InvalidArgumentError, match="out_given.shape"):
         gradient_error_bound(problem, dout, precision, ref, out_given=ref.out[:, :1], lse_given=ref.lse)
+    with pytest.raises(InvalidArgumentError, match="out_given and lse_given are required"):
+        gradient_error_bound(problem, dout, precision, ref, out_given=None, lse_given=ref.lse)
+    with pytest.raises(InvalidArgumentError, match="broken forward result"):
+        gradient_error_bound(problem, dout, precision, ref, out_given=ref.out, lse_given=ref.lse * np.nan)
     with pytest.raises(InvalidArgumentError, match="order"):
         fa2_backward(problem, ref.out, ref.lse, dout, order="random")
 
@@ -435,3 +449,16 @@ def test_probabilistic_accumulation_tightens_only_the_gamma_terms_and_still_hold
     np.testing.assert_array_equal(likely.terms["dq"]["ds_rounding"], worst.terms["dq"]["ds_rounding"])
     grads = dict(zip(("dq", "dk", "dv"), fa2_backward(problem, out, lse, dout, precision=precision)))
     assert check_gradients(grads, problem, dout, reference=ref, bound=likely, **kwargs).passed
+
+
+def test_no_finite_bound_where_first_order_analysis_fails_is_said():
+    """Scores accumulated in bf16 over D = 64: gamma_64 = 1/3, the relative errors reach 1/4."""
+    problem = _problem("bf16", nq=8, nk=16, d=64, seed=20)
+    precision = PrecisionModel.input_scores("bf16")
+    dout = round_to(np.random.default_rng(21).standard_normal(problem.out_shape), "bf16")
+    ref = gradient_reference(problem, dout)
+    out, lse = tiled_attention(problem, precision)
+    grads = dict(zip(("dq", "dk", "dv"), fa2_backward(problem, out, lse, dout, precision=precision)))
+    verdict = check_gradients(grads, problem, dout, out_given=out, lse_given=lse, precision=precision, reference=ref)
+    assert verdict.passed and verdict.tensors["dq"].unbounded_count == verdict.tensors["dq"].total
+    assert "pass the rules that could judge them" in verdict.message() and "No finite bound" in verdict.message()

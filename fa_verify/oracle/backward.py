@@ -18,13 +18,14 @@ Two paths, one contract (`GradientReference`):
       g_hat = fl(fl(dP_hat - D_hat) + dlse):  |g_hat - g| <= e_dP + e_D + 2u (|dP| + |D| + |dlse|)
       dS_hat = fl(P_hat g_hat):  |dS_hat - dS| <= (rho P_hat + tau) |g_hat| + ((1 + rho) P_hat + tau)
                                                   |g_hat - g| + u |dS_hat|,   rho = r / (1 - r),
-  with e_dP = gamma_D |dO_i| |V_j| (norms: Cauchy-Schwarz) and e_D = sum_c |dO_ic| out_bound_ic +
-  gamma_D sum_c |dO_ic O_ic|; a softcap's factor f = 1 - tanh^2(y), y = fl(t_hat / c), is
+  with e_dP = gamma_D |dO_i| |V_j| (norms: Cauchy-Schwarz, which also bounds the 2u |dP|) and
+  e_D = sum_c |dO_ic| out_bound_ic + gamma_D sum_c |dO_ic O_ic|; a softcap's factor f = 1 - tanh^2(y), y = fl(t_hat / c), is
   within e_f = 2 (e_y + eps_exp)(1 + e_y + eps_exp) + 2u, e_y = (e_t + u |t|) / c, since
   |d tanh / dy| <= 1 and |tanh| <= 1. The GEMMs dS K, dS^T Q, P^T dO add gamma_n (n the
   summed length, + 1 for the scale, + the scale's own roundings) of the magnitudes; every
   sum of |errors| x |values| is bounded by (sum of |errors|) x (max of |values|), which costs
-  no GEMM (the bound is then ~1e-13 relative, far below any fp32 kernel's). Query heads are
+  no GEMM, only row sums and matrix-vector products (the bound is then ~1e-13 of the terms'
+  magnitudes, far below any fp32 kernel's error). Query heads are
   summed into kv heads with gamma_G more. The bound arithmetic's own rounding is covered by
   _SLACK; first order in r is exact here (r enters through rho, not linearised).
 - "mpmath": the definition, row by row at `digits` digits (small problems). Its bound: every
@@ -36,6 +37,7 @@ Two paths, one contract (`GradientReference`):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import mpmath
@@ -45,7 +47,7 @@ from mpmath.libmp import dps_to_prec
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.oracle import mp_path
 from fa_verify.oracle.bounds import U64, gamma
-from fa_verify.oracle.certified import (EPS_EXP, _gemm_magnitude, _norm_magnitude, _Variants,
+from fa_verify.oracle.certified import (_CHUNK_ENTRIES, EPS_EXP, _gemm_magnitude, _norm_magnitude, _Variants,
                                         certified_reference, scale_roundings)
 from fa_verify.problem import AttentionProblem
 
@@ -149,18 +151,21 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
     sinks = problem.sinks is not None
     sink_terms, sink_err = (np.zeros((B, H, Nq)) for _ in range(2)) if sinks else (None, None)
     limits = problem.key_limit()
-    for b in range(B):
-        qb, kb, vb, do = q[b], k[b], v[b], dout[b]
-        L, Lb = forward.lse[b], forward.lse_bound[b]
+    heads_per_chunk = max(1, _CHUNK_ENTRIES // (Nq * Nk))  # memory: a few [heads, Nq, Nk] arrays
+    for b, h0 in itertools.product(range(B), range(0, H, heads_per_chunk)):
+        hs = slice(h0, h0 + heads_per_chunk)
+        at = (b, hs)
+        qb, kb, vb, do = q[at], k[at], v[at], dout[at]
+        L, Lb = forward.lse[at], forward.lse_bound[at]
         Lz = np.where(np.isfinite(L), L, 0.0)  # rows with LSE -inf see no key: p = 0 by the mask
-        up = np.zeros((H, Nq)) if dlse is None else dlse[b]
+        up = np.zeros(L.shape) if dlse is None else dlse[at]
 
         # P = exp(z - L) and its relative error rho per row (module doc)
         t = np.matmul(qb * scale, kb.swapaxes(-1, -2))
         magnitude = _norm_magnitude(qb, kb, limits)
         raw = t.copy() if problem.softcap > 0 else None
         if problem.features:  # the logits' largest magnitude, read off (it only enters as u |x|)
-            extra = _Variants(problem, b, slice(0, H)).apply(t, mask)
+            extra = _Variants(problem, b, hs).apply(t, mask)
             z_max = np.maximum(t.max(axis=-1), -t.min(axis=-1))
         else:  # |t_ij| <= (1 + g_t) scale_hi A_i over the keys row i attends
             extra, z_max = 0.0, (1 + g_t) * scale_hi * magnitude
@@ -181,36 +186,33 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
             p = np.exp(t, out=t)
 
         # D from the certified output, and dP = dO V^T: |dP_ij error| <= g_d |dO_i| |V_j|
-        out, out_b = forward.out[b], forward.out_bound[b]
-        delta[b] = (do * out).sum(axis=-1)
-        delta_b[b] = ((np.abs(do) * out_b).sum(axis=-1) + g_d * np.abs(do * out).sum(axis=-1)) * (1 + g_d)
+        out, out_b = forward.out[at], forward.out_bound[at]
+        delta[at] = (do * out).sum(axis=-1)
+        delta_b[at] = ((np.abs(do) * out_b).sum(axis=-1) + g_d * np.abs(do * out).sum(axis=-1)) * (1 + g_d)
         n_do = np.sqrt((do * do).sum(-1)) / slack
         n_v = np.sqrt((vb * vb).sum(-1))
         dp = np.matmul(do, vb.swapaxes(-1, -2))
         w = 1 + rho
-        buf = np.abs(dp)
-        buf *= p  # p |dP|
-        pdp_rows = buf.sum(-1)
-        pdp_cols = np.matmul(w[:, None, :], buf)[:, 0]
-        # e_g = |g_hat - g| <= g_d n_do_i n_v_j + c_i + 2u |dP_ij|, c_i = delta_b + 2u (|D| + |dlse|)
-        c = delta_b[b] + 2 * u * (np.abs(delta[b]) + np.abs(up))
-        dp -= delta[b][..., None]
+        # e_g = |g_hat - g| <= g_d n_do_i n_v_j + c_i + 2u |dP_ij| <= g_dp n_do_i n_v_j + c_i,
+        # g_dp = g_d + 2u (Cauchy-Schwarz for |dP|), c_i = delta_b + 2u (|D| + |dlse|)
+        g_dp = g_d + 2 * u
+        c = delta_b[at] + 2 * u * (np.abs(delta[at]) + np.abs(up))
+        dp -= delta[at][..., None]
         if dlse is not None:
             dp += up[..., None]
         ds = np.multiply(p, dp, out=dp)  # dS before the softcap's factor
-        abs_ds = np.abs(ds, out=buf)
-        s1_rows = abs_ds.sum(-1)
-        s1_cols, rho_ds_cols = np.moveaxis(np.matmul(np.stack([np.ones_like(rho), rho / (1 - u)], axis=1), abs_ds), 1, 0)
+        abs_ds = np.abs(ds)
+        s1_rows, s1_cols = abs_ds.sum(-1), abs_ds.sum(-2)
+        rho_ds_cols = _column_sums(rho / (1 - u), abs_ds)
         # dS_hat's error summed over keys (rows) and over rows (columns), see the module doc; the
-        # tau part uses |g_hat| + e_g <= 2 (n_do n_v + |D| + |dlse| + delta_b). One pass over p
-        # for all row sums, one for all column sums.
-        p_nv, p_rows = np.moveaxis(np.matmul(p, np.stack([n_v, np.ones_like(n_v)], axis=-1)), -1, 0)
-        col_weights = np.stack([w * n_do, w * c, rho + g_v * w], axis=1)
-        p_nd_cols, p_c_cols, dv_cols = np.moveaxis(np.matmul(col_weights, p), 1, 0)
-        rest = np.abs(delta[b]) + np.abs(up) + delta_b[b]
-        err_rows = (rho / (1 - u) * s1_rows + w * (g_d * n_do * p_nv + c * p_rows + 2 * u * pdp_rows)
+        # tau part uses |g_hat| + e_g <= 2 (n_do n_v + |D| + |dlse| + delta_b)
+        p_rows = p.sum(-1)
+        p_nv = np.matmul(p, n_v[..., None])[..., 0]
+        p_nd_cols, p_c_cols, dv_cols = (_column_sums(x, p) for x in (w * n_do, w * c, rho + g_v * w))
+        rest = np.abs(delta[at]) + np.abs(up) + delta_b[at]
+        err_rows = (rho / (1 - u) * s1_rows + w * (g_dp * n_do * p_nv + c * p_rows)
                     + u * s1_rows + 2 * _TAU * keys_per_row * (n_do * n_v.max(axis=-1, keepdims=True) + rest))
-        err_cols = (rho_ds_cols + u * s1_cols + g_d * n_v * p_nd_cols + p_c_cols + 2 * u * pdp_cols
+        err_cols = (rho_ds_cols + u * s1_cols + g_dp * n_v * p_nd_cols + p_c_cols
                     + 2 * _TAU * (n_do.sum(-1, keepdims=True) * n_v + rest.sum(-1, keepdims=True)) * (rows_per_key > 0))
         if raw is not None:  # times f = 1 - tanh^2(t / c), within e_f (module doc), per head
             cap = problem.softcap
@@ -219,22 +221,23 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
             e_y = (e_t + u * (1 + g_t) * scale_hi * magnitude) / cap  # u |t|, |t| <= (1 + g_t) scale A
             e_f = (2 * (e_y + EPS_EXP) * (1 + e_y + EPS_EXP) + 2 * u).max(axis=-1)
             ds *= f
-            abs_ds = np.abs(ds, out=buf)
-            err_rows = err_rows * (1 + e_f[:, None]) + e_f[:, None] * s1_rows + u * abs_ds.sum(-1)
-            err_cols = err_cols * (1 + e_f[:, None]) + e_f[:, None] * s1_cols + u * abs_ds.sum(-2)
+            abs_ds = np.abs(ds, out=abs_ds)
+            # |fl(ds f_hat) - dS f| <= e (1 + e_f) + (|ds| + e) e_f + u |dS_hat|, |f| <= 1
+            err_rows = err_rows * (1 + 2 * e_f[:, None]) + e_f[:, None] * s1_rows + u * abs_ds.sum(-1)
+            err_cols = err_cols * (1 + 2 * e_f[:, None]) + e_f[:, None] * s1_cols + u * abs_ds.sum(-2)
             s1_rows, s1_cols = abs_ds.sum(-1), abs_ds.sum(-2)
 
         # dQ = scale dS K over Nk keys (+1 the product with the scale, + the scale's roundings);
         # sums of |errors| |K| bounded by (sum of |errors|) max |K| (no GEMM)
-        dq[b] = np.matmul(ds, kb) * scale
-        dq_b[b] = scale_hi * (err_rows + g_q * s1_rows)[..., None] * np.abs(kb).max(axis=-2)[:, None, :]
-        dk_h[b] = np.matmul(ds.swapaxes(-1, -2), qb) * scale
-        dk_hb[b] = scale_hi * (err_cols + g_k * s1_cols)[..., None] * np.abs(qb).max(axis=-2)[:, None, :]
-        dv_h[b] = np.matmul(p.swapaxes(-1, -2), do)
-        dv_hb[b] = (dv_cols + _TAU * rows_per_key)[..., None] * np.abs(do).max(axis=-2)[:, None, :]
+        dq[at] = np.matmul(ds, kb) * scale
+        dq_b[at] = scale_hi * (err_rows + g_q * s1_rows)[..., None] * np.abs(kb).max(axis=-2)[:, None, :]
+        dk_h[at] = np.matmul(ds.swapaxes(-1, -2), qb) * scale
+        dk_hb[at] = scale_hi * (err_cols + g_k * s1_cols)[..., None] * np.abs(qb).max(axis=-2)[:, None, :]
+        dv_h[at] = np.matmul(p.swapaxes(-1, -2), do)
+        dv_hb[at] = (dv_cols + _TAU * rows_per_key)[..., None] * np.abs(do).max(axis=-2)[:, None, :]
 
         if sinks:
-            sink = problem.sinks.astype(np.float64)[:, None]
+            sink = problem.sinks[hs].astype(np.float64)[:, None]
             xs = sink - Lz
             bs = Lb + u * np.abs(xs)
             with np.errstate(over="ignore", invalid="ignore"):
@@ -242,10 +245,10 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
                 rhos = np.where(rs < 1, rs / (1 - rs), np.inf)
             with np.errstate(under="ignore"):
                 ps = np.exp(xs)
-            dd = delta[b] - up
+            dd = delta[at] - up
             term = ps * dd
-            sink_terms[b] = -term
-            sink_err[b] = ((rhos * ps + _TAU) * np.abs(dd) + ((1 + rhos) * ps + _TAU) * (delta_b[b] + u * np.abs(dd))
+            sink_terms[at] = -term
+            sink_err[at] = ((rhos * ps + _TAU) * np.abs(dd) + ((1 + rhos) * ps + _TAU) * (delta_b[at] + u * np.abs(dd))
                            + u * np.abs(term))
 
     dk, dk_b = _group_sum(problem, dk_h, dk_hb)
@@ -258,6 +261,12 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
     return GradientReference(dq=dq, dk=dk, dv=dv, dsinks=dsinks, dq_bound=_no_nan(dq_b) * _SLACK,
                              dk_bound=dk_b * _SLACK, dv_bound=dv_b * _SLACK, dsinks_bound=dsinks_b,
                              forward=forward, delta=delta, delta_bound=delta_b, method="certified")
+
+
+def _column_sums(weights, x):
+    """sum_i weights[h, i] x[h, i, j], [H, Nk]: one matrix-vector product per vector (a GEMM with
+    a few rows is many times slower in OpenBLAS than that many of them)."""
+    return np.matmul(weights[:, None, :], x)[:, 0]
 
 
 def _no_nan(bound):
