@@ -108,7 +108,8 @@ def test_with_sinks_a_backward_returns_dsinks_too():
 def test_a_function_naming_dout_is_a_backward_and_is_checked_with_the_backward_properties():
     assert is_backward(backward_kernels.bwd) and not is_backward(lambda q, k, v, *, causal, scale: q)
     names = [p.name for p in properties_for(BackwardCallableBackend(backward_kernels.bwd))]
-    assert names == ["gradient_agreement", "gradient_variant_agreement", "gradient_determinism", "gradient_nan_padding"]
+    assert names == ["races", "address_sanitizer", "gradient_agreement", "gradient_variant_agreement",
+                     "gradient_determinism", "gradient_nan_padding"]
 
 
 # --- strategies and edge cases -----------------------------------------------------------------------
