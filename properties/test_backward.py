@@ -27,3 +27,7 @@ def test_gradient_determinism(backward_search):
 
 def test_gradient_nan_padding(backward_search):
     backward_search("gradient_nan_padding")
+
+
+def test_gradient_strided_dout(backward_search):
+    backward_search("gradient_strided_dout")

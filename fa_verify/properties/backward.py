@@ -9,6 +9,8 @@
   gradients have one owner, so any honest order is fixed), and dq too where the target declares a
   deterministic mode; a second call differing from the first is also a stale workspace (a dQ
   accumulator not zeroed between calls).
+* gradient_strided_dout: dout given as a non-contiguous view (flash-attn's bshd memory) gives
+  bitwise the same gradients: a kernel reading dout with out's strides shows.
 * gradient_nan_padding: inputs (q, k, v, out, lse, dout) placed inside NaN-filled buffers give
   bitwise the same gradients: a kernel reading past a tensor picks up NaN.
 """
@@ -16,6 +18,8 @@
 from __future__ import annotations
 
 import copy
+
+import numpy as np
 
 from fa_verify.backward_verdict import check_gradients
 from fa_verify.backends.user_callable import CallableBackend
@@ -63,6 +67,33 @@ def check_gradient_determinism(backend, problem):
     return _compare("gradient_determinism", problem, names, first, second,
                     "a second identical call gave other bits (nondeterministic, or a workspace kept from the "
                     "first call)")
+
+
+def given_copies(backend) -> str | None:
+    """Why a non-contiguous dout cannot reach `backend` (a callable is given contiguous copies), or None."""
+    if isinstance(backend, CallableBackend):
+        return (f"{backend.name} is a callable: it is given contiguous copies of its arrays in its layout, so "
+                "dout's strides never reach it")
+    return None
+
+
+def strided(x: np.ndarray) -> np.ndarray:
+    """`x` ([B,H,N,D]) with the same values, as a view into bshd memory (flash-attn's layout): other
+    batch, head and row strides than a contiguous array's (and than out's), contiguous columns."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+
+def check_gradient_strided_dout(backend, problem):
+    """dout as a non-contiguous view (out contiguous) gives bitwise the same gradients."""
+    backend = as_backend(backend)
+    reason = given_copies(backend)
+    if reason:
+        return not_applicable("gradient_strided_dout", problem, reason)
+    plain = _named(problem, backend, backend.run(problem))
+    viewed = _named(problem, backend, backend.run(problem.replace(dout=strided(problem.dout))))
+    return _compare("gradient_strided_dout", problem, list(plain), plain, viewed,
+                    "dout given as a non-contiguous view (bshd memory) changed the gradient (the "
+                    "target reads dout with other strides than its own)")
 
 
 def not_padded(backend) -> str | None:

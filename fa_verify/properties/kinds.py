@@ -85,6 +85,8 @@ def edge_problems(prop, backend, selection) -> tuple[list, tuple]:
     """The fixed edge cases of every common kind, and their notes."""
     problems, notes = [], []
     for kind in _common(prop, backend):
+        if prop.edge_cases is not True and kind.name not in (prop.edge_cases or ()):
+            continue
         found, said = kind.edge_cases(prop, backend, selection)
         problems += found
         notes += said

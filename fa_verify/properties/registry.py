@@ -47,8 +47,9 @@ class Property:
     needs_bottom_right: bool = False
     #: draw shapes with enough rows and elements for a statistic
     large: bool = False
-    #: also run the fixed edge cases (fa_verify.properties.search.EDGE_CASES) first
-    edge_cases: bool = False
+    #: also run the fixed edge cases of each kind (`properties.kinds.KINDS`) first: True for
+    #: every kind it is about, or the kinds whose edge cases it runs
+    edge_cases: bool | tuple = False
     #: why the check derives problems with Nq != Nk from any problem ("" if it does not)
     unequal_seq: str = ""
     #: target -> why the property cannot judge it at all (None: it can), asked before any draw
@@ -105,9 +106,10 @@ PROPERTIES = (
     Property("nan_padding", padding.check_nan_padding),
     Property("determinism", independence.check_determinism),
     Property("unbiased_rounding", rounding.check_unbiased_rounding, large=True),
+    # A backward's dQ atomics race only across key tiles: its edge cases have several.
     Property("races", races.check_races, target_reason=races.not_checkable, max_examples=races.RACE_EXAMPLES,
              max_examples_reason="the race detector checks every memory access of the kernel",
-             kinds=("dense", "backward")),
+             kinds=("dense", "backward"), edge_cases=("backward",)),
     Property("address_sanitizer", sanitizer.check_address_sanitizer, target_reason=sanitizer.not_checkable,
              max_examples=sanitizer.SANITIZER_EXAMPLES,
              max_examples_reason="the kernel's AddressSanitizer build runs several times slower",
@@ -132,6 +134,8 @@ PROPERTIES = (
     Property("gradient_variant_agreement", backward.check_gradient_variant_agreement, kinds=("backward",),
              features=tuple(FEATURES)),
     Property("gradient_determinism", backward.check_gradient_determinism, kinds=("backward",)),
+    Property("gradient_strided_dout", backward.check_gradient_strided_dout, kinds=("backward",),
+             target_reason=backward.given_copies),
     Property("gradient_nan_padding", backward.check_gradient_nan_padding, kinds=("backward",),
              target_reason=backward.not_padded),
 )

@@ -370,8 +370,10 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         if selection.shapes is not None:
             notes.add(budget_note(prop, selection.shapes))
         budget = selection.max_edge_cases
+        if prop.max_examples is not None:  # a slow check's cap holds its edge cases too
+            budget = min(budget if budget is not None else prop.max_examples, prop.max_examples)
         if budget is not None and len(edges) > budget:
-            notes.add(f"{budget} of the {len(edges)} fixed edge cases, spread over them (--max-examples {budget})")
+            notes.add(f"{budget} of the {len(edges)} fixed edge cases, spread over them")
             edges = edges[::-(-len(edges) // budget)][:budget] if budget else []
         for problem in edges:
             try:
