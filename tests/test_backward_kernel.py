@@ -331,11 +331,3 @@ def test_mutant_is_caught(mutant):
             return
     assert mutant.caught_by == "property" and changed, \
         f"mutant {mutant.name} ({mutant.description}) passed every case" + ("" if changed else " bit for bit")
-
-
-def test_the_campaign_leaves_the_backward_mutants_out(capsys):
-    """The forward property suite cannot judge gradients: `fa_verify mutants` refuses to run them."""
-    from fa_verify.cli.main import main
-
-    assert main(["mutants", "--family", "fa2_bwd", "--seeds", "0"]) == 2
-    assert "no property suite to judge them" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
 
 
 def add_parser(sub) -> None:
-    from fa_verify.judge.rules import RULE_NAMES
+    from fa_verify.judge.rule_table import RULE_NAMES
 
     cmd = sub.add_parser(
         "mutants", help="mutation score of the property suite on seeded kernel bugs, false positives, "
@@ -62,7 +62,7 @@ def _run(args) -> int:
     from fa_verify.errors import BackendUnavailableError, InvalidArgumentError
     from fa_verify.kernels.mutants import load_mutants, mutable_kernels
     from fa_verify.judge.report import run_campaign
-    from fa_verify.judge.rules import RULES, get_rule
+    from fa_verify.judge.rule_table import RULES, get_rule
     from fa_verify.kernels.catalogue import get_family
     from fa_verify.properties import Selection
 

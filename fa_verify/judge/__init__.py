@@ -26,16 +26,14 @@ from fa_verify.judge.campaign import (
 )
 from fa_verify.judge.mutants import MutantBackend, mutant_module
 from fa_verify.judge.report import STATISTICAL_PROPERTIES, CampaignReport, RuleResults, run_campaign
+from fa_verify.judge.rule_table import RULE_NAMES, RULES, get_rule
 from fa_verify.judge.rules import (
-    RULE_NAMES,
-    RULES,
     AssertCloseRule,
     Case,
     FlashAttentionRule,
     KernelBenchRule,
     Rule,
     RuleOutcome,
-    get_rule,
 )
 
 __all__ = [

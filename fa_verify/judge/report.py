@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 
 from fa_verify.judge.campaign import FalsePositiveReport, MutantVerdict, false_positive_runs, judge_mutant
-from fa_verify.kernels.catalogue import FAMILIES
 from fa_verify.properties import Selection
 
 FORMAT_VERSION = 1
@@ -270,24 +269,30 @@ def run_campaign(mutants, selection: Selection, *, profile: str = "ci", seeds=ra
             progress=lambda run: _log(f"  {run.target} seed {run.seed}: "
                                       + (f"FAILED {run.killer}" if run.killed else "passed")
                                       + f" ({run.examples} examples, {run.seconds:.1f}s)", quiet))
-    from fa_verify.judge.mutants import MutantBackend
+    from fa_verify.judge.mutants import mutant_backend
 
     for rule in rules:
         # The correct kernels first, every case: a case one of them fails is a false positive,
         # and a mutant failing it says nothing about the mutant, so mutants skip it.
         results = RuleResults(rule.name, rule.title)
         false_alarms = {}
-        # The rules run dense problems: split_kv (ragged) is not theirs to judge ("-" in the table).
-        for backend in unmutated_backends([f for f in families if f in FAMILIES]):
-            outcome = rule.run(backend, stop_at_first=False)
-            results.unmutated[backend.name] = outcome
-            false_alarms[backend.family.name] = frozenset(outcome.failed_cases)
-            _log(f"{rule.name} on the correct {backend.name}: "
-                 + (f"FAILS {len(outcome.failed_cases)} of {outcome.cases} cases, first {outcome.failure}"
-                    if outcome.killed else f"passes {outcome.cases} cases") + f" ({outcome.seconds:.1f}s)", quiet)
-        for mutant in (m for m in mutants if m.family in FAMILIES):
+        # A rule judges the targets of its kind only ("-" in the table for the others).
+        for family in families:
+            for backend in unmutated_backends([family]):
+                if rule.kind not in backend.kinds:
+                    continue
+                outcome = rule.run(backend, stop_at_first=False)
+                results.unmutated[backend.name] = outcome
+                false_alarms[family] = frozenset(outcome.failed_cases)
+                _log(f"{rule.name} on the correct {backend.name}: "
+                     + (f"FAILS {len(outcome.failed_cases)} of {outcome.cases} cases, first {outcome.failure}"
+                        if outcome.killed else f"passes {outcome.cases} cases") + f" ({outcome.seconds:.1f}s)", quiet)
+        for mutant in mutants:
+            target = mutant_backend(mutant)
+            if rule.kind not in target.kinds:
+                continue
             skip = false_alarms.get(mutant.family, frozenset())
-            outcome = rule.run(MutantBackend(mutant), stop_at_first=True, skip=skip)
+            outcome = rule.run(target, stop_at_first=True, skip=skip)
             results.mutants[mutant.name] = outcome
             skipped = f"; {outcome.skipped} cases the correct kernel fails left out" if outcome.skipped else ""
             _log(f"{rule.name} on {mutant.name}: "

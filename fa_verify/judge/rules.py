@@ -107,6 +107,8 @@ class Rule(ABC):
 
     name: str
     title: str
+    #: the kind of problem its cases are (`fa_verify.properties.kinds.KINDS`)
+    kind = "dense"
 
     @abstractmethod
     def cases(self, backend):
@@ -115,6 +117,10 @@ class Rule(ABC):
     @abstractmethod
     def judge(self, out: np.ndarray, case: Case) -> str | None:
         """None if the output passes, else why it fails."""
+
+    def judge_result(self, result: tuple, case: Case) -> str | None:
+        """None if the run's result passes, else why not: the output judged (`judge`)."""
+        return self.judge(np.asarray(result[0]), case)
 
     def run(self, backend, *, stop_at_first: bool = True, skip=frozenset()) -> RuleOutcome:
         """Run the cases on `backend` (stopping at the first failing one if `stop_at_first`),
@@ -130,8 +136,7 @@ class Rule(ABC):
                 continue
             outcome.cases += 1
             try:
-                out = backend.run(case.problem)[0]
-                why = self.judge(np.asarray(out), case)
+                why = self.judge_result(backend.run(case.problem), case)
             except Exception as exc:  # noqa: BLE001 - a target that raises fails its test
                 why = f"the target raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if why is not None:
@@ -299,15 +304,5 @@ class AssertCloseRule(Rule):
         return f"Tensor-likes are not close! Mismatched elements: {int((~close).sum())} / {close.size}"
 
 
-#: The rules of the side-by-side, in table order.
-RULES = (FlashAttentionRule(), KernelBenchRule(), AssertCloseRule())
-RULE_NAMES = tuple(r.name for r in RULES)
-
-
-def get_rule(name: str) -> Rule:
-    for rule in RULES:
-        if rule.name == name:
-            return rule
-    from fa_verify.errors import InvalidArgumentError
-
-    raise InvalidArgumentError(f"rule={name!r} is unknown; rules: {', '.join(RULE_NAMES)}")
+#: The forward rules of the side-by-side, in table order (fa_verify.judge.rule_table has them all).
+FORWARD_RULES = (FlashAttentionRule(), KernelBenchRule(), AssertCloseRule())

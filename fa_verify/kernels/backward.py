@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from fa_verify.errors import InvalidArgumentError
-from fa_verify.kernels.catalogue import SMEM_ALIGN, TileConfig, kernels_dir
+from fa_verify.kernels.catalogue import SMEM_ALIGN, TileConfig, cached_source, kernels_dir
 from fa_verify.kernels.split_kv import KernelLaunch
 from fa_verify.problem import AttentionProblem, unsupported_features
 
@@ -226,8 +226,6 @@ def cpu_kernel(source: str | None = None) -> Fa2BackwardKernel:
     """fa2_bwd.cu, or `source` (a mutated copy's text) saved beside fa_common.cuh in the runner's cache."""
     if source is None:
         return FA2_BWD
-    from fa_verify.judge.mutants import cached_source
-
     return replace(FA2_BWD, folder=cached_source(NAME, SOURCE, source).parent)
 
 

@@ -26,8 +26,11 @@ CUDA-on-CPU runner elsewhere) launch kernels from a `Launch` and need nothing el
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -71,6 +74,28 @@ def kernels_dir() -> Path:
     raise InvalidArgumentError(
         f"the kernel sources were not found beside the package ({here.parent.parent / 'kernels'}); "
         f"set {KERNELS_DIR_ENV} to the folder that holds fa_common.cuh and the .cu files")
+
+
+def cached_source(label: str, file_name: str, text: str) -> Path:
+    """`text` saved as `file_name` beside a copy of fa_common.cuh, in a folder of the runner's cache
+    named by `label` and the text it builds from. A fixed path lets the content-addressed build cache
+    (whose units name their source) serve every process, test and later run; an edited kernel gets
+    a new folder."""
+    from fa_verify.cuda_cpu import default_cache_dir
+
+    common = (kernels_dir() / "fa_common.cuh").read_text()
+    folder = default_cache_dir().parent / "mutants" / f"{label}-{hashlib.sha256((text + common).encode()).hexdigest()[:16]}"
+    if not (folder / file_name).is_file():
+        # Written aside and renamed into place: a concurrent process never sees half a folder.
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staged = Path(tempfile.mkdtemp(prefix=f".{label}-", dir=folder.parent))
+        (staged / "fa_common.cuh").write_text(common)
+        (staged / file_name).write_text(text)
+        try:
+            os.replace(staged, folder)
+        except OSError:  # another process published it first
+            shutil.rmtree(staged, ignore_errors=True)
+    return folder / file_name
 
 
 def _round_up(n: int) -> int:
