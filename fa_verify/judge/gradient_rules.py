@@ -55,7 +55,7 @@ def eager_gradients(problem: BackwardProblem) -> dict:
     k, v = (np.repeat(x, f.group_size, axis=1) for x in (k, v))
     do = problem.dout.astype(np.float64)
     s = r(np.einsum("bhid,bhjd->bhij", q, k) * f.scale_value)
-    s = np.where(f.mask(), s, -np.inf)
+    s = np.where(f.mask, s, -np.inf)
     with np.errstate(invalid="ignore"):
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p = r(np.nan_to_num(p / p.sum(axis=-1, keepdims=True)))
