@@ -70,16 +70,17 @@ def test_check_attention_refuses_an_output_wider_than_the_kernel_stores():
 
 
 def test_a_callable_that_fits_no_protocol_is_a_usage_error_naming_the_parameter(tmp_path, monkeypatch, capsys):
-    """Item 19: a backward function checked as a forward one is refused before anything runs (exit
-    2), not reported as fifteen property failures."""
+    """Item 19: a function that fits no protocol is refused before anything runs (exit 2), not
+    reported as fifteen property failures. (A backward function, which was the example then, is
+    now checked as the backward it is: tests/test_backward_pipeline.py.)"""
     from fa_verify.cli.main import main
 
-    (tmp_path / "grads.py").write_text("def bwd(q, k, v, out, lse, dout, *, causal, scale):\n    return q, k, v\n")
+    (tmp_path / "grads.py").write_text("def fwd(q, k, v, bias, *, causal, scale):\n    return q\n")
     monkeypatch.chdir(tmp_path)
-    assert main(["check", "grads:bwd", "--max-examples", "1"]) == 2
+    assert main(["check", "grads:fwd", "--max-examples", "1"]) == 2
     err = capsys.readouterr().err
-    assert "grads:bwd(q, k, v, out, lse, dout, *, causal, scale) does not fit the callable protocol" in err
-    assert "missing a required argument: 'dout'" in err and "--layout varlen" in err
+    assert "grads:fwd(q, k, v, bias, *, causal, scale) does not fit the callable protocol" in err
+    assert "missing a required argument: 'bias'" in err and "--layout varlen" in err and "names dout" in err
 
 
 def test_a_small_budget_limits_the_fixed_edge_cases_too_and_the_count_says_both(capsys):

@@ -374,7 +374,8 @@ def test_registry():
                for runner in ("cpu", "pycuda")}
     ragged = {"numpy-ragged-varlen", "numpy-ragged-paged", *(f"split-kv{layout}-{runner}" for layout in ("", "-varlen")
                                                                for runner in ("cpu", "pycuda"))}
-    assert set(names[5:]) == kernels | ragged
+    backward = {"numpy-fa2-backward", "fa2-bwd-cpu", "fa2-bwd-det-cpu", "fa2-bwd-pycuda"}
+    assert set(names[5:]) == kernels | ragged | backward
     assert isinstance(get_backend("naive-fp32"), NaiveBackend)
     with pytest.raises(InvalidArgumentError, match="unknown; built-in backends: numpy-tiled, "):
         get_backend("cuda-fa2")

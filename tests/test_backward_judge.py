@@ -22,10 +22,10 @@ from fa_verify.judge.gradient_rules import (
     _case,
     eager_gradients,
 )
-from fa_verify.judge.mutants import mutant_backend
+from fa_verify.judge.mutants import mutant_backend, unmutated_backend
 from fa_verify.kernels.mutants import load_mutants
 from fa_verify.oracle.backward import gradient_reference
-from fa_verify.properties import Selection
+from fa_verify.properties import Selection, get_property
 
 CPU = cpu_runner_availability()
 needs_cpu_runner = pytest.mark.skipif(not CPU.available, reason=CPU.reason)
@@ -55,8 +55,22 @@ def test_every_backward_mutant_has_its_killer():
 
 
 @needs_cpu_runner
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.slow) for n in KILLERS])
+@pytest.mark.parametrize("name", DEFAULT)
+def test_the_property_of_its_bug_class_kills_a_mutant(name):
+    """The default run: the killer alone, on the mutants only adversarial data, a strided dout or
+    the race detector show (each kill judged against the unmutated kernel's runs)."""
+    mutant = MUTANTS[name]
+    run = run_suite(mutant_backend(mutant), SMALL, properties=[get_property(KILLERS[name])],
+                    control=unmutated_backend(mutant))
+    assert run.killed and run.killer == KILLERS[name], f"{name} survived {KILLERS[name]}"
+
+
+@pytest.mark.slow
+@needs_cpu_runner
+@pytest.mark.parametrize("name", list(KILLERS))
 def test_the_backward_suite_kills_every_mutant(name):
+    """The whole suite in its order, as the campaign runs it: the first property to kill is the one
+    that sees the bug class."""
     verdict = judge_mutant(MUTANTS[name], SMALL, sanitizer=False, stop_at_first=True)
     assert verdict.killed, f"{name} ({verdict.description}) survived the backward suite"
     assert verdict.kill.killer == KILLERS[name], verdict.kill.detail

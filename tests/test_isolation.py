@@ -116,6 +116,10 @@ def test_a_bad_limit_on_the_command_line_exits_2(fixtures_dir, capsys):
     for option in (["--memory-limit", "lots"], ["--timeout", "0"], ["--memory-limit", "lots", "--no-isolate"]):
         assert main(["check", "misbehaving_kernels:exits", *option]) == 2
         assert option[1] in capsys.readouterr().err
+    # A limit no worker starts under is a usage error, not a crash of the target in every example
+    # (it said "the worker's memory limit: no limit" before).
+    assert main(["check", "misbehaving_kernels:exits", "--memory-limit", "1B"]) == 2
+    assert "memory_limit=1 bytes is below the 256 MiB a worker process needs to start" in capsys.readouterr().err
     assert main(["check", "naive", "--no-isolate"]) == 2  # a built-in backend: the option is for MODULE:FUNC
     assert "--no-isolate applies to MODULE:FUNC targets only" in capsys.readouterr().err
 

@@ -155,6 +155,7 @@ def test_fake_driver_runs_split_kv_bit_identical_to_the_cpu_runner():
                               "paged-alibi-sinks-p16-auto": [True, 0]}
 
 
+@pytest.mark.slow  # nvcc builds fa2_bwd.cu's cubin first: ~70 s on a fresh machine (.ci/run's slow pass runs it)
 def test_fake_driver_runs_fa2_bwd_bit_identical_to_the_cpu_runner():
     """run_fa2_backward through PyCUDA (four entries, a strided dout, null pointers for the unused
     variants and, deterministic, the dQ workspace) on the fake driver returns what the CPU runner

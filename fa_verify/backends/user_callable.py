@@ -374,17 +374,29 @@ def isolated_worker(fn, name: str | None, isolate: bool, timeout, memory_limit, 
     return CallableWorker(_reference(fn, name), options, float(timeout), memory_limit) if isolate else None
 
 
+#: The least memory limit a worker starts under (Python, numpy and fa_verify need ~150 MiB):
+#: a smaller one would fail every example as a crash of the target.
+MIN_MEMORY_LIMIT = 256 * 2**20
+
+
 def memory_limit_bytes(limit) -> int | None:
-    """Bytes from a memory_limit argument: an int, a string for isolation.parse_size, or None."""
-    if limit is None or isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
-        return limit
+    """Bytes from a memory_limit argument: an int, a string for isolation.parse_size, or None;
+    at least MIN_MEMORY_LIMIT."""
     if isinstance(limit, str):
         try:
-            return parse_size(limit)
+            limit = parse_size(limit)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"memory_limit={limit!r}: {exc}") from None
-    raise InvalidArgumentError(f"memory_limit={limit!r} must be a positive number of bytes, a size such as "
-                               "'4GiB' or '50%', or None")
+    if limit is None:
+        return None
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        raise InvalidArgumentError(f"memory_limit={limit!r} must be a positive number of bytes, a size such as "
+                                   "'4GiB' or '50%', or None")
+    if limit < MIN_MEMORY_LIMIT:
+        raise InvalidArgumentError(
+            f"memory_limit={format_size(limit)} is below the {format_size(MIN_MEMORY_LIMIT)} a worker process needs "
+            f"to start (Python, numpy, fa_verify): give at least {format_size(MIN_MEMORY_LIMIT)}, or none")
+    return limit
 
 
 def _crash_error(name: str, died: WorkerDied) -> KernelCrashError:

@@ -369,11 +369,11 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         notes.update(edge_notes)
         if selection.shapes is not None:
             notes.add(budget_note(prop, selection.shapes))
-        budget = selection.max_edge_cases
-        if prop.max_examples is not None:  # a slow check's cap holds its edge cases too
-            budget = min(budget if budget is not None else prop.max_examples, prop.max_examples)
+        budget, why = selection.max_edge_cases, f"--max-examples {selection.max_edge_cases}"
+        if prop.max_examples is not None and (budget is None or prop.max_examples < budget):
+            budget, why = prop.max_examples, prop.max_examples_reason  # a slow check's cap holds its edge cases too
         if budget is not None and len(edges) > budget:
-            notes.add(f"{budget} of the {len(edges)} fixed edge cases, spread over them")
+            notes.add(f"{budget} of the {len(edges)} fixed edge cases, spread over them ({why})")
             edges = edges[::-(-len(edges) // budget)][:budget] if budget else []
         for problem in edges:
             try:
