@@ -37,7 +37,7 @@ SEED_HELP = ("Hypothesis seed: an integer, or 'random' to draw one per run (prin
 ISOLATION_DEFAULTS = {"isolate": True, "timeout": DEFAULT_TIMEOUT, "memory_limit": DEFAULT_MEMORY_LIMIT}
 #: The callable-protocol options and their defaults (CallableBackend's).
 CALLABLE_DEFAULTS = {"layout": "bhsd", "array": "numpy", "causal_alignment": "bottom-right", "precision": None,
-                     **ISOLATION_DEFAULTS}
+                     "grad": None, **ISOLATION_DEFAULTS}
 
 
 def parse_seed(text: str):
@@ -96,6 +96,11 @@ def callable_arguments(skip=()) -> dict:
                            help="declared limit of a --layout paged function: the page sizes (keys per page) it "
                                 "supports (default: any; drawn below, at and above a tile of 64)"),
         "array": dict(choices=("numpy", "torch"), default=None, help="pass numpy arrays (default) or CPU torch tensors"),
+        "grad": dict(action="store_const", const=True, default=None,
+                     help="check a differentiable forward MODULE:FUNC (the callable protocol, with --array torch) "
+                          "through its gradients: torch.autograd back-propagates an upstream dout through it, and "
+                          "the backward properties judge dq, dk, dv (a function whose signature names dout is a "
+                          "backward and needs no --grad)"),
         "causal-alignment": dict(choices=("bottom-right", "top-left"), default=None,
                                  help="causal alignment the callable implements (default bottom-right; torch SDPA's "
                                       "is_causal is top-left; varlen and paged functions are bottom-right)"),
@@ -208,12 +213,22 @@ def _callable(name: str, options: dict):
     RaggedCallableBackend, for a function whose signature names dout a BackwardCallableBackend."""
     from fa_verify.backends import CallableBackend, load_callable
     from fa_verify.backends.backward_callable import BackwardCallableBackend, is_backward
+    from fa_verify.backends.grad_callable import GradCallableBackend
     from fa_verify.backends.ragged_callable import RaggedCallableBackend
 
     sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
     fn = load_callable(name)
     if options["layout"] in RAGGED_LAYOUTS:
         return RaggedCallableBackend(fn, name=name, **options)
+    if options.pop("grad", None):
+        if options["layout"] in RAGGED_LAYOUTS or is_backward(fn):
+            raise InvalidArgumentError(f"--grad differentiates a dense forward function; {name} is "
+                                       + ("a backward (its signature names dout): drop --grad" if is_backward(fn)
+                                          else f"a {options['layout']} function"))
+        if options["conventions"].declared:
+            raise InvalidArgumentError(f"--grad: the convention options ({options['conventions'].describe()}) are "
+                                       "about a forward's outputs, not its gradients; drop them")
+        return GradCallableBackend(fn, name=name, **options)
     if is_backward(fn):
         if options["conventions"].declared:
             raise InvalidArgumentError(

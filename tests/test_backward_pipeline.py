@@ -235,3 +235,29 @@ def test_a_backward_failure_reproduces_from_its_script(capsys, monkeypatch, tmp_
 def test_a_backward_target_with_an_unknown_option_is_refused():
     with pytest.raises(InvalidArgumentError, match="layout"):
         BackwardCallableBackend(backward_kernels.bwd, layout="varlen")
+
+
+# --- a differentiable forward through --grad -----------------------------------------------------------
+
+def test_grad_checks_a_differentiable_forward_through_autograd(capsys, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    code, out, err = run_cli(capsys, "check", "backward_kernels:torch_attention", "--grad", "--array", "torch",
+                             *QUICK)
+    assert code == 0, out + err
+    assert "PASS gradient_agreement" in out
+    assert "gradient_nan_padding: not applicable" in out  # autograd's leaves are its own: padding cannot reach it
+    code, out, err = run_cli(capsys, "check", "backward_kernels:torch_attention_k_detached", "--grad", "--array",
+                             "torch", "--property", "gradient_agreement", *QUICK)
+    assert code == 1 and "dk: " in out and "got 0" in out
+
+
+@pytest.mark.parametrize("target, options, says", [
+    ("torch_attention", (), "give --array torch"),
+    ("bwd", ("--array", "torch"), "is a backward (its signature names dout): drop --grad"),
+    ("torch_attention", ("--array", "torch", "--lse-base", "2"), "about a forward's outputs, not its gradients"),
+])
+def test_grad_refuses_what_it_cannot_differentiate(capsys, monkeypatch, target, options, says):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    code, out, err = run_cli(capsys, "check", f"backward_kernels:{target}", "--grad", *options)
+    assert code == 2 and says in err

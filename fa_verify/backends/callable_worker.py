@@ -12,6 +12,7 @@ import sys
 import warnings
 
 from fa_verify.backends.backward_callable import BackwardCallableBackend
+from fa_verify.backends.grad_callable import GradCallableBackend
 from fa_verify.backends.ragged_callable import RaggedCallableBackend
 from fa_verify.backends.user_callable import CallableBackend, _portable, _portable_warning, load_callable
 from fa_verify.worker_loop import serve
@@ -19,8 +20,8 @@ from fa_verify.worker_loop import serve
 
 def worker_main(inbox_fd: int, outbox_fd: int) -> None:
     """The worker process: ("load", sys.path, spec, options, memory_limit) -> ("ok", None) (a
-    RaggedCallableBackend when options name a ragged layout, a BackwardCallableBackend for the
-    kind "backward", else a CallableBackend); then
+    RaggedCallableBackend when options name a ragged layout, else the parent's class: a
+    CallableBackend, a BackwardCallableBackend or a GradCallableBackend); then
     ("run", problem, *arguments) -> ("done", (its run_in_worker(problem, *arguments), warnings)) or
     ("raised", (_portable(...), warnings)),
     `warnings` those the call issued (_portable_warning); it exits after a MemoryError, whose
@@ -36,7 +37,7 @@ def worker_main(inbox_fd: int, outbox_fd: int) -> None:
             sys.path[:] = path
             try:
                 options = dict(options)
-                backend = _backend_class(options.pop("kind", "dense"), options.get("layout"))
+                backend = _backend_class(options.pop("protocol", "CallableBackend"), options.get("layout"))
                 state["backend"] = backend(load_callable(spec), **options)
             except Exception as exc:  # noqa: BLE001 - reported to the parent
                 return "raised", _portable(exc, state["limit"])
@@ -54,8 +55,9 @@ def worker_main(inbox_fd: int, outbox_fd: int) -> None:
     serve(inbox_fd, outbox_fd, handle, exit_after=("out of memory",))
 
 
-def _backend_class(kind: str, layout: str | None) -> type:
-    """The backend a worker builds: by the kind it runs, and the ragged one for a varlen or paged layout."""
-    if kind == "backward":
-        return BackwardCallableBackend
-    return RaggedCallableBackend if layout in ("varlen", "paged") else CallableBackend
+def _backend_class(protocol: str, layout: str | None) -> type:
+    """The backend a worker builds: the parent's class (`protocol`), the ragged one for a varlen or
+    paged layout."""
+    if layout in ("varlen", "paged"):
+        return RaggedCallableBackend
+    return {c.__name__: c for c in (CallableBackend, BackwardCallableBackend, GradCallableBackend)}[protocol]

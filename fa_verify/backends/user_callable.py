@@ -89,6 +89,8 @@ class CallableBackend(Backend):
 
     #: the protocol's positional arguments, in order (`_inputs` gives them)
     positional = ("q", "k", "v")
+    #: its arguments are placed inside NaN-filled buffers when `pad` is set (the nan_padding properties)
+    pads_inputs = True
 
     def __init__(self, fn, name: str | None = None, layout: str = "bhsd", array: str = "numpy",
                  causal_alignment: str = "bottom-right", dtypes=None,
@@ -132,7 +134,7 @@ class CallableBackend(Backend):
         self.pad = 0
         self._worker = isolated_worker(fn, name, isolate, timeout, memory_limit, dict(
             name=self.name, layout=layout, array=array, causal_alignment=causal_alignment, dtypes=self.dtypes,
-            precision=precision, features=self.features, conventions=self.judged_under, kind=self.kinds[0]))
+            precision=precision, features=self.features, conventions=self.judged_under, protocol=type(self).__name__))
 
     def precision(self, dtype) -> PrecisionModel:
         """The claimed model, with the LSE dtype and flushing the conventions declare."""
