@@ -218,9 +218,11 @@ def _callable(name: str, options: dict):
 
     sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
     fn = load_callable(name)
-    if options["layout"] in RAGGED_LAYOUTS:
+    options = dict(options)
+    grad = options.pop("grad", None)
+    if options["layout"] in RAGGED_LAYOUTS and not grad:
         return RaggedCallableBackend(fn, name=name, **options)
-    if options.pop("grad", None):
+    if grad:
         if options["layout"] in RAGGED_LAYOUTS or is_backward(fn):
             raise InvalidArgumentError(f"--grad differentiates a dense forward function; {name} is "
                                        + ("a backward (its signature names dout): drop --grad" if is_backward(fn)

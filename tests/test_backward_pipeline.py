@@ -256,6 +256,7 @@ def test_grad_checks_a_differentiable_forward_through_autograd(capsys, monkeypat
     ("torch_attention", (), "give --array torch"),
     ("bwd", ("--array", "torch"), "is a backward (its signature names dout): drop --grad"),
     ("torch_attention", ("--array", "torch", "--lse-base", "2"), "about a forward's outputs, not its gradients"),
+    ("torch_attention", ("--array", "torch", "--layout", "varlen"), "is a varlen function"),
 ])
 def test_grad_refuses_what_it_cannot_differentiate(capsys, monkeypatch, target, options, says):
     monkeypatch.syspath_prepend(str(FIXTURES))

@@ -89,7 +89,7 @@ def test_check_fails_a_buggy_callable_with_reproducer(capsys, monkeypatch):
     monkeypatch.chdir(FIXTURES)
     # oracle_agreement alone: the only property asserted on (each search is seeded on its own)
     code, out, _ = _run(capsys, "check", "user_kernels:drops_last_key", "--property", "oracle_agreement",
-                        "--max-examples", "50")
+                        "--max-examples", "50", "--dtype", "fp16")
     assert code == 1
     assert "FAIL oracle_agreement: FAILED after" in out and "minimal counterexample" in out and "reproduce:" in out
     assert re.search(r"failed rule '(error_bound|ensemble)'", out)

@@ -75,9 +75,9 @@ def test_build_exit_codes():
 def test_report_exit_codes(tmp_path):
     passing, failing = tmp_path / "passing.jsonl", tmp_path / "failing.jsonl"
     exit_code("check", "user_kernels:float64_then_round", "--max-examples", "2", "--property", "oracle_agreement",
-              "--results", str(passing))
+              "--dtype", "fp16", "--results", str(passing))
     exit_code("check", "user_kernels:drops_last_key", "--max-examples", "5", "--property", "oracle_agreement",
-              "--results", str(failing))
+              "--dtype", "fp16", "--results", str(failing))
     assert exit_code("report", "--from", str(passing), "--out", str(tmp_path / "a"))[0] == 0
     assert exit_code("report", "--from", str(failing), "--out", str(tmp_path / "b"))[0] == 1
     assert exit_code("report", "--from", str(tmp_path / "missing.jsonl"))[0] == 2
