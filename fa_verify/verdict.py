@@ -145,7 +145,10 @@ class Verdict:
             lines.append(self.detail)
         if self.cause:
             lines.append(self.cause)
-        if self.worst_index is not None:
+        # After a shape, finiteness or masked-row failure, a measurement with nothing over its bound
+        # is noise ("0 / 1 exceed ... error 0 = 0 x bound 0"): shown only when something exceeds.
+        quiet = not self.passed and self.rule in ("shape", "finite", "masked_rows")
+        if self.worst_index is not None and not (quiet and not self.over_count):
             got = got_expected(self.worst_value, self.worst_reference, "reference",
                                f" ± {_g(self.worst_reference_bound, 2)}")
             lines.append(
@@ -158,7 +161,7 @@ class Verdict:
                 f"No finite bound for {self.unbounded_count} / {self.total} elements: the precision "
                 f"model's relative errors reach 1/4 there, where a first-order bound says nothing; "
                 f"the error-model rule cannot judge them")
-        if self.lse_bound_ratio is not None and self.lse_worst_index is not None:
+        if self.lse_bound_ratio is not None and self.lse_worst_index is not None and not (quiet and not self.lse_over_count):
             lines.append(
                 f"LSE: {self.lse_over_count} / {self.lse_total} rows ({_pct(self.lse_over_count, self.lse_total)}) "
                 f"exceed the bound; worst at {list(self.lse_worst_index)}: "

@@ -88,3 +88,22 @@ def test_unbiased_rounding_tells_a_rounded_scale_from_truncated_outputs():
         truncated = _causes(variants.truncation, dtype)  # measured: all fail, each named truncation
         assert truncated["failed"] == truncated["truncation"] == truncated["runs"] and truncated["scale"] == 0
         assert _causes(variants.tiles_in_order, dtype)["failed"] == 0
+
+
+def test_a_masked_row_failure_prints_no_empty_measurement():
+    """Issue 25 item 12: a masked-row failure printed a second block "0 / 1 (0.0%) exceed ... error 0
+    = 0 x bound 0"; the measurement shows only where something exceeds its bound."""
+    import numpy as np
+
+    from fa_verify.backends.naive import naive_attention
+    from fa_verify.precision import PrecisionModel
+    from fa_verify.strategies import Shape, make_problem
+    from fa_verify.verdict import check_attention
+
+    problem = make_problem("normal", Shape(1, 1, 1, 3, 1, 8), "fp32", seed=0, causal=True)  # rows 0, 1 see no key
+    out, lse = naive_attention(problem, PrecisionModel.flash("fp32"))
+    lse = lse.copy()
+    lse[0, 0, 0] = 0.0  # LSE 0 instead of -inf on a fully masked row
+    verdict = check_attention(out, problem, lse=lse, precision="flash")
+    assert verdict.rule == "masked_rows"
+    assert "exceed" not in verdict.message() and "× bound" not in verdict.message()
