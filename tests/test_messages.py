@@ -93,7 +93,6 @@ def test_unbiased_rounding_tells_a_rounded_scale_from_truncated_outputs():
 def test_a_masked_row_failure_prints_no_empty_measurement():
     """Issue 25 item 12: a masked-row failure printed a second block "0 / 1 (0.0%) exceed ... error 0
     = 0 x bound 0"; the measurement shows only where something exceeds its bound."""
-    import numpy as np
 
     from fa_verify.backends.naive import naive_attention
     from fa_verify.precision import PrecisionModel
