@@ -255,6 +255,9 @@ def _spec_target(names, spec, runner: str, arch, given: list, say):
         raise InvalidArgumentError(f"{say(given)}: a CUDA file's layout, precision and limits are its "
                                    f"spec's ({spec}); declare them there")
     kernel_spec = KernelSpec.from_toml(spec)
+    missing = kernel_spec.missing_entry(target)
+    if missing:
+        raise InvalidArgumentError(missing)
     if arch is not None:
         kernel_spec = replace(kernel_spec, arch=arch)
     if runner == "auto":

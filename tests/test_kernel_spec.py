@@ -134,6 +134,8 @@ def _check(capsys, source, spec, *options):
     ({"precision": "fast"}, "precision='fast'"),
     ({"limits": {"dtype": "fp32", "head-dims": [64], "causal": "no"}}, "no parameter passes Hkv"),
     ({"conventions": {"lse-base": 10}}, "conventions.lse-base=10"),
+    # issue 25 item 10: checked before g++ runs (it printed 336 lines of errors from generated code)
+    ({"entry": "no_such_kernel<{D}, {T}>"}, "entry='no_such_kernel<{D}, {T}>' names no kernel of"),
 ])
 def test_spec_errors_exit_2_naming_the_key(tmp_path, capsys, change, named):
     table = tomllib.loads((KERNELS / "raw_pointer_flash.toml").read_text())

@@ -28,6 +28,7 @@ pointer) or an expression of NAMES (fa_verify.kernels.expressions) whose value i
 from __future__ import annotations
 
 import math
+import re
 import string
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -182,6 +183,21 @@ class KernelSpec:
     @property
     def has_lse(self) -> bool:
         return "lse" in self.params
+
+    def missing_entry(self, source_path) -> str | None:
+        """Why `entry` names no kernel of the CUDA file at `source_path` (None: it does, or the file
+        cannot be read here: building it will say why). Checked before anything is compiled, so a
+        wrong name is a spec error, not hundreds of lines of compiler output."""
+        try:
+            source = Path(source_path).read_text(errors="replace")
+        except OSError:
+            return None
+        name = re.split(r"[<(\s]", self.entry.strip(), maxsplit=1)[0]
+        if re.search(rf"\b{re.escape(name)}\s*[(<]", source):
+            return None
+        kernels = sorted(set(re.findall(r"__global__[^;{(]*?\b(\w+)\s*\(", source)) - {"__launch_bounds__"})
+        return (f"{self.origin}: entry={self.entry!r} names no kernel of {source_path} (no {name}( or {name}< in it)"
+                + (f"; its __global__ functions: {', '.join(kernels)}" if kernels else ""))
 
     def entry_for(self, dtype: str, head_dim: int) -> str:
         return self.entry.format(D=head_dim, T=C_TYPES[dtype], dtype=dtype)
