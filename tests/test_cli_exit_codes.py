@@ -104,6 +104,7 @@ def test_mutants_exit_codes():
     assert exit_code("mutants", "--mutant", "no-such-mutant")[0] == 2
 
 
+@pytest.mark.slow  # a campaign in a subprocess (~8 s); test_mutants_exit_codes keeps exit 0 and 2 in the default run
 @needs_cpu_runner
 def test_mutants_exit_1_when_a_mutant_survives(tmp_path):
     mutants = tmp_path / "mutants.toml"
