@@ -14,7 +14,7 @@ sys.path.insert(0, str(FIXTURES))
 from attention_variants import no_max_subtraction  # noqa: E402
 from user_kernels import scores_in_input_dtype  # noqa: E402
 
-QUICK = Selection(dtypes=("fp16",), max_examples=20)
+QUICK = Selection(dtypes=("fp16",), max_examples=20, shrink=False)
 
 
 def test_input_scores_preset():
