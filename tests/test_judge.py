@@ -46,8 +46,11 @@ REQUIRED_CLASSES = (
     "window edge off by one", "window without the Nk - Nq offset", "softcap before the scale",
     "ALiBi sign flipped", "ALiBi head index wrong", "sink counted in the numerator",
 )
-#: A small budget: CI runs every mutant once; the full campaign uses the ci profile's 20.
-SMALL = Selection.from_profile("ci", max_examples=8)
+#: A small budget: CI runs every mutant once; the full campaign uses the ci profile's 20. No
+#: shrinking: a kill, its property and its examples are the same without it, and shrinking (each
+#: step runs the mutant and its control) took nearly all of a kill's time (split-kv-global-seqlen:
+#: 27 s -> 0.1 s). `fa_verify mutants` shrinks its kills (tests/test_cli_exit_codes.py runs one).
+SMALL = Selection.from_profile("ci", max_examples=8, shrink=False)
 
 
 # --- the mutants file ------------------------------------------------------------------------------
