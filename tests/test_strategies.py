@@ -16,7 +16,8 @@ from fa_verify.dtypes import DTYPE_NAMES, finfo
 
 FAST = settings(max_examples=15, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
-FIND = settings(max_examples=2000, deadline=None, database=None)
+# derandomized: a find() shrinks to the minimum from most seeds, not all (the long-shape one failed once in ~10 runs)
+FIND = settings(max_examples=2000, deadline=None, database=None, derandomize=True)
 
 
 def scaled_scores(problem: AttentionProblem) -> np.ndarray:
