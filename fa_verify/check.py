@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from fa_verify.backends import Backend
 from fa_verify.problem import AttentionProblem
 from fa_verify.properties import FAILED, NOT_APPLICABLE, PASSED, Selection, get_property, properties_for
+from fa_verify.properties.precision_hint import run_precision_hint
 from fa_verify.properties.reproduce import NotReproducible, Target
 from fa_verify.properties.search import search_property
 
@@ -46,9 +47,13 @@ class CheckOutcome:
         return {status: sum(p.status == status for p in self.properties)
                 for status in (PASSED, FAILED, NOT_APPLICABLE)}
 
+    def precision_hint(self) -> str:
+        """Whether the run's failures are a matter of declared precision (`run_precision_hint`)."""
+        return run_precision_hint(self.properties)
+
     def as_dict(self) -> dict:
         return {"backend": self.backend, "passed": self.passed, "checked": self.checked,
-                "examples": self.examples,
+                "examples": self.examples, "precision_hint": self.precision_hint() or None,
                 "seconds": round(self.seconds, 3), "counts": self.counts(),
                 "properties": [p.as_dict() for p in self.properties]}
 

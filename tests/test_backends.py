@@ -302,9 +302,25 @@ def test_load_callable():
                         (":f", "must look like"),
                         ("no_such_module_fa:f", "cannot import module 'no_such_module_fa'.*ModuleNotFoundError"),
                         ("fa_verify.backends.naive:nope", "has no attribute 'nope'"),
-                        ("fa_verify.backends.naive:__doc__", "names a str, which is not callable")]:
+                        ("fa_verify.backends.naive:__doc__", "names a str, which is not callable"),
+                        ("no/such/file_fa.py:f", "names the file 'no/such/file_fa.py', which does not exist")]:
         with pytest.raises(InvalidArgumentError, match=match):
             load_callable(spec)
+
+
+def test_load_callable_from_a_file(tmp_path, monkeypatch):
+    """'path/to/file.py:FUNC', as a newcomer writes it: the file's folder is on sys.path for its
+    own imports, and loading it twice gives the same function."""
+    (tmp_path / "helper_fa_neighbour.py").write_text("SCALE = 2\n")
+    (tmp_path / "my_attention_fa.py").write_text("from helper_fa_neighbour import SCALE\n"
+                                                 "def forward(q, k, v, *, causal, scale):\n    return SCALE\n")
+    monkeypatch.chdir(tmp_path.parent)
+    spec = f"{tmp_path.name}/my_attention_fa.py:forward"
+    fn = load_callable(spec)
+    assert fn(None, None, None, causal=False, scale=1.0) == 2 and load_callable(spec) is fn
+    (tmp_path / "broken_fa.py").write_text("raise RuntimeError('at import')\n")
+    with pytest.raises(InvalidArgumentError, match="cannot import module .*broken_fa.py.*RuntimeError: at import"):
+        load_callable(f"{tmp_path.name}/broken_fa.py:forward")
 
 
 # --- torch ------------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """Precision, said plainly: a callable that computes its scores in the input dtype fails the
-default (FlashAttention's) model, and the failure names the looser preset that passes it and
-the option that declares it; a real bug is told that no looser model explains it."""
+default (FlashAttention's) model, and the run names the looser preset that passes it and the
+option that declares it, only when it passes every failing property; a real bug is told that
+no looser model explains it."""
 
 import sys
 from pathlib import Path
 
 from fa_verify.backends import CallableBackend
 from fa_verify.precision import PrecisionModel
-from fa_verify.properties import Selection, search_property
+from fa_verify.check import check_backend
+from fa_verify.properties import FAILED, Selection, search_property
+from fa_verify.properties.precision_hint import run_precision_hint
+from fa_verify.properties.search import PropertyOutcome
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
@@ -24,22 +28,53 @@ def test_input_scores_preset():
     assert (model.score_accumulation, model.p_rounding, model.pv_accumulation) == ("bf16", "bf16", "fp32")
 
 
+def _hint(fn, **declared) -> str:
+    return check_backend(CallableBackend(fn, **declared), QUICK, properties=["oracle_agreement"]).precision_hint()
+
+
 def test_a_failure_names_the_looser_preset_that_passes():
-    outcome = search_property(CallableBackend(scores_in_input_dtype), "oracle_agreement", QUICK)
-    assert outcome.status == "failed"
-    assert "passes under --precision input-scores" in outcome.message()
+    assert _hint(scores_in_input_dtype).startswith(
+        "precision: its failing example passes under --precision input-scores")
     # and declaring it is enough: the same search passes
     declared = CallableBackend(scores_in_input_dtype, precision="input-scores")
     assert search_property(declared, "oracle_agreement", QUICK).passed
 
 
 def test_a_bug_is_told_no_looser_model_explains_it():
-    outcome = search_property(CallableBackend(no_max_subtraction), "oracle_agreement", QUICK)
-    assert outcome.status == "failed"
-    assert "fails under the looser legitimate models too (input-scores, same-precision)" in outcome.message()
+    assert _hint(no_max_subtraction) == (
+        "precision: not a matter of declared precision: oracle_agreement fails under every looser legitimate "
+        "model (input-scores, same-precision) too")
 
 
 def test_the_loosest_model_gets_no_hint():
-    outcome = search_property(CallableBackend(no_max_subtraction, precision="same-precision"), "oracle_agreement",
-                              QUICK)
-    assert outcome.status == "failed" and "precision:" not in outcome.message()
+    assert _hint(no_max_subtraction, precision="same-precision") == ""
+
+
+def _failed(name, passes_under, worst_ratio=2.0):
+    return PropertyOutcome(name, "user", status=FAILED, passes_under=passes_under, worst_ratio=worst_ratio)
+
+
+def test_a_preset_is_offered_only_when_every_failing_property_passes_under_it():
+    """A kernel that never rescales its accumulator can pass one property under same-precision and
+    fail another under every model: no preset is offered then, and the other is named."""
+    lost_rescaling = [_failed("oracle_agreement", ("same-precision",)), _failed("key_order", ())]
+    assert run_precision_hint(lost_rescaling) == (
+        "precision: not a matter of declared precision: key_order fails under every looser legitimate model "
+        "(input-scores, same-precision) too")
+    # each explained by some model, but not one model for both
+    assert run_precision_hint([_failed("a", ("input-scores",)), _failed("b", ("same-precision",))]).endswith(
+        "no looser legitimate model passes every one of a, b")
+    # the least lenient model common to all is the one offered
+    both = [_failed("a", ("input-scores", "same-precision")), _failed("b", ("same-precision",))]
+    assert "every one of a, b passes under --precision same-precision" in run_precision_hint(both)
+    assert run_precision_hint(both, offer=False) == ""  # one test of a pytest run: only the negative
+    # passes and built-in backends (precision not judged) say nothing
+    assert run_precision_hint([PropertyOutcome("a", "user"), _failed("b", None)]) == ""
+
+
+def test_a_bitwise_failure_is_no_matter_of_precision():
+    """A check without an error ratio (bits compared) passes under no model; alone it says nothing
+    (precision never entered), beside a tolerance failure it withholds the hint."""
+    bitwise = _failed("determinism", (), worst_ratio=None)
+    assert run_precision_hint([bitwise]) == ""
+    assert "determinism fails under every looser" in run_precision_hint([bitwise, _failed("a", ("input-scores",))])

@@ -31,6 +31,7 @@ checks run in the worker, on what the function saw.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import math
 import os
@@ -462,14 +463,39 @@ def _qualified_name(fn) -> str:
     return f"{getattr(fn, '__module__', None) or '?'}:{qualname}"
 
 
+def _import_file(path: str):
+    """The module in the Python file `path`, imported with its folder first on sys.path (so that it
+    imports its neighbours as it would as a script)."""
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise InvalidArgumentError(f"spec names the file {path!r}, which does not exist (from {Path.cwd()})")
+    if str(file.parent) not in sys.path:
+        sys.path.insert(0, str(file.parent))
+    name = file.stem
+    if getattr(sys.modules.get(name), "__file__", None) == str(file):
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # pickling (worker isolation) finds its functions by module name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def load_callable(spec: str):
-    """Import and return the function named by 'MODULE:FUNC' (FUNC may be dotted: 'mod:Cls.fn')."""
-    module_name, _, attr_path = str(spec).partition(":")
+    """Import and return the function named by 'MODULE:FUNC' or 'path/to/file.py:FUNC' (FUNC may
+    be dotted: 'mod:Cls.fn')."""
+    module_name, _, attr_path = str(spec).rpartition(":")
     if not isinstance(spec, str) or not module_name or not attr_path:
         raise InvalidArgumentError(
-            f"spec={spec!r} must look like 'MODULE:FUNC', e.g. 'my_kernels.attention:forward'")
+            f"spec={spec!r} must look like 'MODULE:FUNC' or 'FILE.py:FUNC', e.g. 'my_kernels.attention:forward'")
     try:
-        obj = importlib.import_module(module_name)
+        obj = _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except InvalidArgumentError:
+        raise
     except Exception as exc:  # any error raised while importing the user's module
         raise InvalidArgumentError(
             f"spec={spec!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc

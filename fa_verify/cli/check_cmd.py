@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
                     "failed; 1: one failed; 2: usage or setup error.")
     cmd.add_argument("target", metavar="TARGET",
                      help="a backend name (see 'fa_verify backends'), 'all' for every available "
-                          "backend, MODULE:FUNC with fn(q, k, v, *, causal, scale) -> out | (out, lse) "
+                          "backend, MODULE:FUNC (or path/to/file.py:FUNC) with fn(q, k, v, *, causal, scale) -> "
+                          "out | (out, lse) "
                           "(--layout varlen / paged: flash-attn's varlen and kvcache signatures), "
                           "or a CUDA file (kernel.cu) with --spec")
     cmd.add_argument("--dtype", action="append", choices=("fp16", "bf16", "fp32"),
@@ -155,6 +156,8 @@ def _run(args) -> int:
             print(f"{_verdict(outcome)} {backend.name}: {counts['passed']} passed, "
                   f"{counts['failed']} failed, {counts['not applicable']} not applicable; "
                   f"{outcome.examples} examples in {outcome.seconds:.1f}s")
+            if outcome.precision_hint():
+                print(f"  {outcome.precision_hint()}")
     # Nothing judged is no pass: say why and exit 2 (a usage error: the selection is empty).
     error = None if any(o.checked for o in outcomes) else _nothing_checked(outcomes, skipped)
     for reason in skipped if error is None else ():

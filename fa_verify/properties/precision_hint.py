@@ -38,28 +38,54 @@ class _JudgedUnder(Backend):
         return self.inner._run(problem)
 
 
-def precision_hint(backend: Backend, prop, problem, seed: int, result) -> str:
-    """A line for the failure of `prop` on `problem` (`result`): the looser model under which it
-    passes and its option, or that none does; "" where precision is not what was judged (a
-    built-in backend's precision is its own; a raise or a bitwise check compares no tolerance)."""
-    if not backend.declared_precision or result.worst_ratio is None:
-        return ""
+def passes_under(backend: Backend, prop, problem, seed: int, result) -> tuple | None:
+    """The looser legitimate presets (least lenient first) under which the failing example of
+    `prop` on `problem` (`result`) passes; () when none does; None where precision is not what
+    was judged (a built-in backend's precision is its own, or no looser model is left to try).
+    A bitwise check (no error ratio) passes under no model: precision does not enter it."""
+    if not backend.declared_precision:
+        return None
     current = backend.precision(problem.dtype)
     presets = list(LOOSER_PRESETS)
     tighter = [p for p in presets
                if backend.judged_under.precision(PrecisionModel.parse(p, problem.dtype)) == current]
     tried = presets[presets.index(tighter[0]) + 1:] if tighter else presets
+    if not tried:
+        return None
+    if result.worst_ratio is None:
+        return ()
+    passing = []
     for preset in tried:
         try:
             judged = prop(_JudgedUnder(backend, preset), problem, seed)
         except Exception:  # noqa: BLE001 - whatever the target raises, this model does not pass it
             continue
-        if judged.applicable and not judged.failed:
-            wide = "" if judged.informative is not False else (
-                " (though its tolerance there is wide enough for a trivial output to pass too)")
-            return (f"precision: this example passes under --precision {preset} ({LOOSER_PRESETS[preset]}){wide}; "
-                    f"if the kernel computes so, declare it (precision={preset!r} in the API)")
-    if not tried:
+        if judged.applicable and not judged.failed and judged.informative is not False:
+            passing.append(preset)
+    return tuple(passing)
+
+
+def run_precision_hint(outcomes, offer: bool = True) -> str:
+    """One line for a run's failures (`PropertyOutcome`s): the least lenient looser model under
+    which every failing property's example passes, with its option; or that the failures are not
+    a matter of declared precision, naming the properties no looser model explains. A hint that
+    fixes one property of several would invite the wrong fix (a kernel that never rescales its
+    accumulator can pass one property under same-precision and fail another under every model).
+    offer=False: only the second kind of line (for one property of a run whose others are unknown)."""
+    failing = [o for o in outcomes if o.status == "failed" and o.passes_under is not None]
+    if not failing or all(o.worst_ratio is None and not o.passes_under for o in failing):
         return ""
-    return (f"precision: it fails under the looser legitimate models too ({', '.join(tried)}): "
-            "not a matter of declared precision")
+    common = [p for p in LOOSER_PRESETS if all(p in o.passes_under for o in failing)]
+    names = ", ".join(o.property for o in failing)
+    if common and not offer:
+        return ""
+    if common:
+        preset = common[0]
+        every = "its failing example" if len(failing) == 1 else f"the failing example of every one of {names}"
+        return (f"precision: {every} passes under --precision {preset} ({LOOSER_PRESETS[preset]}); "
+                f"if the kernel computes so, declare it (precision={preset!r} in the API)")
+    unexplained = [o.property for o in failing if not o.passes_under]
+    why = (f"{', '.join(unexplained)} fail{'s' if len(unexplained) == 1 else ''} under every looser legitimate "
+           f"model ({', '.join(LOOSER_PRESETS)}) too" if unexplained
+           else f"no looser legitimate model passes every one of {names}")
+    return f"precision: not a matter of declared precision: {why}"

@@ -31,7 +31,7 @@ from fa_verify.profiles import RELAXED_HEALTH_CHECKS
 from fa_verify.properties._result import FAILED, NOT_APPLICABLE, PASSED, PropertyFailure, PropertyResult
 from fa_verify.properties._subject import as_backend
 from fa_verify.properties.kinds import edge_problems, kind_reason, problem_strategy
-from fa_verify.properties.precision_hint import precision_hint
+from fa_verify.properties.precision_hint import passes_under
 from fa_verify.properties.registry import NON_FINITE, Property, get_property
 from fa_verify.properties.reproduce import NotReproducible, Target, write_reproducer
 from fa_verify.properties.selection import Selection
@@ -77,6 +77,9 @@ class PropertyOutcome:
     #: failures of other kinds (another rule, dtype or causal mode) than `failure`'s, each as
     #: (problem, property seed, result), found by searching on after the first
     other_failures: list = field(default_factory=list)
+    #: for a failure, the looser legitimate precision presets its example passes under
+    #: (`precision_hint.passes_under`; None where precision was not judged)
+    passes_under: tuple | None = None
 
     @property
     def passed(self) -> bool:
@@ -133,7 +136,8 @@ class PropertyOutcome:
                 "no_reproducer": self.no_reproducer or None, "worst_ratio": self.worst_ratio,
                 "notes": list(self.notes), "informative": self.informative,
                 "uninformative": self.uninformative, "judged_under": self.judged_under or None,
-                "other_failures": [r.message() for _, _, r in self.other_failures]}
+                "other_failures": [r.message() for _, _, r in self.other_failures],
+                "passes_under": None if self.passes_under is None else list(self.passes_under)}
 
 
 def _counterexample(problem, result: PropertyResult, seed) -> str:
@@ -407,8 +411,7 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
                      if not_repeated is None or kind in not_repeated else result)
                     for kind, (problem, seed, result) in found.items()]
         (problem, seed, result), outcome.other_failures = failures[0], failures[1:]
-        hint = precision_hint(backend, prop, problem, seed or 0, result)
-        result = replace(result, detail=f"{result.detail}\n{hint}") if hint else result
+        outcome.passes_under = passes_under(backend, prop, problem, seed or 0, result)
         outcome.status, outcome.failure, outcome.problem, outcome.seed = FAILED, result, problem, seed
         if repro_dir is not None:
             _write_reproducer(outcome, backend, prop, repro_dir, selection.seed)
