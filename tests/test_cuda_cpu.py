@@ -6,6 +6,7 @@ a second run starts warm; the cache test uses its own directory.
 
 from __future__ import annotations
 
+import re
 import shutil
 from fractions import Fraction
 
@@ -455,6 +456,23 @@ def test_compiler_errors_are_shown_in_full():
     message = str(err.value)
     assert "syntax_error.cu:3" in message and "undefined_variable_xyz" in message
     assert err.value.log and "error" in err.value.log
+
+
+def test_the_authors_errors_come_first_and_the_generated_ones_are_counted(tmp_path):
+    """A typo in a kernel template's parameter list breaks every launch trampoline generated for
+    it: the author reads their own errors, the count of the rest and where all of them are."""
+    source = tmp_path / "typo.cu"
+    source.write_text("template <int N, typenme T>\n__global__ void fill(T* out) { out[threadIdx.x] = N; }\n")
+    with pytest.raises(KernelBuildError) as err:
+        CpuKernelModule(source, {"fill<4, float>": ["ptr"]})
+    message, log = str(err.value), err.value.log
+    own = message.split(" ---\n", 1)[1]
+    assert "typo.cu:1" in own and "typenme" in own and "fa_verify launch trampolines" not in own
+    generated = sum(": error: " in line for line in log.splitlines() if "fa_verify launch trampolines" in line)
+    found = re.search(r"then (\d+) more in fa_verify's generated launch code, which follow from them: all in (\S+)\)",
+                      message)
+    assert generated > 0 and found and int(found.group(1)) >= generated
+    assert Path(found.group(2)).read_text() == log
 
 
 def test_signature_mismatch_fails_the_build():

@@ -226,7 +226,16 @@ def _run(command: tuple[str, ...], source: Path, stage: str, entries) -> str:
         message = f"building {source} for the CUDA-on-CPU runner failed ({stage})"
         if notes:
             message += ":\n" + "\n".join(f"  hint: {note}" for note in notes)
-        message += f"\n--- {os.path.basename(command[0])} output ---\n{output}"
+        compiler = os.path.basename(command[0])
+        shown, left_out = _diagnostics.own_errors_first(output)
+        if left_out:  # the whole output is kept beside the unit it is about
+            log_file = source.with_suffix(f".{compiler}.log")
+            log_file.write_text(output)
+            message += (f"\n--- {compiler} output: the errors in your source (then {left_out} more in "
+                        f"fa_verify's generated launch code, which follow from them: all in {log_file}) ---"
+                        f"\n{shown}")
+        else:
+            message += f"\n--- {compiler} output ---\n{output}"
         raise KernelBuildError(message, log=output, command=command)
     return output
 

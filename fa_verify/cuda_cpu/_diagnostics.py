@@ -1,14 +1,21 @@
-"""Hints in front of g++'s output when a kernel does not build for the CPU runner.
+"""Hints in front of g++'s output when a kernel does not build for the CPU runner, and that
+output with the author's own errors first.
 
 g++ says "'__ldcs_v2' was not declared in this scope"; the kernel author needs to read that the
 CUDA-on-CPU shim does not emulate it (rather than hunt for a typo), or that an entry point named
-in the signature table is missing. The compiler's own output always follows in full.
+in the signature table is missing. A typo in a kernel template's parameter list also breaks every
+launch trampoline the runner generates for it (a hundred errors after the author's five): those
+are counted, not shown, when the author's own errors are there (`own_errors_first`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+
+#: The file name the generated launch code carries in diagnostics (`_trampolines`).
+GENERATED = "<fa_verify launch trampolines"
+_ERROR = re.compile(r": (?:fatal )?error: ")
 
 # g++ quotes with ‘…’ in a UTF-8 locale and '…' otherwise.
 _UNDECLARED = re.compile(
@@ -49,3 +56,15 @@ def hints(output: str, entries: Iterable[str]) -> list[str]:
     for match in _SHIM_REFUSAL.finditer(output):  # the shim's own #error / static_assert texts
         add(match.group(1).strip())
     return found
+
+
+def own_errors_first(output: str) -> tuple[str, int]:
+    """The diagnostics before the first about the generated launch code, and how many errors were
+    left out (0 when the output is returned whole: nothing of the author's comes first, or nothing
+    generated). The trampolines close the unit, so g++ reaches them last: what it says from there on
+    (their errors and the notes on the shim's candidates) follows from the errors before."""
+    lines = output.splitlines()
+    first = next((n for n, line in enumerate(lines) if line.startswith(GENERATED)), None)
+    if first is None or not any(_ERROR.search(line) for line in lines[:first]):
+        return output, 0
+    return "\n".join(lines[:first]), sum(bool(_ERROR.search(line)) for line in lines[first:])
