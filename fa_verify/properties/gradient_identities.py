@@ -105,22 +105,18 @@ def _summed(x, bound, axis):
     rounding: |sum (x_hat - x)| <= sum beta, plus gamma_n sum |x|)."""
     x = np.asarray(x).astype(np.float64)
     n = x.shape[axis]
-    return x.sum(axis=axis), bound.sum(axis=axis) + float(gamma(n)) * np.abs(x).sum(axis=axis)
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite gradient fails anyway (backends.watch)
+        return x.sum(axis=axis), bound.sum(axis=axis) + float(gamma(n)) * np.abs(x).sum(axis=axis)
 
 
-def check_gradient_key_sum(backend, problem):
-    """sum_j dK_j = scale sum_i r_i q_i, r_i = sum_j dS_ij = dlse_i + Ps_i (D_i - dlse_i): 0 without sinks and dlse."""
-    backend = as_backend(backend)
-    name = "gradient_key_sum"
-    if problem.softcap > 0:
-        return not_applicable(name, problem, "a softcap multiplies dS_ij by 1 - tanh^2(t_ij / softcap): sum_j dS_ij "
-                                             "has no closed form")
-    grads, ref, bound = _judged(backend, problem)
+def key_sum_law(problem, grads, reference, bound):
+    """(sum_j dK_j of the target's gradients, the identity's value, the tolerance), each
+    [B, Hkv, D]: scale sum_i r_i q_i over the kv head's query heads (see the module's doc)."""
     got, tol = _summed(grads["dk"], bound.dk, axis=2)
     has_key = ~problem.masked_rows[None, None, :]
     dlse = np.zeros(problem.lse_shape) if problem.dlse is None else problem.dlse.astype(np.float64)
-    ps, ps_bound = _sink_weight(problem, ref)
-    delta, delta_bound = ref.delta, ref.delta_bound
+    ps, ps_bound = _sink_weight(problem, reference)
+    delta, delta_bound = reference.delta, reference.delta_bound
     r = np.where(has_key, dlse + ps * (delta - dlse), 0.0)
     # r's error: Ps's (times |D - dlse| + D's bound) and D's (times Ps), then r's three roundings
     r_bound = np.where(has_key, ps_bound * (np.abs(delta - dlse) + delta_bound) + ps * delta_bound
@@ -131,17 +127,26 @@ def check_gradient_key_sum(backend, problem):
     n = problem.group_size * problem.nq + 2
     tol = tol + scale * _per_kv_head(problem, np.einsum("bhi,bhid->bhd", r_bound, np.abs(q))) + float(gamma(n)) * (
         scale * _per_kv_head(problem, np.einsum("bhi,bhid->bhd", np.abs(r), np.abs(q))))
+    return got, expected, tol
+
+
+def check_gradient_key_sum(backend, problem):
+    """sum_j dK_j = scale sum_i r_i q_i, r_i = sum_j dS_ij = dlse_i + Ps_i (D_i - dlse_i): 0 without sinks and dlse."""
+    backend = as_backend(backend)
+    name = "gradient_key_sum"
+    if problem.softcap > 0:
+        return not_applicable(name, problem, "a softcap multiplies dS_ij by 1 - tanh^2(t_ij / softcap): sum_j dS_ij "
+                                             "has no closed form")
     hint = ("0 without sinks and dlse: the D term is missing?" if problem.sinks is None and problem.dlse is None
             else "scale sum_i (dlse_i + Ps_i (D_i - dlse_i)) q_i: the D, dlse or sink term is wrong?")
-    return _sum_check(name, problem, got, expected, tol, "sum_j dK_j", hint)
+    return _sum_check(name, problem, *key_sum_law(problem, *_judged(backend, problem)), "sum_j dK_j", hint)
 
 
-def check_gradient_value_sum(backend, problem):
-    """sum_j dV_j = sum_i (1 - Ps_i) dO_i over the rows that see a key (sum_i dO_i without sinks)."""
-    backend = as_backend(backend)
-    grads, ref, bound = _judged(backend, problem)
+def value_sum_law(problem, grads, reference, bound):
+    """(sum_j dV_j of the target's gradients, the identity's value, the tolerance), each
+    [B, Hkv, D]: sum_i (1 - Ps_i) dO_i over the kv head's query heads' rows that see a key."""
     got, tol = _summed(grads["dv"], bound.dv, axis=2)
-    ps, ps_bound = _sink_weight(problem, ref)
+    ps, ps_bound = _sink_weight(problem, reference)
     has_key = ~problem.masked_rows[None, None, :]
     weight = np.where(has_key, 1.0 - ps, 0.0)
     weight_bound = np.where(has_key, ps_bound + U64 * np.abs(weight), 0.0)
@@ -150,9 +155,15 @@ def check_gradient_value_sum(backend, problem):
     n = problem.group_size * problem.nq + 1
     tol = tol + _per_kv_head(problem, np.einsum("bhi,bhid->bhd", weight_bound, np.abs(do))) + float(gamma(n)) * (
         _per_kv_head(problem, np.einsum("bhi,bhid->bhd", np.abs(weight), np.abs(do))))
+    return got, expected, tol
+
+
+def check_gradient_value_sum(backend, problem):
+    """sum_j dV_j = sum_i (1 - Ps_i) dO_i over the rows that see a key (sum_i dO_i without sinks)."""
+    backend = as_backend(backend)
     hint = "sum_i dO_i over rows that see a key" + (" times 1 - P_sink" if problem.sinks is not None else "")
-    return _sum_check("gradient_value_sum", problem, got, expected, tol, "sum_j dV_j", hint
-                      + ": P not normalised by the LSE, a key or row lost or counted twice?")
+    return _sum_check("gradient_value_sum", problem, *value_sum_law(problem, *_judged(backend, problem)),
+                      "sum_j dV_j", hint + ": P not normalised by the LSE, a key or row lost or counted twice?")
 
 
 def mha_twin(problem):
@@ -253,20 +264,29 @@ def random_direction(problem, seed: int):
     return tuple(rng.standard_normal(x.shape) for x in (problem.q, problem.k, problem.v))
 
 
-def adjoint_check(backend, problem, direction, name: str = "gradient_adjoint"):
-    """The adjoint identity along `direction`, per tensor and head."""
-    grads, ref, bound = _judged(backend, problem)
-    expected = directional_derivative(problem, ref, direction)
-    worst, found = 0.0, []
+def adjoint_law(problem, grads, reference, bound, direction) -> dict:
+    """tensor -> (<gradient, its direction> per head, the forward's directional derivative along
+    it, the tolerance): [B, H] for dq, [B, Hkv] for dk and dv."""
+    expected = directional_derivative(problem, reference, direction)
+    law = {}
     for tensor, x in zip(("dq", "dk", "dv"), direction):
         g = np.asarray(grads[tensor]).astype(np.float64)
         axes = (2, 3)
-        got = (g * x).sum(axis=axes)
-        # |<g_hat - g, x>| <= <beta, |x>|, plus the float64 dot product's rounding
-        n = x.shape[2] * x.shape[3]
-        tol = (bound.bound(tensor) * np.abs(x)).sum(axis=axes) + float(gamma(n)) * np.abs(g * x).sum(axis=axes)
+        with np.errstate(invalid="ignore", over="ignore"):
+            got = (g * x).sum(axis=axes)
+            # |<g_hat - g, x>| <= <beta, |x|>, plus the float64 dot product's rounding
+            tol = (bound.bound(tensor) * np.abs(x)).sum(axis=axes) + float(gamma(x.shape[2] * x.shape[3])) * np.abs(
+                g * x).sum(axis=axes)
         value, value_bound = expected[tensor]
-        mismatch, ratio = exceeding(got, value, tol + value_bound)
+        law[tensor] = (got, value, tol + value_bound)
+    return law
+
+
+def adjoint_check(backend, problem, direction, name: str = "gradient_adjoint"):
+    """The adjoint identity along `direction`, per tensor and head."""
+    worst, found = 0.0, []
+    for tensor, (got, value, tol) in adjoint_law(problem, *_judged(backend, problem), direction).items():
+        mismatch, ratio = exceeding(got, value, tol)
         worst = max(worst, ratio)
         if mismatch is not None:
             found.append(mismatch.describe(f"<{tensor}, direction> ([batch, head])"))
