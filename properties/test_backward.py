@@ -31,3 +31,23 @@ def test_gradient_nan_padding(backward_search):
 
 def test_gradient_strided_dout(backward_search):
     backward_search("gradient_strided_dout")
+
+
+def test_gradient_key_sum(backward_search):
+    backward_search("gradient_key_sum")
+
+
+def test_gradient_value_sum(backward_search):
+    backward_search("gradient_value_sum")
+
+
+def test_gradient_gqa_group_sum(backward_search):
+    backward_search("gradient_gqa_group_sum")
+
+
+def test_gradient_adjoint(backward_search):
+    backward_search("gradient_adjoint")
+
+
+def test_gradient_linearity(backward_search):
+    backward_search("gradient_linearity")

@@ -14,6 +14,7 @@ from fa_verify.properties import (
     agreement,
     backward,
     convexity,
+    gradient_identities,
     independence,
     masking,
     metamorphic,
@@ -138,6 +139,12 @@ PROPERTIES = (
              target_reason=backward.given_copies),
     Property("gradient_nan_padding", backward.check_gradient_nan_padding, kinds=("backward",),
              target_reason=backward.not_padded),
+    # identities of the backward pass (fa_verify.properties.gradient_identities)
+    Property("gradient_key_sum", gradient_identities.check_gradient_key_sum, kinds=("backward",)),
+    Property("gradient_value_sum", gradient_identities.check_gradient_value_sum, kinds=("backward",)),
+    Property("gradient_gqa_group_sum", gradient_identities.check_gradient_gqa_group_sum, kinds=("backward",)),
+    Property("gradient_adjoint", gradient_identities.check_gradient_adjoint, kinds=("backward",)),
+    Property("gradient_linearity", gradient_identities.check_gradient_linearity, kinds=("backward",)),
 )
 
 PROPERTY_NAMES = tuple(p.name for p in PROPERTIES)

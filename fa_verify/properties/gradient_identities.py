@@ -1,0 +1,383 @@
+"""Identities of the backward pass that hold in exact arithmetic, as properties (kind "backward").
+
+With P = exp(z - L) (0 where masked), dP = dO V^T, D_i = dO_i . O_i, dS = P o (dP - D + dlse)
+(`fa_verify.backward`), and O_i = sum_j P_ij v_j:
+
+* gradient_key_sum: sum_j dS_ij = sum_j P_ij dP_ij - (D_i - dlse_i) sum_j P_ij
+  = D_i - (D_i - dlse_i)(1 - Ps_i) = dlse_i + Ps_i (D_i - dlse_i), Ps_i = exp(sink - L_i) the
+  sink's weight (0 without sinks; a row that sees no key has r_i = 0). So
+  sum_j dK_j = scale sum_i r_i q_i over the kv head's query heads: 0 without sinks and dlse. A
+  kernel without the D term gives sum_j dK_j = scale sum_i D_i q_i. A softcap multiplies dS_ij
+  by 1 - tanh^2, which does not sum to anything closed: not applicable there. Windows and ALiBi
+  change P, not sum_j P_ij = 1 - Ps_i: the identity holds.
+* gradient_value_sum: sum_j dV_j = sum_i (sum_j P_ij) dO_i = sum_i (1 - Ps_i) dO_i over the rows
+  that see a key (every variant).
+* gradient_gqa_group_sum: dK, dV of a GQA/MQA problem equal the sums over each group's query
+  heads of the gradients of the same problem with k, v repeated per query head (MHA), both
+  computed by the target.
+* gradient_adjoint: <dQ, a> + <dK, b> + <dV, c> equals the directional derivative along a
+  random (a, b, c) of the loss <dO, out> + <dlse, lse>, computed by forward mode from the
+  certified forward (out' = sum_j P_ij (s'_ij - lse'_i) v_j + sum_j P_ij c_j, lse'_i =
+  sum_j P_ij s'_ij, s' the logits' derivative along (a, b): softcap's and ALiBi's included),
+  per tensor and head, so a failure names the gradient that is not the forward's derivative.
+* gradient_linearity: dout and dlse times 2^k give the gradients times 2^k. Bitwise where every
+  stage of an FA2 backward stays in the normal range (`bitwise_linearity`), within the error
+  model otherwise (fp16: dS and small gradients are subnormal, and a subnormal does not scale).
+
+Tolerances, none of them a constant: the error model (`backward_error_model`) bounds every
+element of a target's gradient, |g_hat - g| <= beta; the identities are linear in the gradients,
+so |sum_j w_j (g_hat_j - g_j)| <= sum_j |w_j| beta_j (the triangle inequality: the worst case,
+every error of one sign, which the error model's coherent terms reach, e.g. D from the rounded
+out shifts every dS_ij of a row alike). Plus the float64 sums' own rounding (gamma_n of the
+magnitudes) and, where the expected side uses the certified forward (L, D, Ps), that forward's
+bound carried through. Every identity is implied by `gradient_agreement` in the worst case;
+their value is the message (which law breaks names the bug) and speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fa_verify.backward_error_model import gradient_error_bound
+from fa_verify.dtypes import finfo
+from fa_verify.error_model import _RowVariants
+from fa_verify.oracle.backward import gradient_reference
+from fa_verify.oracle.bounds import U64, gamma
+from fa_verify.properties._compare import differing, exceeding
+from fa_verify.properties._result import failed, not_applicable, passed
+from fa_verify.properties._subject import as_backend, unsupported
+from fa_verify.properties.backward import _named
+
+#: Powers of two the linearity property scales dout by: |k| <= 2 keeps a gradient the
+#: strategies hold below max / 16 in range (`strategies._backward`), and 2^-2 keeps
+#: `bitwise_linearity`'s smallest stage normal.
+LINEARITY_EXPONENTS = (-2, -1, 1, 2)
+#: `bitwise_linearity`: inputs' nonzero magnitudes at least 2^-INPUT_FLOOR and probabilities at
+#: least 2^-P_FLOOR keep every product and sum residue of FA2's stages normal (see there).
+INPUT_FLOOR, P_FLOOR = 16, 32
+
+
+def _judged(backend, problem):
+    """(the target's gradients by name, the exact gradients, the error model's bounds)."""
+    grads = _named(problem, backend, backend.run(problem))
+    return grads, *_bounded(backend, problem)
+
+
+def _bounded(backend, problem, reference=None):
+    reference = reference or gradient_reference(problem.forward, problem.dout, problem.dlse)
+    bound = gradient_error_bound(problem.forward, problem.dout, backend.precision(problem.dtype), reference,
+                                 out_given=problem.out, lse_given=problem.lse, dlse=problem.dlse)
+    return reference, bound
+
+
+def _per_kv_head(problem, x):
+    """[B, H, ...] summed over each kv head's query heads: [B, Hkv, ...]."""
+    B, H = x.shape[:2]
+    return x.reshape(B, problem.kv_heads, problem.group_size, *x.shape[2:]).sum(axis=2)
+
+
+def _sink_weight(problem, reference):
+    """(Ps [B, H, Nq], its bound): the sink's weight exp(sink - L) from the certified LSE (zeros
+    without sinks); a row that sees no key has L = sink, Ps = 1."""
+    if problem.sinks is None:
+        zeros = np.zeros(problem.lse_shape)
+        return zeros, zeros
+    L = reference.lse
+    with np.errstate(under="ignore"):
+        ps = np.where(np.isfinite(L), np.exp(problem.sinks.astype(np.float64)[None, :, None] - L), 0.0)
+    # |L_hat - L| <= lse_bound moves exp by a factor within expm1(lse_bound); exp's own rounding
+    return ps, ps * (np.expm1(reference.forward.lse_bound) + 4 * U64)
+
+
+def _sum_check(name, problem, got, expected, tolerance, what, hint):
+    """Judge got ~ expected ([B, Hkv, D]) within tolerance; the failure names the index."""
+    mismatch, worst = exceeding(got, expected, tolerance)
+    if mismatch is not None:
+        return failed(name, problem, f"{what} ([batch, kv head, column]) broken ({hint}): "
+                                     + mismatch.describe(what), worst_ratio=worst)
+    return passed(name, problem, worst_ratio=worst)
+
+
+def _summed(x, bound, axis):
+    """(sum of x over axis in float64, the bound on its error from x's bounds and the sum's own
+    rounding: |sum (x_hat - x)| <= sum beta, plus gamma_n sum |x|)."""
+    x = np.asarray(x).astype(np.float64)
+    n = x.shape[axis]
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite gradient fails anyway (backends.watch)
+        return x.sum(axis=axis), bound.sum(axis=axis) + float(gamma(n)) * np.abs(x).sum(axis=axis)
+
+
+def key_sum_law(problem, grads, reference, bound):
+    """(sum_j dK_j of the target's gradients, the identity's value, the tolerance), each
+    [B, Hkv, D]: scale sum_i r_i q_i over the kv head's query heads (see the module's doc)."""
+    got, tol = _summed(grads["dk"], bound.dk, axis=2)
+    has_key = ~problem.masked_rows[None, None, :]
+    dlse = np.zeros(problem.lse_shape) if problem.dlse is None else problem.dlse.astype(np.float64)
+    ps, ps_bound = _sink_weight(problem, reference)
+    delta, delta_bound = reference.delta, reference.delta_bound
+    r = np.where(has_key, dlse + ps * (delta - dlse), 0.0)
+    # r's error: Ps's (times |D - dlse| + D's bound) and D's (times Ps), then r's three roundings
+    r_bound = np.where(has_key, ps_bound * (np.abs(delta - dlse) + delta_bound) + ps * delta_bound
+                       + float(gamma(3)) * (np.abs(dlse) + ps * (np.abs(delta) + np.abs(dlse))), 0.0)
+    q = problem.q64()
+    scale = problem.scale_value
+    expected = scale * _per_kv_head(problem, np.einsum("bhi,bhid->bhd", r, q))
+    n = problem.group_size * problem.nq + 2
+    tol = tol + scale * _per_kv_head(problem, np.einsum("bhi,bhid->bhd", r_bound, np.abs(q))) + float(gamma(n)) * (
+        scale * _per_kv_head(problem, np.einsum("bhi,bhid->bhd", np.abs(r), np.abs(q))))
+    return got, expected, tol
+
+
+def check_gradient_key_sum(backend, problem):
+    """sum_j dK_j = scale sum_i r_i q_i, r_i = sum_j dS_ij = dlse_i + Ps_i (D_i - dlse_i): 0 without sinks and dlse."""
+    backend = as_backend(backend)
+    name = "gradient_key_sum"
+    if problem.softcap > 0:
+        return not_applicable(name, problem, "a softcap multiplies dS_ij by 1 - tanh^2(t_ij / softcap): sum_j dS_ij "
+                                             "has no closed form")
+    hint = ("0 without sinks and dlse: the D term is missing?" if problem.sinks is None and problem.dlse is None
+            else "scale sum_i (dlse_i + Ps_i (D_i - dlse_i)) q_i: the D, dlse or sink term is wrong?")
+    return _sum_check(name, problem, *key_sum_law(problem, *_judged(backend, problem)), "sum_j dK_j", hint)
+
+
+def value_sum_law(problem, grads, reference, bound):
+    """(sum_j dV_j of the target's gradients, the identity's value, the tolerance), each
+    [B, Hkv, D]: sum_i (1 - Ps_i) dO_i over the kv head's query heads' rows that see a key."""
+    got, tol = _summed(grads["dv"], bound.dv, axis=2)
+    ps, ps_bound = _sink_weight(problem, reference)
+    has_key = ~problem.masked_rows[None, None, :]
+    weight = np.where(has_key, 1.0 - ps, 0.0)
+    weight_bound = np.where(has_key, ps_bound + U64 * np.abs(weight), 0.0)
+    do = problem.dout.astype(np.float64)
+    expected = _per_kv_head(problem, np.einsum("bhi,bhid->bhd", weight, do))
+    n = problem.group_size * problem.nq + 1
+    tol = tol + _per_kv_head(problem, np.einsum("bhi,bhid->bhd", weight_bound, np.abs(do))) + float(gamma(n)) * (
+        _per_kv_head(problem, np.einsum("bhi,bhid->bhd", np.abs(weight), np.abs(do))))
+    return got, expected, tol
+
+
+def check_gradient_value_sum(backend, problem):
+    """sum_j dV_j = sum_i (1 - Ps_i) dO_i over the rows that see a key (sum_i dO_i without sinks)."""
+    backend = as_backend(backend)
+    hint = "sum_i dO_i over rows that see a key" + (" times 1 - P_sink" if problem.sinks is not None else "")
+    return _sum_check("gradient_value_sum", problem, *value_sum_law(problem, *_judged(backend, problem)),
+                      "sum_j dV_j", hint + ": P not normalised by the LSE, a key or row lost or counted twice?")
+
+
+def mha_twin(problem):
+    """The backward problem with k, v repeated per query head (MHA): the same forward (out, lse)."""
+    g = problem.group_size
+    forward = problem.forward.replace(k=np.repeat(problem.k, g, axis=1), v=np.repeat(problem.v, g, axis=1))
+    return problem.replace(forward=forward)
+
+
+def check_gradient_gqa_group_sum(backend, problem):
+    """dK, dV of a GQA problem equal the group sums of the target's own gradients with k, v repeated per query head."""
+    backend = as_backend(backend)
+    name = "gradient_gqa_group_sum"
+    if problem.group_size == 1:
+        return not_applicable(name, problem, "an MHA problem (one query head per kv head): no group to sum")
+    twin = mha_twin(problem)
+    reason = unsupported(backend, twin)
+    if reason:
+        return not_applicable(name, problem, reason)
+    grads, _, bound = _judged(backend, problem)
+    twin_grads, _, twin_bound = _judged(backend, twin)
+    worst, found = 0.0, []
+    for tensor in ("dk", "dv"):
+        per_head = np.asarray(twin_grads[tensor]).astype(np.float64)
+        # each head's gradient within its bound; the group's sum within their sum + its rounding
+        summed = _per_kv_head(problem, per_head)
+        tol = bound.bound(tensor) + _per_kv_head(problem, twin_bound.bound(tensor)) + float(
+            gamma(problem.group_size)) * _per_kv_head(problem, np.abs(per_head))
+        mismatch, ratio = exceeding(grads[tensor], summed, tol)
+        worst = max(worst, ratio)
+        if mismatch is not None:
+            found.append(mismatch.describe(f"{tensor} ([batch, kv head, key, column])"))
+    if found:
+        return failed(name, problem, f"the GQA gradients are not the sums over each group's query heads of the "
+                                     f"same problem's MHA gradients (group of {problem.group_size}: one head "
+                                     "taken, or a head counted twice?): " + "; ".join(found), worst_ratio=worst)
+    return passed(name, problem, worst_ratio=worst)
+
+
+# --- the adjoint identity --------------------------------------------------------------------------
+
+def directional_derivative(problem, reference, direction):
+    """(the loss <dO, out> + <dlse, lse>'s derivative along direction = (a, b, c) (shaped q, k, v),
+    split per tensor: {"dq": [B, H], "dk": [B, Hkv], "dv": [B, Hkv]}, and a bound on each's
+    float64 error), by forward mode from the certified forward's P."""
+    a, b, c = direction
+    B, H, Nq, D = problem.out_shape
+    G = problem.group_size
+    q = problem.q64()
+    k, v = problem.kv64()
+    b_rows, c_rows = (np.repeat(x, G, axis=1) for x in (b, c))
+    do = problem.dout.astype(np.float64)
+    dlse = np.zeros(problem.lse_shape) if problem.dlse is None else problem.dlse.astype(np.float64)
+    L = reference.lse
+    scale = problem.scale_value
+    parts = {t: np.zeros((B, H)) for t in ("dq", "dk", "dv")}
+    magnitudes = {t: np.zeros((B, H)) for t in parts}
+    mask = problem.mask
+    rel = np.zeros((B, H))
+    for bi, h in np.ndindex(B, H):
+        live = np.isfinite(L[bi, h])
+        allowed = mask & live[:, None]
+        z, slope, _, _ = _RowVariants.of(problem, bi, h, slice(None)).logits(scale * (q[bi, h] @ k[bi, h].T))
+        L0 = np.where(live, L[bi, h], 0.0)[:, None]
+        with np.errstate(under="ignore"):
+            p = np.where(allowed, np.exp(np.minimum(z - L0, 0.0)), 0.0)
+        dp_abs = np.abs(do[bi, h]) @ np.abs(v[bi, h]).T
+        o = p @ v[bi, h]
+        d_abs = (np.abs(do[bi, h]) * (p @ np.abs(v[bi, h]))).sum(-1)
+        for tensor, s_dir, s_abs in (
+                ("dq", scale * slope * (a[bi, h] @ k[bi, h].T), scale * slope * (np.abs(a[bi, h]) @ np.abs(k[bi, h]).T)),
+                ("dk", scale * slope * (q[bi, h] @ b_rows[bi, h].T),
+                 scale * slope * (np.abs(q[bi, h]) @ np.abs(b_rows[bi, h]).T))):
+            lse_dir = (p * s_dir).sum(-1)
+            out_dir = (p * s_dir) @ v[bi, h] - lse_dir[:, None] * o
+            parts[tensor][bi, h] = (do[bi, h] * out_dir).sum() + (dlse[bi, h] * lse_dir).sum()
+            magnitudes[tensor][bi, h] = (p * s_abs * (dp_abs + d_abs[:, None] + np.abs(dlse[bi, h])[:, None])).sum()
+        out_dir = p @ c_rows[bi, h]
+        parts["dv"][bi, h] = (do[bi, h] * out_dir).sum()
+        magnitudes["dv"][bi, h] = (np.abs(do[bi, h]) * (p @ np.abs(c_rows[bi, h]))).sum()
+        # P's relative error: the certified LSE's bound, and z's float64 arithmetic (gamma_{D+8}
+        # of the logits' magnitudes: the GEMM, the scale, softcap, ALiBi)
+        z_abs = scale * (np.abs(q[bi, h]) @ np.abs(k[bi, h]).T) + 2 * np.abs(z) + np.abs(L0)
+        rel[bi, h] = float(np.expm1(np.where(allowed, reference.forward.lse_bound[bi, h][:, None]
+                                             + float(gamma(D + 8)) * z_abs, 0.0).max(initial=0.0)))
+    # P enters each term up to three times (p, O, lse'): 3 rel, plus the sums' roundings
+    n = D + problem.nk + G * Nq + 8
+    bounds = {t: (3 * rel + 3 * U64 + float(gamma(n))) * m for t, m in magnitudes.items()}
+    result = {"dq": (parts["dq"], bounds["dq"])}
+    for t in ("dk", "dv"):
+        result[t] = (_per_kv_head(problem, parts[t]), _per_kv_head(problem, bounds[t]))
+    return result
+
+
+def random_direction(problem, seed: int):
+    """(a, b, c): standard normal directions shaped q, k, v (float64)."""
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(x.shape) for x in (problem.q, problem.k, problem.v))
+
+
+def adjoint_law(problem, grads, reference, bound, direction) -> dict:
+    """tensor -> (<gradient, its direction> per head, the forward's directional derivative along
+    it, the tolerance): [B, H] for dq, [B, Hkv] for dk and dv."""
+    expected = directional_derivative(problem, reference, direction)
+    law = {}
+    for tensor, x in zip(("dq", "dk", "dv"), direction):
+        g = np.asarray(grads[tensor]).astype(np.float64)
+        axes = (2, 3)
+        with np.errstate(invalid="ignore", over="ignore"):
+            got = (g * x).sum(axis=axes)
+            # |<g_hat - g, x>| <= <beta, |x|>, plus the float64 dot product's rounding
+            tol = (bound.bound(tensor) * np.abs(x)).sum(axis=axes) + float(gamma(x.shape[2] * x.shape[3])) * np.abs(
+                g * x).sum(axis=axes)
+        value, value_bound = expected[tensor]
+        law[tensor] = (got, value, tol + value_bound)
+    return law
+
+
+def adjoint_check(backend, problem, direction, name: str = "gradient_adjoint"):
+    """The adjoint identity along `direction`, per tensor and head."""
+    worst, found = 0.0, []
+    for tensor, (got, value, tol) in adjoint_law(problem, *_judged(backend, problem), direction).items():
+        mismatch, ratio = exceeding(got, value, tol)
+        worst = max(worst, ratio)
+        if mismatch is not None:
+            found.append(mismatch.describe(f"<{tensor}, direction> ([batch, head])"))
+    if found:
+        return failed(name, problem, "the gradients are not the derivative of the forward's loss <dO, out> + "
+                                     "<dlse, lse> along a random direction (the adjoint identity): "
+                                     + "; ".join(found), worst_ratio=worst)
+    return passed(name, problem, worst_ratio=worst)
+
+
+def check_gradient_adjoint(backend, problem, *, seed: int = 0):
+    """<dQ, a> + <dK, b> + <dV, c> equals the forward's directional derivative of <dO, out> + <dlse, lse> along (a, b, c)."""
+    backend = as_backend(backend)
+    return adjoint_check(backend, problem, random_direction(problem, seed))
+
+
+# --- linearity in dO ---------------------------------------------------------------------------------
+
+def bitwise_linearity(problem, reference, k: int) -> str | None:
+    """Why scaling dout by 2^k may change more than the exponent of an FA2 backward's gradients
+    (None: it must not). Every stage then stays normal: inputs >= 2^-16 (nonzero) make every
+    product dO v, q k >= 2^-32 and a sum residue >= 2^-55 (a multiple of the smallest term's
+    ulp); P >= 2^-32 makes dS = P (dP - D) >= 2^-87, its products with q, k >= 2^-103 and their
+    residues >= 2^-126, fp32's smallest normal, before the scaling by 2^k (k >= -2: 2^-128 is
+    exact too, a multiple of 2^-149). fp16 has no such room (its smallest normal is 2^-14)."""
+    if problem.dtype == "fp16":
+        return "fp16's dS and small gradients are subnormal (below 2^-14), and a subnormal does not scale exactly"
+    arrays = [problem.q, problem.k, problem.v, problem.dout] + ([] if problem.dlse is None else [problem.dlse])
+    for x in arrays:
+        x = np.abs(np.asarray(x).astype(np.float64))
+        if ((x > 0) & (x < 2.0 ** -INPUT_FLOOR)).any():
+            return f"an input has a nonzero magnitude below 2^-{INPUT_FLOOR}: a stage may leave the normal range"
+    forward = problem.forward
+    L = reference.lse
+    scale = forward.scale_value
+    q = forward.q64()
+    kk, _ = forward.kv64()
+    for b, h in np.ndindex(forward.batch, forward.heads):
+        z, *_ = _RowVariants.of(forward, b, h, slice(None)).logits(scale * (q[b, h] @ kk[b, h].T))
+        allowed = forward.mask & np.isfinite(L[b, h])[:, None]
+        if (allowed & (z - np.where(np.isfinite(L[b, h]), L[b, h], 0.0)[:, None] < -P_FLOOR * np.log(2) + 1)).any():
+            return f"some probability is below 2^-{P_FLOOR}: dS = P (dP - D) may be subnormal"
+    return None
+
+
+def _scaled(problem, k: int):
+    factor = 2.0 ** k
+    dlse = None if problem.dlse is None else (problem.dlse * np.float32(factor)).astype(np.float32)
+    return problem.replace(dout=(problem.dout.astype(np.float32) * factor).astype(problem.dout.dtype), dlse=dlse)
+
+
+def check_gradient_linearity(backend, problem, *, seed: int = 0):
+    """dout and dlse times 2^k give the gradients times 2^k: bitwise where every stage stays normal, within the error model otherwise."""
+    backend = as_backend(backend)
+    name = "gradient_linearity"
+    k = int(np.random.default_rng(seed).choice(LINEARITY_EXPONENTS))
+    limit = float(finfo(problem.dtype).max) / 2.0 ** max(k, 0)
+    if np.abs(problem.dout.astype(np.float64)).max(initial=0.0) >= limit:
+        return not_applicable(name, problem, f"dout times 2^{k} would overflow {problem.dtype}")
+    scaled = _scaled(problem, k)
+    if scaled.dout.astype(np.float64).tolist() != (problem.dout.astype(np.float64) * 2.0 ** k).tolist():
+        return not_applicable(name, problem, f"dout times 2^{k} is not exact in {problem.dtype} (subnormal values)")
+    grads, ref, bound = _judged(backend, problem)
+    again = _named(scaled, backend, backend.run(scaled))
+    factor = 2.0 ** k
+    why = f"dout{' and dlse' if problem.dlse is not None else ''} times 2^{k}"
+    reason = bitwise_linearity(problem, ref, k)
+    names = [t for t in grads if t != "dq" or backend.deterministic_dq]
+    if reason is None:
+        for tensor in names:
+            mismatch = differing(again[tensor], np.asarray(grads[tensor]).astype(np.float64) * factor)
+            if mismatch is not None:
+                return failed(name, problem, f"{why} did not scale the gradients by exactly 2^{k} (every stage "
+                                             f"stays normal here, so FA2's arithmetic is exact under the scaling): "
+                                             + mismatch.describe(tensor))
+        if "dq" in names:
+            return passed(name, problem, worst_ratio=0.0)
+    # within the error model: each run within its own bound of the exact gradients, which scale
+    scaled_ref = dataclasses.replace(
+        ref, **{f: None if getattr(ref, f) is None else getattr(ref, f) * factor
+                for f in ("dq", "dk", "dv", "dsinks", "dq_bound", "dk_bound", "dv_bound", "dsinks_bound", "delta",
+                          "delta_bound")})
+    _, scaled_bound = _bounded(backend, scaled, scaled_ref)
+    worst, found = 0.0, []
+    for tensor in grads if reason is not None else ["dq"]:
+        tol = scaled_bound.bound(tensor) + factor * bound.bound(tensor)
+        mismatch, ratio = exceeding(again[tensor], np.asarray(grads[tensor]).astype(np.float64) * factor, tol)
+        worst = max(worst, ratio)
+        if mismatch is not None:
+            found.append(mismatch.describe(tensor))
+    if found:
+        return failed(name, problem, f"{why} did not scale the gradients by 2^{k} within the error model: "
+                      + "; ".join(found), worst_ratio=worst)
+    return passed(name, problem, worst_ratio=worst, note="" if reason is None else f"not bitwise: {reason}")
