@@ -18,7 +18,8 @@ from fa_verify.report.deviations import deviation_of
 #: The key of Record.extra that holds the worst element of a failing run.
 KEY = "failure"
 #: The property of `fa_verify.properties` that checks each tensor against the oracle.
-PROPERTY_OF_TENSOR = {"out": "oracle_agreement", "lse": "lse_agreement"}
+PROPERTY_OF_TENSOR = {"out": "oracle_agreement", "lse": "lse_agreement",
+                      **dict.fromkeys(("dq", "dk", "dv", "dsinks"), "gradient_agreement")}
 
 
 def _first(mask: np.ndarray):
