@@ -265,10 +265,10 @@ SWEEPS = {
     "backward": Sweep(
         "backward", f"gradients dq, dk, dv of the backward pass (upstream gradient dout drawn per point): "
         f"N = {', '.join(map(str, BACKWARD_LENGTHS))} (D = 64, MHA), GQA with Nq < Nk at D = 64 and MQA with "
-        "Nq > Nk at D = 96 (rows that see no key when causal); normal dout, and all-positive, sparse and "
+        "Nq > Nk at D = 72 (rows that see no key when causal); normal dout, and all-positive, sparse and "
         f"loss-scaled dout at N = {BACKWARD_SHAPE[3]}; every dtype and causal mode, normal inputs, one seed; "
         "each gradient judged by fa_verify's bound and by the rules others use",
-        grid(_seq_curve(BACKWARD_LENGTHS, heads=2) + [(1, 4, 2, 96, 160, 64), (1, 4, 1, 100, 64, 96)],
+        grid(_seq_curve(BACKWARD_LENGTHS, heads=2) + [(1, 4, 2, 96, 160, 64), (1, 4, 1, 100, 64, 72)],
              douts=("normal",))
         + grid([BACKWARD_SHAPE], douts=BACKWARD_DOUTS),
         budget_s=40.0, kind="backward"),
