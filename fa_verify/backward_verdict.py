@@ -46,6 +46,8 @@ class TensorCheck:
     dominant_term: str
     #: elements without a finite bound (first-order analysis fails there)
     unbounded_count: int = 0
+    #: the first rule this tensor fails (one of RULES after "shape"), None when it passes them
+    rule: str | None = None
 
     def line(self) -> str:
         return (f"{self.tensor}: {self.over_count} / {self.total} ({_pct(self.over_count, self.total)}) exceed the "
@@ -148,9 +150,11 @@ def check_gradients(grads: dict, problem: AttentionProblem, dout, *, out_given, 
 
     zeros = _structural_zeros(problem)
     parts = []
+    tensor_rule = {name: "finite" for name, b in bad.items() if b.any()}
     for name, where in zeros.items():
         nonzero = where & (got[name] != 0)
         if nonzero.any():
+            tensor_rule.setdefault(name, "structural_zeros")
             parts.append(f"{name} is not 0 at {int(nonzero.sum())} elements of rows or keys that attend nothing "
                          f"{_first(nonzero, got[name])}")
     if parts:
@@ -167,7 +171,8 @@ def check_gradients(grads: dict, problem: AttentionProblem, dout, *, out_given, 
         checks[name] = TensorCheck(
             tensor=name, total=int(err.size), over_count=over, ratio=float(ratios[w]), worst_index=w,
             value=float(x[w]), reference=float(ref[w]), error=float(err[w]), bound=float(allowed[w]),
-            dominant_term=bound.dominant_term(name, w), unbounded_count=int(np.isinf(allowed).sum()))
+            dominant_term=bound.dominant_term(name, w), unbounded_count=int(np.isinf(allowed).sum()),
+            rule=tensor_rule.get(name, "error_bound" if over else None))
         if over:
             failures.append(("error_bound", ""))
     order = {name: n for n, name in enumerate(RULES)}

@@ -31,11 +31,16 @@ import numpy as np
 
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.problem import NO_WINDOW, used_features
-from fa_verify.strategies import Shape, make_problem
+from fa_verify.strategies import Shape, make_backward_problem, make_problem
 
 #: Version of the record format; bump it when a field changes meaning or disappears.
 #: 2: the baseline rule's baseline_ratio became the ensemble rule's ensemble_ratio
-FORMAT_VERSION = 2
+#: 3: records gain `tensor` (what the errors are of: "out", or a gradient "dq", "dk", "dv",
+#: "dsinks": a backward run records one per gradient) and problems `dout`, `dout_seed` (the
+#: upstream gradient of a backward problem); a version 2 record reads as one of a forward problem
+FORMAT_VERSION = 3
+#: The versions `read()` accepts: version 2 records are version 3 ones of forward problems.
+READ_VERSIONS = (2, 3)
 #: Where a comparison came from.
 SOURCES = ("report", "check", "pytest")
 #: Names in Record.comparisons: the reference rounded to the dtype (the least error any kernel
@@ -55,7 +60,8 @@ class ResultsWarning(UserWarning):
 @dataclass(frozen=True)
 class ProblemDescriptor(Shape):
     """A problem without its q, k, v — its Shape, dtype, masking, scale, variants and value
-    source — enough to rebuild it with `make_problem`.
+    source — enough to rebuild it with `make_problem` (and, for a backward problem, its upstream
+    gradient's source: `make_backward_problem`).
 
     The variants (fa_verify.problem) are kept by value: slopes and sinks as tuples of their
     float32 values (nested for [B, H] slopes), exact in JSON; the defaults are a dense problem,
@@ -73,6 +79,10 @@ class ProblemDescriptor(Shape):
     softcap: float = 0.0
     alibi_slopes: tuple | None = None
     sinks: tuple | None = None
+    #: a backward problem's upstream gradient: its distribution (`DOUT_DISTRIBUTIONS`) and the
+    #: seed of `make_backward_problem` (None if drawn otherwise); None for a forward problem
+    dout: str | None = None
+    dout_seed: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -84,14 +94,16 @@ class ProblemDescriptor(Shape):
 
     @classmethod
     def of(cls, problem) -> "ProblemDescriptor":
-        """The descriptor of an AttentionProblem; distribution and seed come from its tags."""
+        """The descriptor of an AttentionProblem or a BackwardProblem; distribution and seeds
+        come from its tags."""
         tags = dict(problem.tags)
         return cls(batch=problem.batch, heads=problem.heads, kv_heads=problem.kv_heads,
                    nq=problem.nq, nk=problem.nk, head_dim=problem.head_dim, dtype=problem.dtype,
                    causal=problem.causal, causal_alignment=problem.causal_alignment,
                    scale=problem.scale, distribution=tags.get("distribution"),
                    seed=tags.get("seed"), window_size=problem.window_size, softcap=problem.softcap,
-                   alibi_slopes=_values(problem.alibi_slopes), sinks=_values(problem.sinks))
+                   alibi_slopes=_values(problem.alibi_slopes), sinks=_values(problem.sinks),
+                   dout=tags.get("dout"), dout_seed=tags.get("dout_seed"))
 
     def key(self) -> tuple:
         """A hashable identity of the problem, for resuming and pairing records."""
@@ -100,6 +112,12 @@ class ProblemDescriptor(Shape):
     @property
     def shape(self) -> Shape:
         return Shape.of(self)
+
+    @property
+    def kind(self) -> str:
+        """The kind of problem (`fa_verify.properties.kinds`): "backward" with an upstream
+        gradient, else "dense"."""
+        return "dense" if self.dout is None else "backward"
 
     @property
     def features(self) -> tuple:
@@ -115,17 +133,19 @@ class ProblemDescriptor(Shape):
         return " ".join(shown[name] for name in self.features)
 
     def rebuild(self):
-        """The AttentionProblem again (needs a known distribution and seed)."""
-        if self.distribution is None or self.seed is None:
+        """The AttentionProblem (BackwardProblem) again (needs a known distribution and seed,
+        and dout seed)."""
+        if self.distribution is None or self.seed is None or (self.dout is not None and self.dout_seed is None):
             raise InvalidArgumentError(
                 f"problem {self.shape} has no distribution/seed tags; it cannot be rebuilt")
         problem = make_problem(self.distribution, self.shape, self.dtype, self.seed,
                                causal=self.causal, causal_alignment=self.causal_alignment,
                                scale=self.scale)
-        return problem.replace(
+        problem = problem.replace(
             window_size=self.window_size, softcap=self.softcap,
             **{name: None if getattr(self, name) is None else np.array(getattr(self, name), np.float32)
                for name in ("alibi_slopes", "sinks")})
+        return problem if self.dout is None else make_backward_problem(problem, self.dout, self.dout_seed)
 
 
 def _values(x) -> tuple | None:
@@ -183,6 +203,10 @@ class Record:
     unbounded: int = 0
     #: free-form, JSON-ready labels from the caller (test id, hypothesis example, ...)
     extra: dict = field(default_factory=dict)
+    #: the tensor the errors are of: "out" (out_errors; lse_errors beside it), or one gradient
+    #: of a backward problem ("dq", "dk", "dv", "dsinks": out_errors are that tensor's, and its
+    #: run's other gradients are records of their own, written with it)
+    tensor: str = "out"
     format_version: int = FORMAT_VERSION
 
     def key(self) -> tuple:
@@ -199,9 +223,10 @@ class Record:
         if not isinstance(data, dict):
             raise InvalidArgumentError(f"a record is a JSON object, got {type(data).__name__}")
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READ_VERSIONS:
             raise UnknownFormatError(version)
         data["problem"] = ProblemDescriptor(**data["problem"])
+        data["format_version"] = FORMAT_VERSION  # an older version's record is one of this version
         return cls(**data)
 
 
@@ -209,7 +234,8 @@ class UnknownFormatError(InvalidArgumentError):
     """A record of a format version this fa_verify does not read."""
 
     def __init__(self, version):
-        super().__init__(f"format_version={version!r}; this fa_verify reads {FORMAT_VERSION}")
+        super().__init__(f"format_version={version!r}; this fa_verify reads "
+                         f"{', '.join(map(str, READ_VERSIONS))}")
         self.version = version
 
 
@@ -233,35 +259,38 @@ def record_from_verdict(problem, backend_name: str, precision, verdict, seconds,
     lse = summary.pop("lse_abs") if summary else None
     if summary:
         summary.pop("lse_worst_index")
-    return _record(problem, backend_name, precision, seconds, source, extra,
-                   out_errors=summary, lse_errors=lse,
-                   bound_ratio=_number(verdict.bound_ratio),
-                   lse_bound_ratio=_number(verdict.lse_bound_ratio),
-                   ensemble_ratio=_number(verdict.ensemble_ratio),
-                   passed=bool(verdict.passed), rule=verdict.rule,
-                   unbounded=int(verdict.unbounded_count),
-                   sweep=sweep, comparisons=comparisons, histograms=histograms)
+    return record_of(problem, backend_name, precision, seconds, source, extra,
+                     out_errors=summary, lse_errors=lse,
+                     bound_ratio=_number(verdict.bound_ratio),
+                     lse_bound_ratio=_number(verdict.lse_bound_ratio),
+                     ensemble_ratio=_number(verdict.ensemble_ratio),
+                     passed=bool(verdict.passed), rule=verdict.rule,
+                     unbounded=int(verdict.unbounded_count),
+                     sweep=sweep, comparisons=comparisons, histograms=histograms)
 
 
 def record_from_error(problem, backend_name: str, precision, error: BaseException, seconds,
-                      source: str, extra: dict | None = None, *, sweep: str | None = None) -> Record:
+                      source: str, extra: dict | None = None, *, sweep: str | None = None,
+                      tensor: str = "out") -> Record:
     """A failing Record (rule RUN_ERROR) for a run that raised `error` instead of returning."""
     return record_from_failure(problem, backend_name, precision, RUN_ERROR, f"{type(error).__name__}: {error}",
-                               seconds, source, extra, sweep=sweep)
+                               seconds, source, extra, sweep=sweep, tensor=tensor)
 
 
 def record_from_failure(problem, backend_name: str, precision, rule: str, cause: str, seconds,
-                        source: str, extra: dict | None = None, *, sweep: str | None = None) -> Record:
+                        source: str, extra: dict | None = None, *, sweep: str | None = None,
+                        tensor: str = "out") -> Record:
     """A failing Record without error measurements: `rule` failed (RUN_ERROR: the run raised;
-    or a property judged without the oracle), `cause` says how (kept in extra["error"])."""
+    or a property judged without the oracle), `cause` says how (kept in extra["error"]);
+    `tensor`: which of the run's tensors it stands for."""
     extra = {"error": cause, **(extra or {})}
-    return _record(problem, backend_name, precision, seconds, source, extra,
-                   out_errors=None, lse_errors=None, bound_ratio=None, lse_bound_ratio=None,
-                   ensemble_ratio=None, passed=False, rule=rule, sweep=sweep)
+    return record_of(problem, backend_name, precision, seconds, source, extra,
+                     out_errors=None, lse_errors=None, bound_ratio=None, lse_bound_ratio=None,
+                     ensemble_ratio=None, passed=False, rule=rule, sweep=sweep, tensor=tensor)
 
 
-def _record(problem, backend_name, precision, seconds, source, extra, **outcome) -> Record:
-    """The fields every record has, around the outcome's."""
+def record_of(problem, backend_name, precision, seconds, source, extra, **outcome) -> Record:
+    """The fields every record has, around the outcome's (Record's other fields, by name)."""
     if source not in SOURCES:
         raise InvalidArgumentError(f"source={source!r}; use one of {SOURCES}")
     if not isinstance(seconds, dict):
@@ -281,10 +310,12 @@ class ResultsStore:
     def __init__(self, path):
         self.path = Path(path)
 
-    def append(self, record: Record) -> None:
-        """Append one record as one line, atomically with respect to other appenders."""
+    def append(self, *records: Record) -> None:
+        """Append records, one line each, in one write: atomically with respect to other
+        appenders, and an interruption keeps all of them or none (a backward run's gradients
+        are one record each: a resumed run finds all of them or reruns it)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = (record.to_json() + "\n").encode()
+        line = "".join(record.to_json() + "\n" for record in records).encode()
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

@@ -22,10 +22,13 @@ import numpy as np
 
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.problem import NO_WINDOW, used_features
-from fa_verify.strategies import Shape, make_problem
+from fa_verify.strategies import Shape, make_backward_problem, make_problem
 
-#: The kind of problem every sweep is made of (`fa_verify.properties.kinds`).
+#: The kind of problem a sweep is made of unless it says otherwise (`fa_verify.properties.kinds`).
 PROBLEM_KIND = "dense"
+#: The kinds a sweep can be made of: a dense point is a forward problem, a backward point the
+#: same problem with an upstream gradient (`SweepPoint.dout`).
+KINDS = ("dense", "backward")
 
 DTYPES = ("fp16", "bf16", "fp32")
 CAUSAL = (False, True)
@@ -77,16 +80,29 @@ class SweepPoint:
     distribution: str
     seed: int
     variant: Variant = DENSE
+    #: a backward point's upstream gradient (a name of `DOUT_DISTRIBUTIONS`, drawn from `seed`);
+    #: None for a forward point
+    dout: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return PROBLEM_KIND if self.dout is None else "backward"
 
     @property
     def work(self) -> int:
         """B·H·Nq·Nk·D: the run time of an attention kernel grows with it."""
         return self.shape.work
 
+    @property
+    def label(self) -> str:
+        """What the progress line shows after the shape: the variants, a backward's dout."""
+        return " ".join(x for x in (self.variant.label, self.dout and f"dout={self.dout}") if x)
+
     def problem(self):
-        """The AttentionProblem the point runs."""
-        return self.variant.apply(make_problem(self.distribution, self.shape, self.dtype, self.seed,
-                                               causal=self.causal))
+        """The AttentionProblem the point runs (BackwardProblem for a backward point)."""
+        forward = self.variant.apply(make_problem(self.distribution, self.shape, self.dtype, self.seed,
+                                                  causal=self.causal))
+        return forward if self.dout is None else make_backward_problem(forward, self.dout, self.seed)
 
 
 @dataclass(frozen=True)
@@ -99,20 +115,28 @@ class Sweep:
     #: published results reproduced after the sweep (`fa_verify.report.published.EXPERIMENTS`;
     #: fixed experiments, cached by their inputs, not per backend)
     published: tuple = ()
+    #: the kind of problem its points are (KINDS); the report runs the backends of that kind
+    kind: str = PROBLEM_KIND
+
+    def __post_init__(self):
+        wrong = [p for p in self.points if p.kind != self.kind]
+        if self.kind not in KINDS or wrong:
+            raise InvalidArgumentError(f"sweep {self.name!r} of kind={self.kind!r} has points of kind "
+                                       f"{wrong[0].kind if wrong else '?'}; kinds: {', '.join(KINDS)}")
 
     def ordered(self) -> list[SweepPoint]:
         """Cheapest first, so that a budget cut leaves the largest shapes out, never a column."""
         return sorted(self.points, key=lambda p: (p.work, p.shape.nq, DTYPES.index(p.dtype),
-                                                  p.causal, p.distribution, p.seed, p.variant.label))
+                                                  p.causal, p.distribution, p.seed, p.label))
 
 
 def grid(shapes, *, dtypes=DTYPES, causal=CAUSAL, distributions=("normal",), seeds=(0,),
-         variants=(DENSE,)) -> tuple:
+         variants=(DENSE,), douts=(None,)) -> tuple:
     """Every combination of the given shapes (6-tuples), dtypes, causal modes, distributions,
-    seeds and variants."""
-    return tuple(SweepPoint(Shape.coerce(s), d, c, dist, seed, variant)
-                 for s, d, c, dist, seed, variant in product(shapes, dtypes, causal, distributions,
-                                                             seeds, variants))
+    seeds, variants and upstream gradients (None: forward points)."""
+    return tuple(SweepPoint(Shape.coerce(s), d, c, dist, seed, variant, dout)
+                 for s, d, c, dist, seed, variant, dout in product(shapes, dtypes, causal, distributions,
+                                                                   seeds, variants, douts))
 
 
 #: The quick sweep's error-vs-N lengths: half octaves up to 256, where runs are cheap, then
@@ -180,6 +204,13 @@ FA3_PAPER_RMSE = {
     "FlashAttention-3 (fp16)": 1.9e-4,
 }
 
+#: The backward sweep's error-vs-N lengths (a backward run costs ~2.5 forward ones).
+BACKWARD_LENGTHS = (16, 32, 64, 128, 256)
+#: Upstream gradients of the backward sweep at BACKWARD_SHAPE besides "normal": torch.rand's
+#: all-positive dO (dS = P (dP - D) cancels), a few rows only, a mixed-precision loss scale.
+BACKWARD_DOUTS = ("uniform-positive", "sparse", "loss-scaled")
+BACKWARD_SHAPE = (1, 2, 2, 128, 128, 64)
+
 SWEEPS = {
     "quick": Sweep(
         "quick", f"every dtype and causal mode at {len(QUICK_LENGTHS)} sequence lengths N = "
@@ -231,6 +262,16 @@ SWEEPS = {
              distributions=("normal", "fa3_outliers", "large_logits", "uniform"), seeds=(0, 1, 2)),
         budget_s=900.0,
         published=("fa3", "golden")),
+    "backward": Sweep(
+        "backward", f"gradients dq, dk, dv of the backward pass (upstream gradient dout drawn per point): "
+        f"N = {', '.join(map(str, BACKWARD_LENGTHS))} (D = 64, MHA), GQA with Nq < Nk at D = 64 and MQA with "
+        "Nq > Nk at D = 72 (rows that see no key when causal); normal dout, and all-positive, sparse and "
+        f"loss-scaled dout at N = {BACKWARD_SHAPE[3]}; every dtype and causal mode, normal inputs, one seed; "
+        "each gradient judged by fa_verify's bound and by the rules others use",
+        grid(_seq_curve(BACKWARD_LENGTHS, heads=2) + [(1, 4, 2, 96, 160, 64), (1, 4, 1, 100, 64, 72)],
+             douts=("normal",))
+        + grid([BACKWARD_SHAPE], douts=BACKWARD_DOUTS),
+        budget_s=40.0, kind="backward"),
 }
 
 

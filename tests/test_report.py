@@ -120,7 +120,7 @@ def test_rendered_numbers_equal_the_stored_metrics(gold_records, rendered):
 def test_summary_json_is_strict_and_matches_the_records(gold_records, rendered):
     text = (rendered / "summary.json").read_text()
     summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
-    assert summary["format_version"] == 7
+    assert summary["format_version"] == 8
     assert summary["totals"]["records"] == len(gold_records)
     declared = [r for r in gold_records if r.extra.get("declared_deviation")]
     assert len(declared) == 3 and {r.backend for r in declared} == {"torch-sdpa-flash-cpu"}

@@ -16,7 +16,9 @@ def add_parser(sub) -> None:
     cmd = sub.add_parser(
         "report", help="run a sweep of every backend and write an HTML error report",
         description="Runs every selected backend over a sweep of shapes x dtype x causal, judges "
-                    "each output against the certified reference, appends one record per run to "
+                    "each output against the certified reference (the backward sweep: each "
+                    "gradient, on the backward backends), appends one record per run (per "
+                    "gradient) to "
                     "OUT/results.jsonl as it goes, and renders OUT/index.html (self-contained), "
                     "OUT/summary.json and OUT/summary.md. The quick, default and thorough "
                     "sweeps then reproduce two published results on our own kernels "
@@ -36,7 +38,9 @@ def add_parser(sub) -> None:
                           "variants: each of window, softcap, ALiBi, sinks and all four together, "
                           "on the backends that implement them, the others listed as not "
                           "applicable, with tables and figures per feature; decode: one query "
-                          "against the quick lengths of keys, error against Nk)")
+                          "against the quick lengths of keys, error against Nk; backward: the "
+                          "gradients dq, dk, dv of the backward backends, each judged by fa_verify "
+                          "and by the rules others use, side by side)")
     cmd.add_argument("--out", default="reports", metavar="DIR", type=writable_folder,
                      help="output directory (default reports/)")
     cmd.add_argument("--from", dest="source", metavar="RESULTS", type=not_a_folder,
@@ -50,13 +54,12 @@ def add_parser(sub) -> None:
     cmd.set_defaults(handler=_run)
 
 
-def _backends(names):
+def _backends(names, kind: str):
     from fa_verify.backends import builtin_backends, get_backend
     from fa_verify.errors import BackendUnavailableError
-    from fa_verify.sweeps import PROBLEM_KIND
 
-    if not names:  # the sweeps are of dense problems: the backends that run them
-        return [b for b in builtin_backends() if b.availability().available and PROBLEM_KIND in b.kinds]
+    if not names:  # the backends that run the sweep's kind of problem
+        return [b for b in builtin_backends() if b.availability().available and kind in b.kinds]
     # a repeated --backend runs once (by the name it resolves to)
     backends = list({b.name: b for b in (get_backend(name) for name in names)}.values())
     for backend in backends:
@@ -91,11 +94,11 @@ def _run(args) -> int:
         return _render(records, out, RunInfo.load(source.parent), args.fail_on,
                        published.load(source.parent))
 
-    backends = _backends(args.backend)
+    sweep = get_sweep(args.sweep)
+    backends = _backends(args.backend, sweep.kind)
     store = ResultsStore(out / RESULTS)
     previous = store.read() if args.resume else []
     done = frozenset(r.key() for r in previous)
-    sweep = get_sweep(args.sweep)
     plan = plan_sweep(sweep, backends, done)  # a usage error here leaves the old results alone
     if not args.resume and store.path.exists():
         store.path.replace(out / "results.prev.jsonl")

@@ -3,7 +3,8 @@
 Rows bucket shapes by sequence length, head dim and head grouping rather than listing exact
 shapes, so that randomly generated problems (pytest, `fa_verify check`) group as well as a
 sweep's; the sweeps pick one shape per bucket. Problems with variants (window, softcap, ALiBi,
-sinks) get rows of their own, per combination of features, after the dense ones. Columns are
+sinks) get rows of their own, per combination of features, after the dense ones; a backward
+problem's gradients (records of dq, dk, dv) get a row each, after the bucket's output. Columns are
 dtype × causal.
 """
 
@@ -19,6 +20,8 @@ SEQ_EDGES = (16, 64, 256, 1024, 4096)
 #: Upper ends of the head-dim buckets.
 HEAD_DIM_EDGES = (32, 64, 128)
 GROUPINGS = ("MHA", "GQA", "MQA")
+#: What a record's errors can be of (`Record.tensor`), in row order: the output, the gradients.
+TENSORS = ("out", "dq", "dk", "dv", "dsinks")
 
 
 def _range_label(value: int, edges, name: str) -> tuple[int, str]:
@@ -45,11 +48,18 @@ class Bucket:
     grouping: str
     #: the features, e.g. "window + softcap"; "" for a dense problem
     variant: str = ""
+    #: TENSORS' index of what the errors are of (0: the output)
+    tensor_index: int = 0
+
+    @property
+    def tensor(self) -> str:
+        return TENSORS[self.tensor_index]
 
     @property
     def label(self) -> str:
         shape = f"{self.seq} · {self.head_dim} · {self.grouping}"
-        return f"{self.variant} · {shape}" if self.variant else shape
+        shape = f"{self.variant} · {shape}" if self.variant else shape
+        return shape if self.tensor == "out" else f"{shape} · {self.tensor}"
 
 
 def grouping(heads: int, kv_heads: int) -> str:
@@ -58,14 +68,14 @@ def grouping(heads: int, kv_heads: int) -> str:
     return "MQA" if kv_heads == 1 else "GQA"
 
 
-def bucket_of(problem) -> Bucket:
-    """The bucket of a ProblemDescriptor."""
+def bucket_of(problem, tensor: str = "out") -> Bucket:
+    """The bucket of a ProblemDescriptor, for the errors of `tensor` (a record's `tensor`)."""
     seq_index, seq = _range_label(max(problem.nq, problem.nk), SEQ_EDGES, "N")
     dim_index, dim = _range_label(problem.head_dim, HEAD_DIM_EDGES, "D")
     kind = grouping(problem.heads, problem.kv_heads)
     features = problem.features
     return Bucket(variant_key(features), seq_index, dim_index, GROUPINGS.index(kind), seq, dim, kind,
-                  variant_name(features))
+                  variant_name(features), TENSORS.index(tensor))
 
 
 def variant_name(features) -> str:

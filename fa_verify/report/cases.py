@@ -2,8 +2,9 @@
 each with a reproducer script (`fa_verify.properties.reproduce`, written into the report's
 folder) that replays on the rebuilt problem what judged the run: the property that sees its
 failure (`failure.property_of`: the one recorded with it, or the oracle property of the tensor
-that failed), else oracle agreement of the output and, when the run returned an LSE, of the LSE
-(a report sweep judges both)."""
+that failed), else the oracle property of the record's tensor (oracle agreement of the output
+and, when the run returned an LSE, of the LSE: a report sweep judges both; gradient agreement of
+a backward run's gradients)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.properties.reproduce import NotReproducible, Target, write_reproducer
 from fa_verify.report.aggregate import out_stat
-from fa_verify.report.failure import KEY as FAILURE_KEY, property_of
+from fa_verify.report.failure import KEY as FAILURE_KEY, PROPERTY_OF_TENSOR, property_of
 from fa_verify.report.ulp import ulp_stat
 
 #: How many passing runs with the largest bound ratios the worst-case list shows.
@@ -46,7 +47,7 @@ def replayed_properties(record) -> tuple:
     seen_by = property_of(record)
     if seen_by:
         return (seen_by,)
-    return ("oracle_agreement",) + (("lse_agreement",) if record.lse_errors is not None else ())
+    return (PROPERTY_OF_TENSOR[record.tensor],) + (("lse_agreement",) if record.lse_errors is not None else ())
 
 
 def record_target(record) -> Target:
@@ -85,7 +86,9 @@ def _case(record, count: int = 1, repro_dir=None) -> Case:
     command = _reproducer(record, repro_dir)
     return Case(backend=record.backend,
                 problem=(f"{p.shape} {p.dtype} {'causal ' + p.causal_alignment if p.causal else 'full'}"
-                         f"{' ' + p.variant if p.features else ''}, {p.distribution} inputs, seed {p.seed}"),
+                         f"{' ' + p.variant if p.features else ''}, {p.distribution} inputs, seed {p.seed}"
+                         f"{f', dout {p.dout}' if p.dout else ''}"
+                         f"{'' if record.tensor == 'out' else f': {record.tensor}'}"),
                 rule=record.rule, bound_ratio=record.bound_ratio,
                 ensemble_ratio=record.ensemble_ratio,
                 normalised_max=out_stat(record, "normalised", "max"),

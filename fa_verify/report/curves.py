@@ -9,6 +9,7 @@ same inputs is the floor.
 Naive same-precision attention is drawn as a comparison only when it is not itself among the
 backends (it would appear twice). Backends of one panel whose curves coincide are named
 together (`coinciding`), so the figure can say that one line is several.
+Records of a backward problem's gradients give one curve per gradient (`Curve.tensor`).
 Nothing here knows a sweep: any records with several lengths of one family give curves.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from fa_verify.dtypes import DTYPE_NAMES
 from fa_verify.report.aggregate import out_stat
+from fa_verify.report.buckets import TENSORS
 from fa_verify.report.families import by_family
 from fa_verify.report.yardsticks import LARGEST_BOUND_KEY
 from fa_verify.results import EXACTLY_ROUNDED, NAIVE_SAME_PRECISION
@@ -63,6 +65,8 @@ class Curve:
     #: groups of backends of one panel whose curves coincide (`coinciding`): drawn on top of
     #: one another, they would read as one
     coinciding: list = field(default_factory=list)
+    #: what the errors are of (`Record.tensor`): the output, or a gradient
+    tensor: str = "out"
 
     @property
     def lengths(self) -> int:
@@ -76,24 +80,26 @@ KINDS = (("Nq = Nk", lambda p: p.nq == p.nk, lambda p: p.nq, "sequence length N"
 
 
 def curves(records) -> list[Curve]:
-    """Per kind of family and dtype, max normalised error vs length (MHA) for the (D,
+    """Per kind of family, tensor and dtype, max normalised error vs length (MHA) for the (D,
     distribution, variant) family with the most distinct lengths, per backend and causal mode,
     with the floor and the largest bounds."""
     result = []
     for kind, belongs, length, axis in KINDS:
-        for dtype in sorted({r.problem.dtype for r in records}, key=DTYPE_NAMES.index):
-            runs = [r for r in records if r.problem.dtype == dtype and r.out_errors is not None
-                    and belongs(r.problem) and r.problem.heads == r.problem.kv_heads]
-            curve = _curve(runs, kind, dtype, length, axis)
-            if curve is not None:
-                result.append(curve)
+        for tensor in sorted({r.tensor for r in records}, key=TENSORS.index):
+            for dtype in sorted({r.problem.dtype for r in records}, key=DTYPE_NAMES.index):
+                runs = [r for r in records if r.problem.dtype == dtype and r.tensor == tensor
+                        and r.out_errors is not None and belongs(r.problem) and r.problem.heads == r.problem.kv_heads]
+                curve = _curve(runs, kind, dtype, length, axis, tensor)
+                if curve is not None:
+                    result.append(curve)
     return result
 
 
-def _curve(runs, kind: str, dtype: str, length, axis: str) -> Curve | None:
+def _curve(runs, kind: str, dtype: str, length, axis: str, tensor: str) -> Curve | None:
     families = defaultdict(list)
     for r in runs:
-        families[r.problem.head_dim, r.problem.distribution, r.problem.variant].append(r)
+        families[r.problem.head_dim, f"{r.problem.distribution} inputs"
+                 + (f", dout {r.problem.dout}" if r.problem.dout else ""), r.problem.variant].append(r)
     if not families:
         return None
     (dim, dist, variant), family = max(
@@ -117,8 +123,8 @@ def _curve(runs, kind: str, dtype: str, length, axis: str) -> Curve | None:
                 "floor" if name == EXACTLY_ROUNDED else "comparison"))
     series = [s for s in series if s.points]
     groups = by_family(backends)
-    return Curve(dtype, f"{kind}, D = {dim}, MHA, {dist} inputs", series, groups, axis, variant,
-                 [g for names in groups.values() for g in coinciding(series, names)])
+    return Curve(dtype, f"{kind}, D = {dim}, MHA, {dist}", series, groups, axis, variant,
+                 [g for names in groups.values() for g in coinciding(series, names)], tensor)
 
 
 #: Two markers closer than this (relative) lie on top of each other on the figures' log axes.

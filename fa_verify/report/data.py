@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from fa_verify.precision import PrecisionModel
 from fa_verify.report.aggregate import largest, out_stat, vs_rounded
+from fa_verify.report.anchor_rules import RuleTable, rule_table
 from fa_verify.report.buckets import Bucket, bucket_of, column_of, variant_key, variant_name
 from fa_verify.report.cases import Case, worst_case, worst_cases
 from fa_verify.report.curves import curves
@@ -92,16 +93,17 @@ class Cell:
 
 
 def has_finite_bound(record) -> bool:
-    """Whether the run's bound ratio says something: some element that attends a key has a
-    finite error-model bound, and the ratio is not 0 for an output with errors (which only
-    elements without a finite bound give: error / inf; records older than the `unbounded`
-    count show it so)."""
+    """Whether the run's bound ratio says something: some element that attends a key (of the
+    record's tensor) has a finite error-model bound, and the ratio is not 0 for a tensor with
+    errors (which only elements without a finite bound give: error / inf; records older than
+    the `unbounded` count show it so)."""
     if record.bound_ratio is None:
         return False
     p = record.problem
     # bottom-right causal with Nq > Nk: the first Nq - Nk rows of each head attend nothing
     masked_rows = max(p.nq - p.nk, 0) if p.causal and p.causal_alignment == "bottom-right" else 0
-    live = p.batch * p.heads * (p.nq - masked_rows) * p.head_dim
+    live = {"dk": p.batch * p.kv_heads * p.nk * p.head_dim, "dv": p.batch * p.kv_heads * p.nk * p.head_dim,
+            "dsinks": p.heads}.get(record.tensor, p.batch * p.heads * (p.nq - masked_rows) * p.head_dim)
     erring = out_stat(record, "abs", "max")
     return record.unbounded < live and not (record.bound_ratio == 0 and erring)
 
@@ -126,9 +128,11 @@ def _merged_histograms(records) -> dict | None:
 
 
 def shape_label(p) -> str:
-    """B×H×Nq×Nk×D, with H/Hkv where they differ, then the variants' parameters if any."""
+    """B×H×Nq×Nk×D, with H/Hkv where they differ, then the variants' parameters if any, and a
+    backward problem's dout."""
     heads = f"{p.heads}" if p.heads == p.kv_heads else f"{p.heads}/{p.kv_heads}"
-    return f"{p.batch}×{heads}×{p.nq}×{p.nk}×{p.head_dim}" + (f" {p.variant}" if p.features else "")
+    return (f"{p.batch}×{heads}×{p.nq}×{p.nk}×{p.head_dim}" + (f" {p.variant}" if p.features else "")
+            + (f" dout={p.dout}" if p.dout else ""))
 
 
 @dataclass
@@ -168,7 +172,7 @@ def backend_section(name: str, records, report_columns, repro_dir=None) -> Backe
     columns = sorted({column_of(r.problem) for r in records})
     by_cell, by_column = defaultdict(list), defaultdict(list)
     for r in records:
-        by_cell[bucket_of(r.problem), column_of(r.problem)].append(r)
+        by_cell[bucket_of(r.problem, r.tensor), column_of(r.problem)].append(r)
         by_column[column_of(r.problem)].append(r)
     buckets = sorted({b for b, _ in by_cell})
     rows = [Row(b, [Cell.of(by_cell[b, c], repro_dir) if (b, c) in by_cell else None for c in columns])
@@ -325,6 +329,8 @@ class ReportData:
     notes: list = field(default_factory=list)
     #: per combination of variants, when some record or skip has one (`feature_groups`)
     features: list = field(default_factory=list)
+    #: the gradient rules side by side (`anchor_rules`), when some gradient record carries them
+    gradient_rules: RuleTable | None = None
 
 
 def build(records, *, run: RunInfo | None = None, environment: dict | None = None,
@@ -358,4 +364,4 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
         failures=failures, deviations=deviations(records), worst_passing=passing, skips=skip_groups(run), run=run,
         environment=(run.environment if run is not None and run.environment else environment or {}),
         environment_of_run=bool(run is not None and run.environment), notes=notes,
-        features=feature_groups(records, run, repro_dir))
+        features=feature_groups(records, run, repro_dir), gradient_rules=rule_table(records, shape_label))

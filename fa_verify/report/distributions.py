@@ -2,7 +2,8 @@
 
 Each backend's normalised error histogram over all its runs of the dtype, beside the exactly
 rounded reference's on the same problems (the floor: no kernel's distribution can lie left of
-it everywhere), and the share of its output elements that are exactly rounded.
+it everywhere), and the share of its output elements that are exactly rounded; a backward
+problem's gradients have a panel each (`Distribution.tensor`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fa_verify.dtypes import DTYPE_NAMES
+from fa_verify.report.buckets import TENSORS
 from fa_verify.report.families import FAMILIES, family_of
 from fa_verify.report.histogram import merge
 from fa_verify.report.yardsticks import exactly_rounded_share, merged_rounded_histogram
@@ -27,6 +29,8 @@ class Distribution:
     #: {"backend": its normalised error histogram, "rounded": the exactly rounded
     #: reference's on the same problems, None where not recorded}
     histograms: dict
+    #: what the errors are of (`Record.tensor`): the output, or a gradient
+    tensor: str = "out"
 
 
 @dataclass
@@ -37,21 +41,22 @@ class DtypeDistributions:
 
 
 def distributions(records) -> list[DtypeDistributions]:
-    """Per dtype (in DTYPE_NAMES order), one Distribution per backend with stored histograms."""
+    """Per dtype (in DTYPE_NAMES order), one Distribution per backend and tensor with stored
+    histograms."""
     groups = defaultdict(list)
     for r in records:
         if r.histograms and r.histograms.get("normalised"):
-            groups[r.problem.dtype, r.backend].append(r)
+            groups[r.problem.dtype, r.backend, r.tensor].append(r)
     result = []
-    for dtype in sorted({d for d, _ in groups}, key=DTYPE_NAMES.index):
-        backends = sorted((b for d, b in groups if d == dtype),
-                          key=lambda b: (FAMILIES.index(family_of(b)), b))
-        result.append(DtypeDistributions(dtype, [_distribution(b, groups[dtype, b]) for b in backends]))
+    for dtype in sorted({d for d, _, _ in groups}, key=DTYPE_NAMES.index):
+        panels = sorted((key for key in groups if key[0] == dtype),
+                        key=lambda key: (FAMILIES.index(family_of(key[1])), key[1], TENSORS.index(key[2])))
+        result.append(DtypeDistributions(dtype, [_distribution(b, t, groups[dtype, b, t]) for _, b, t in panels]))
     return result
 
 
-def _distribution(backend, runs) -> Distribution:
+def _distribution(backend, tensor, runs) -> Distribution:
     return Distribution(
         backend, family_of(backend), len(runs), exactly_rounded_share(runs),
         {"backend": merge(r.histograms["normalised"] for r in runs),
-         "rounded": merged_rounded_histogram(runs)})
+         "rounded": merged_rounded_histogram(runs)}, tensor)

@@ -18,14 +18,15 @@ from fa_verify.report.deviations import deviation_of
 #: The key of Record.extra that holds the worst element of a failing run.
 KEY = "failure"
 #: The property of `fa_verify.properties` that checks each tensor against the oracle.
-PROPERTY_OF_TENSOR = {"out": "oracle_agreement", "lse": "lse_agreement"}
+PROPERTY_OF_TENSOR = {"out": "oracle_agreement", "lse": "lse_agreement",
+                      **dict.fromkeys(("dq", "dk", "dv", "dsinks"), "gradient_agreement")}
 
 
 def _first(mask: np.ndarray):
     return tuple(int(i) for i in np.unravel_index(int(np.argmax(mask)), mask.shape))
 
 
-def _element(tensor: str, index, got: float, expected: float, what: str) -> dict:
+def element(tensor: str, index, got: float, expected: float, what: str) -> dict:
     return {"tensor": tensor, "index": None if index is None else [int(i) for i in index],
             "got": float(got), "expected": float(expected), "what": what}
 
@@ -42,27 +43,27 @@ def worst_element(verdict, reference, out, lse) -> dict | None:
         bad = ~np.isfinite(got)
         if bad.any():
             i = _first(bad)
-            return _element("out", i, got[i], reference.out[i], "NaN/Inf where the reference is finite")
+            return element("out", i, got[i], reference.out[i], "NaN/Inf where the reference is finite")
         i = _first(np.isnan(lse64) | (np.isinf(lse64) & ~masked))
-        return _element("lse", i, lse64[i], reference.lse[i], "NaN/Inf where the reference is finite")
+        return element("lse", i, lse64[i], reference.lse[i], "NaN/Inf where the reference is finite")
     if verdict.rule == "masked_rows":
         nonzero = masked[..., None] & (got != 0)
         if nonzero.any():
             i = _first(nonzero)
-            return _element("out", i, got[i], 0.0, "a fully masked row's output is not 0")
+            return element("out", i, got[i], 0.0, "a fully masked row's output is not 0")
         i = _first(masked & ~(lse64 == -np.inf))
-        return _element("lse", i, lse64[i], -math.inf, "a fully masked row's LSE is not -inf")
+        return element("lse", i, lse64[i], -math.inf, "a fully masked row's LSE is not -inf")
     if verdict.rule == "lse_bound":
-        return _element("lse", verdict.lse_worst_index, verdict.lse_worst_value,
+        return element("lse", verdict.lse_worst_index, verdict.lse_worst_value,
                         verdict.lse_worst_reference,
                         f"error {verdict.lse_worst_error:.3g} = {verdict.lse_bound_ratio:.3g} × its bound")
     if verdict.rule == "error_bound":
-        return _element("out", verdict.worst_index, verdict.worst_value, verdict.worst_reference,
+        return element("out", verdict.worst_index, verdict.worst_value, verdict.worst_reference,
                         f"error {verdict.worst_error:.3g} = {verdict.bound_ratio:.3g} × its bound")
     # the last rule compares the whole output with other implementations' errors: show the
     # element with the largest normalised error
     i = tuple(verdict.summary.worst_index)
-    return _element("out", i, got[i], reference.out[i], "the largest normalised error")
+    return element("out", i, got[i], reference.out[i], "the largest normalised error")
 
 
 def property_of(record) -> str | None:

@@ -124,7 +124,8 @@ def curve_svg(curve, colours: dict) -> str:
     legend.update(bound_handles)
     quantity = curve.axis.rsplit(" ", 1)[0]  # "sequence length N" -> "sequence length"
     # the variant's parameters on a line of their own: a lone panel is narrower than both
-    fig.suptitle(f"{curve.dtype}: error against {quantity} ({curve.shape_family})"
+    what = curve.dtype if curve.tensor == "out" else f"{curve.dtype} {curve.tensor}"
+    fig.suptitle(f"{what}: error against {quantity} ({curve.shape_family})"
                  + (f"\n{curve.variant}" if curve.variant else ""))
     fig.legend(list(legend.values()), list(legend), loc="outside lower center", ncols=columns,
                fontsize=7, frameon=False, handlelength=3.2,
@@ -202,7 +203,8 @@ def histograms_svg(dtype: str, panels: list, colours: dict) -> str:
                       color=colours[panel.backend], lw=1.2)
         exact = ("exactly rounded: not recorded" if panel.exactly_rounded is None
                  else f"{100 * panel.exactly_rounded:.1f}% exactly rounded")
-        ax.set_title(f"{panel.backend}\n{exact}", fontsize=8)
+        name = panel.backend if panel.tensor == "out" else f"{panel.backend}: {panel.tensor}"
+        ax.set_title(f"{name}\n{exact}", fontsize=8)
         ax.grid(True, which="major", alpha=0.3)
         if i + cols >= len(panels):  # no panel below it
             ax.set_xlabel("error / row scale")

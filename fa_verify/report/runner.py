@@ -1,9 +1,11 @@
 """Run a sweep: every point on every backend, judged against the oracle, appended to the store.
 
-Per point the problem is built once, and so are the things every backend is compared with:
-the certified reference, naive same-precision attention (FA3's "standard attention"), the
-reference rounded to the dtype (the best any kernel can do), and per precision model the
-error-model bound and the honest ensemble of the verdict's ensemble rule.
+Per point the problem is built once, and so are the things every backend is compared with (its
+kind's comparators, `COMPARATORS`): for a forward problem the certified reference, naive
+same-precision attention (FA3's "standard attention"), the reference rounded to the dtype (the
+best any kernel can do), and per precision model the error-model bound and the honest ensemble
+of the verdict's ensemble rule; for a backward problem their gradients' counterparts
+(`gradients`), one record per gradient.
 Each backend's run then costs its own run time plus its verdict.
 
 Records are appended as they are made, so an interrupted run loses at most the run in
@@ -26,6 +28,7 @@ from fa_verify.report.budget import Budget
 from fa_verify.report.deviations import KEY as DEVIATION_KEY, declared_deviation
 from fa_verify.report.eta import REFERENCE
 from fa_verify.report.failure import KEY as FAILURE_KEY, worst_element
+from fa_verify.report.gradients import GradientComparators
 from fa_verify.report.histogram import histogram
 from fa_verify.report.progress import Progress
 from fa_verify.report.run_info import RunInfo, Skip
@@ -79,6 +82,10 @@ class Comparators:
             self._ensembles[precision] = ensemble_errors(self.problem, precision, self.reference,
                                                          self.bound(precision))
         return self._ensembles[precision]
+
+    def records(self, backend, sweep: str) -> list:
+        """The records of `backend`'s run of the problem: one, of its output (and LSE)."""
+        return [compare(backend, self.problem, self, sweep)]
 
     @classmethod
     def of(cls, problem) -> "Comparators":
@@ -135,6 +142,11 @@ def compare(backend, problem, shared: Comparators, sweep: str):
                                sweep=sweep, comparisons=shared.comparisons, histograms=histograms)
 
 
+#: Per kind of problem, what its runs are compared with: `of(problem)`, then
+#: `records(backend, sweep name)` per backend (the records of one run, appended together).
+COMPARATORS = {"dense": Comparators, "backward": GradientComparators}
+
+
 def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=None,
               plan=None, history=()) -> RunInfo:
     """Run `sweep` on `backends`, appending to `store`; returns what ran and what was skipped.
@@ -182,17 +194,18 @@ def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=
                     continue
                 progress.begin(f"{backend.name} {point.dtype} "
                                f"{'causal' if point.causal else 'full'} {_seq(point.shape)} "
-                               f"D={point.shape.head_dim} {point.variant.label}".rstrip())
+                               f"D={point.shape.head_dim} {point.label}".rstrip())
                 if backend.name not in warmed:  # untimed: the first run may compile a kernel
                     warmed.add(backend.name)
                     _warm_up(backend, problem)
-                shared = shared or Comparators.of(problem)
-                record = compare(backend, problem, shared, sweep.name)
-                store.append(record)
-                budget.charge(point.work, record.seconds["run"])
+                shared = shared or COMPARATORS[problem.kind].of(problem)
+                records = shared.records(backend, sweep.name)
+                store.append(*records)  # one write: a resumed run finds all of them or none
+                seconds = records[0].seconds  # the run's, shared by its records
+                budget.charge(point.work, seconds["run"])
                 # a run that raised records no comparators' time, yet they were computed
                 progress.finish(backend.name, descriptor.key(), point.work,
-                                {REFERENCE: shared.seconds, **record.seconds})
+                                {REFERENCE: shared.seconds, **seconds})
     except KeyboardInterrupt:
         info.interrupted = True
         raise

@@ -39,7 +39,13 @@ from fa_verify.report.buckets import Bucket, Column
 #: ("column", "problem", "missing": the ranked backends without a run of it; null when no problem
 #: is shared by every ranked backend and each is ranked over its own runs); "curves" gain
 #: "coinciding" (groups of backends of one panel whose curves lie on top of one another).
-SUMMARY_VERSION = 7
+#: 8: a backward sweep's records are one per gradient: cells, curves and distributions gain the
+#: tensor their errors are of (bucket labels end with " · dq" etc.; curves and distributions
+#: "tensor", "out" for the output); cells' "shapes" end with a backward problem's "dout=..."; new
+#: "gradient_rules" (null without gradient records): per gradient record fa_verify's verdict and
+#: each rule others use ("rules": [name, title]; "rows": "verdicts", null where the rule accepts,
+#: else why not; "totals" per backend and tensor).
+SUMMARY_VERSION = 8
 
 
 def _plain(value):

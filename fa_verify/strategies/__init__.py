@@ -19,10 +19,11 @@ scores and `small_rises()` by `deep_problems()` / `long_key_problems()`, are mix
 strategy in fixed shares by `depth_shares()`. `ragged_problems(layout)` draws
 varlen and paged batches (fa_verify.ragged) with page tables and split counts.
 `backward_problems(forwards)` pairs forward problems with upstream gradients (`DOUT_DISTRIBUTIONS`),
-a fixed share with rows `anti_aligned` to every key (very negative LSE), for backward targets.
+a fixed share with rows `anti_aligned` to every key (very negative LSE), for backward targets;
+`make_backward_problem` is one of them without Hypothesis (a report sweep's points).
 """
 
-from fa_verify.strategies._backward import DOUT_DISTRIBUTIONS, anti_aligned, backward_problems
+from fa_verify.strategies._backward import DOUT_DISTRIBUTIONS, anti_aligned, backward_problems, make_backward_problem
 from fa_verify.strategies._depth import (
     DEEP_SHARE,
     DEEP_TILE_SIZES,
@@ -95,6 +96,7 @@ __all__ = [
     "favoured_seq_lengths",
     "long_key_problems",
     "long_key_shapes",
+    "make_backward_problem",
     "make_problem",
     "problems",
     "ragged_problems",

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from fa_verify.backward import BackwardProblem
 from fa_verify.dtypes import finfo, round_to
+from fa_verify.errors import InvalidArgumentError
 from fa_verify.problem import AttentionProblem
 
 
@@ -102,6 +103,23 @@ def _backward(draw, forwards, with_dlse: bool):
     dout = DOUT_DISTRIBUTIONS[name](rng, forward.out_shape)
     dlse = rng.standard_normal(forward.lse_shape) if with_dlse and upstream < DLSE_SHARE * _SLOTS else None
     return BackwardProblem.of(forward, *fitting(forward, dout, dlse), tags=(("dout", name),))
+
+
+#: Added to a sweep point's seed for its dout draw, so that dout is not drawn from the stream
+#: that drew q, k, v (the same seed would make dout a function of q).
+DOUT_SEED_OFFSET = 0x5EED
+
+
+def make_backward_problem(forward: AttentionProblem, dout: str, seed: int) -> BackwardProblem:
+    """The backward of `forward` for an upstream gradient from DOUT_DISTRIBUTIONS[`dout`] drawn
+    from `seed`, without Hypothesis (a report sweep's points, a record's rebuild): the same
+    problem for the same arguments, scaled to fit like a drawn one (`fitting`), no dlse, tagged
+    (("dout", dout), ("dout_seed", seed))."""
+    if dout not in DOUT_DISTRIBUTIONS:
+        raise InvalidArgumentError(f"dout={dout!r} is unknown; use one of {', '.join(DOUT_DISTRIBUTIONS)}")
+    rng = np.random.default_rng(seed + DOUT_SEED_OFFSET)
+    scaled, _ = fitting(forward, DOUT_DISTRIBUTIONS[dout](rng, forward.out_shape), None)
+    return BackwardProblem.of(forward, scaled, tags=(("dout", dout), ("dout_seed", seed)))
 
 
 def backward_problems(forwards, with_dlse: bool = False):
