@@ -165,7 +165,12 @@ def test_the_report_shows_a_row_per_gradient_and_each_rules_verdict(swept):
     assert dk["records"] == len(_sweep().points) and dk["fa_verify"] == 0
     assert totals["numpy-fa2-backward", "dq"]["fa_verify"] == len(_sweep().points)
     assert {c["tensor"] for c in summary["curves"]} <= set(GRADIENTS)
-    assert "## Gradients: the rules others use" in (out / "summary.md").read_text(encoding="utf-8")
+    md = (out / "summary.md").read_text(encoding="utf-8")
+    assert "## Gradients: the rules others use" in md
+    # a run is counted once, its gradients as records
+    runs = 2 * len(_sweep().points)  # two backends
+    assert summary["totals"]["runs"] == runs and summary["totals"]["records"] == len(records) == 3 * runs
+    assert f"{runs} runs ({len(records)} records, one per gradient) of 2 backends" in md
 
 
 def test_resume_reruns_nothing_and_loses_no_gradient(tmp_path):

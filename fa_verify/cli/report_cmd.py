@@ -125,7 +125,8 @@ def _render(records, out: Path, run, fail_on: str, reproduced) -> int:
     data = write_report(records, out, run=run, published=reproduced)
     print((out / "summary.md").read_text(encoding="utf-8"))  # the CI log's summary
     totals = data.totals
-    print(f"wrote {out / 'index.html'}, summary.json, summary.md: {totals.records} runs, "
+    records = "" if totals.records == totals.runs else f" ({totals.records} records, one per gradient)"
+    print(f"wrote {out / 'index.html'}, summary.json, summary.md: {totals.runs} runs{records}, "
           f"{totals.failed} failing, {totals.deviations} by declared conventions only",
           file=sys.stderr)
     return 1 if totals.failed or (fail_on == "deviation" and totals.deviations) else 0

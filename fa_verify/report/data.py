@@ -112,6 +112,12 @@ def _status(failed: int, deviations: int) -> str:
     return "fail" if failed else "deviation" if deviations else "pass"
 
 
+def _runs(records) -> int:
+    """Runs recorded: a forward run's record is its out's; a backward run writes one per gradient,
+    dq among them (every backward problem has one)."""
+    return sum(r.tensor in ("out", "dq") for r in records)
+
+
 def _failed(records) -> int:
     """Failing runs, not counting declared deviations."""
     return sum(not r.passed and not deviation_of(r) for r in records)
@@ -291,6 +297,8 @@ def deviations(records) -> list[Deviation]:
 @dataclass
 class Totals:
     records: int
+    #: runs recorded: a backward run writes one record per gradient (`_runs`)
+    runs: int
     #: failing runs, not counting declared deviations
     failed: int
     #: runs that fail only by their backend's declared conventions
@@ -353,7 +361,7 @@ def build(records, *, run: RunInfo | None = None, environment: dict | None = Non
         notes.append("The run was interrupted: this report shows the runs recorded before it stopped.")
     return ReportData(
         title=title, generated=generated,
-        totals=Totals(records=len(records), failed=_failed(records),
+        totals=Totals(records=len(records), runs=_runs(records), failed=_failed(records),
                       deviations=_deviating(records),
                       backends=len(by_backend), sources=dict(sorted(sources.items())),
                       sweeps=sorted({r.sweep for r in records if r.sweep}),
