@@ -55,7 +55,7 @@ FULL_WORK = 4_000_000
 #: Rows evaluated above FULL_WORK: half where the bound is largest, half spread evenly.
 MAX_ROWS = 128
 #: Elements of one [rows, Nk, D] block of products held at once (memory, not accuracy).
-_BLOCK = 1 << 21
+BLOCK = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -216,15 +216,28 @@ def rounded_dot(a: np.ndarray, b: np.ndarray, member: Member, rnd: Stage, init=N
     return total.astype(rnd.work)
 
 
+def exp_kind(exp: str) -> tuple:
+    """(unit, power) of an "exp" or "exp2" kernel: exp2 kernels work in log2 units, as FA2 does."""
+    return (math.log2(math.e), exp2_64) if exp == "exp2" else (1.0, exp64)
+
+
+def gemm(a: np.ndarray, b: np.ndarray, member, rnd: Stage) -> np.ndarray:
+    """a [M, K] @ b [K, N] with every sum explicit (`rounded_dot`, the member's order), computed
+    in blocks of rows of at most BLOCK products (each output element is its own sum, so the
+    blocks change no bit)."""
+    step = max(1, BLOCK // max(1, a.shape[1] * b.shape[1]))
+    parts = [rounded_dot(a[i:i + step, :, None], b[None], member, rnd) for i in range(0, a.shape[0], step)]
+    return np.concatenate(parts) if parts else np.zeros((0, b.shape[1]), rnd.work)
+
+
 def logits(s: np.ndarray, exp: str, score: Stage, scale: float, softcap: float = 0.0, bias=None) -> tuple:
     """(t, th, unit, power): the logits of scores `s` as a kernel of the `exp` kind computes them
     in the `score` stage (softcap, then ALiBi `bias`), tanh(s·scale / softcap) as rounded (None
     without a softcap: the backward's derivative 1 − th²), the unit of t (1, or log2(e) for exp2
     kernels, which work in log2 units as FA2 does: logits and sinks times log2(e)) and the
     matching deterministic power function (exp64 or exp2_64)."""
+    unit, power = exp_kind(exp)
     log2e = math.log2(math.e)
-    unit = log2e if exp == "exp2" else 1.0
-    power = exp2_64 if exp == "exp2" else exp64
     th = None
     if softcap > 0 and exp == "exp2":
         # FA2: tanh(s * (scale / c)), then c * log2(e) folded into the exp2 argument
@@ -345,7 +358,7 @@ def ensemble_outputs(problem: AttentionProblem, precision: PrecisionModel, rows=
     mask = problem.mask
     bias = problem.alibi_bias(b, h, i)
     outs = {m.name: np.empty((len(rows), D)) for m in members}
-    step = max(1, _BLOCK // max(1, problem.nk * D))
+    step = max(1, BLOCK // max(1, problem.nk * D))
     for lo in range(0, len(rows), step):
         sl = slice(lo, lo + step)
         block = _Rows(q=problem.q[b[sl], h[sl], i[sl]].astype(work), k=problem.k[b[sl], kv[sl]].astype(work),
