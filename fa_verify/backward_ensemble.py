@@ -22,12 +22,15 @@ from + − × only, so the members give the same bits on every machine
 (tests/test_backward_ensemble.py runs them under several OpenBLAS core types and thread counts).
 
 Errors are normalised per element by the **magnitude** of what was summed (`GradientMagnitudes`,
-float64): with m_ij = P_ij (Σ_c |dO_ic||V_jc| + Σ_c |dO_ic O_ic| + |dlse_i|) f_ij (f the
-softcap's 1 − tanh²: the sizes of dS's terms before they cancel),
+float64): with m_ij = P_ij (Σ_c |dO_ic||V_jc| + Σ_c |dO_ic O_ic| + |dlse_i|) (1 + tanh²_ij) (the
+softcap's 1 − tanh² computed as a subtraction, of magnitude 1 + tanh²: the sizes of dS's terms
+before they cancel),
     dq: scale Σ_j m_ij |K_jd|,  dk: scale Σ_{h,i} m_ij |Q_id|,  dv: Σ_{h,i} P_ij |dO_ic|,
     dsinks: Σ_{b,i} P_sink,i (Σ_c |dO_ic O_ic| + |dlse_i|);
 the forward's row scale Σ_j p_ij |v_j| plays this part there. A magnitude is 0 only where every
-product is 0, so the gradient is exactly 0 in any arithmetic (members' errors there count 0).
+product is 0, so the gradient is exactly 0 in any arithmetic (members' errors there count 0), and
+a member's error is counted beyond the rule's absolute floor (`absolute_floor`: exact
+probabilities below fp32's range, 1e-48, are 0 in every fp32 kernel).
 `gradient_ensemble_errors` returns each member's max normalised error per tensor; the verdict's
 "ensemble" rule (`backward_verdict`) allows K times the largest plus a floor.
 
@@ -48,7 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fa_verify.dtypes import numpy_dtype
+from fa_verify.dtypes import finfo, numpy_dtype
 from fa_verify.error_model import _RowVariants
 from fa_verify.honest_ensemble import (FULL_WORK, MAX_ROWS, Stage, exp_kind, gemm, largest_and_spread, logits,
                                        rounded_sum)
@@ -160,7 +163,9 @@ def gradient_magnitudes(problem: AttentionProblem, dout, reference: GradientRefe
             p = np.where(allowed, np.exp(np.minimum(np.where(allowed, z - L0[:, None], 0.0), 0.0)), 0.0)
         do = np.abs(dout[b, h])
         d_mag = (do * np.abs(fwd.out[b, h])).sum(-1) + (0.0 if dlse is None else np.abs(dlse[b, h]))
-        m = p * (do @ np.abs(v[b, h // G]).T + d_mag[:, None]) * slope
+        # the softcap's factor f = 1 − tanh² is a subtraction of magnitude 1 + tanh² = 2 − f: its
+        # rounding errors are absolute, so where tanh → ±1 they are not small relative to f
+        m = p * (do @ np.abs(v[b, h // G]).T + d_mag[:, None]) * (2.0 - slope if problem.softcap > 0 else 1.0)
         mq[b, h] = problem.scale_value * (m @ np.abs(k[b, h // G]))
         mk[b, h // G] += problem.scale_value * (m.T @ np.abs(q[b, h]))
         mv[b, h // G] += p.T @ do
@@ -334,6 +339,20 @@ def _sink_terms(member, st: _Stages, kv: _KvHead, g: int, delta) -> np.ndarray:
     return score(ps * diff)
 
 
+def summed_length(problem: AttentionProblem, tensor: str) -> int:
+    """How many products a gradient element sums: Nk for dq, G Nq for dk and dv, B Nq for dsinks."""
+    return {"dq": problem.nk, "dk": problem.group_size * problem.nq, "dv": problem.group_size * problem.nq,
+            "dsinks": problem.batch * problem.nq}[tensor]
+
+
+def absolute_floor(problem: AttentionProblem, precision: PrecisionModel, tensor: str) -> float:
+    """Where relative resolution is gone: one subnormal spacing of the stored dtype (dsinks: fp32)
+    plus one of the accumulation dtype per product summed, and two more (n + 2)."""
+    stored = "fp32" if tensor == "dsinks" else precision.output
+    return (float(finfo(stored).smallest_subnormal)
+            + (summed_length(problem, tensor) + 2) * float(finfo(precision.pv_accumulation).smallest_subnormal))
+
+
 # --- the ensemble ----------------------------------------------------------------------------------
 
 
@@ -430,7 +449,9 @@ def gradient_ensemble_errors(problem: AttentionProblem, dout, precision: Precisi
             ref, mag = refs[tensor][0], magnitudes.of(tensor)
             if tensor != "dsinks":
                 ref, mag = ref.reshape(-1, D)[flat[tensor]], mag.reshape(-1, D)[flat[tensor]]
-            err = np.abs(got[tensor] - ref)
+            # what the absolute floor covers (products below the normal range: an exact P of 1e-48
+            # is 0 in fp32) is no error the rule's relative part must cover
+            err = np.maximum(np.abs(got[tensor] - ref) - absolute_floor(problem, precision, tensor), 0.0)
             with np.errstate(divide="ignore", invalid="ignore"):
                 normalised = np.where(mag > 0, err / mag, 0.0)
             normalised[np.isnan(normalised)] = np.inf  # an overflowed member (16-bit accumulation)
