@@ -17,11 +17,12 @@ the examples failing any rule, and a JSON line with everything when --json is gi
 """
 
 import argparse
-import json
 import os
 import time
 
 import numpy as np
+
+from measure_ensemble_ratios import finish  # noqa: E402 - this folder is sys.path[0] when run
 
 from fa_verify.backends.numpy_backward import NumpyBackwardBackend
 from fa_verify.backward_emulation import fa2_backward
@@ -123,15 +124,7 @@ def main(argv=None):
     for key, values in (("dtype", ("fp32", "fp16", "bf16")), ("tensor", ("dq", "dk", "dv", "dsinks"))):
         for value in values:
             _line(f"ALL {value}", [r for r in rows if r[key] == value])
-    if rows:
-        print(f"largest K needed: {max(rows, key=lambda r: r['k_needed'])}")
-    print(f"verdicts failing any rule: {len(failures)}")
-    for f in failures[:10]:
-        print("  ", f)
-    if args.json:
-        with open(args.json, "a") as fh:
-            fh.write(json.dumps({"config": config, "profile": args.profile, "seeds": args.seeds,
-                                 "rows": rows, "failures": len(failures)}) + "\n")
+    finish(rows, failures, args, config)
 
 
 def _recording(run, last):
