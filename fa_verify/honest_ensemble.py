@@ -55,7 +55,7 @@ FULL_WORK = 4_000_000
 #: Rows evaluated above FULL_WORK: half where the bound is largest, half spread evenly.
 MAX_ROWS = 128
 #: Elements of one [rows, Nk, D] block of products held at once (memory, not accuracy).
-_BLOCK = 1 << 21
+BLOCK = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def tanh64(x) -> np.ndarray:
 # --- rounding and sums ---------------------------------------------------------------------------
 
 
-class _Stage:
+class Stage:
     """Arithmetic rounded to one dtype. Values are held in `work` (fp32, or fp64 when a stage is
     fp64); a 16-bit stage computes in fp32 and rounds, which is correctly rounded."""
 
@@ -185,7 +185,7 @@ class _Stage:
         return x.astype(self.dtype).astype(np.float64)
 
 
-def _sum(terms: np.ndarray, order: str, rnd: _Stage, init=None) -> np.ndarray:
+def rounded_sum(terms: np.ndarray, order: str, rnd: Stage, init=None) -> np.ndarray:
     """init + Σ_j terms[:, j] along axis 1, every addition rounded."""
     if order == "pairwise":
         while terms.shape[1] > 1:
@@ -201,10 +201,10 @@ def _sum(terms: np.ndarray, order: str, rnd: _Stage, init=None) -> np.ndarray:
     return total
 
 
-def _dot(a: np.ndarray, b: np.ndarray, member: Member, rnd: _Stage, init=None) -> np.ndarray:
+def rounded_dot(a: np.ndarray, b: np.ndarray, member: Member, rnd: Stage, init=None) -> np.ndarray:
     """init + Σ_j a[:, j] · b[:, j] along axis 1 (a and b broadcast), in the member's order."""
     if not member.fused or member.order == "pairwise":
-        return _sum(rnd(a * b), member.order, rnd, init)
+        return rounded_sum(rnd(a * b), member.order, rnd, init)
     # FMA: the products are exact in float64 (at most 48 significant bits), each addition is
     # rounded to float64 and then to the stage: for an fp32 stage a double rounding, at most
     # 2^-29 u more than an FMA's; it is what a kernel with a wider accumulator would do.
@@ -214,6 +214,47 @@ def _dot(a: np.ndarray, b: np.ndarray, member: Member, rnd: _Stage, init=None) -
     for j in steps:
         total = rnd.round64(total + products[:, j])
     return total.astype(rnd.work)
+
+
+def exp_kind(exp: str) -> tuple:
+    """(unit, power) of an "exp" or "exp2" kernel: exp2 kernels work in log2 units, as FA2 does."""
+    return (math.log2(math.e), exp2_64) if exp == "exp2" else (1.0, exp64)
+
+
+def gemm(a: np.ndarray, b: np.ndarray, member, rnd: Stage) -> np.ndarray:
+    """a [M, K] @ b [K, N] with every sum explicit (`rounded_dot`, the member's order), computed
+    in blocks of rows of at most BLOCK products (each output element is its own sum, so the
+    blocks change no bit)."""
+    step = max(1, BLOCK // max(1, a.shape[1] * b.shape[1]))
+    parts = [rounded_dot(a[i:i + step, :, None], b[None], member, rnd) for i in range(0, a.shape[0], step)]
+    return np.concatenate(parts) if parts else np.zeros((0, b.shape[1]), rnd.work)
+
+
+def logits(s: np.ndarray, exp: str, score: Stage, scale: float, softcap: float = 0.0, bias=None) -> tuple:
+    """(t, th, unit, power): the logits of scores `s` as a kernel of the `exp` kind computes them
+    in the `score` stage (softcap, then ALiBi `bias`), tanh(s·scale / softcap) as rounded (None
+    without a softcap: the backward's derivative 1 − th²), the unit of t (1, or log2(e) for exp2
+    kernels, which work in log2 units as FA2 does: logits and sinks times log2(e)) and the
+    matching deterministic power function (exp64 or exp2_64)."""
+    unit, power = exp_kind(exp)
+    log2e = math.log2(math.e)
+    th = None
+    if softcap > 0 and exp == "exp2":
+        # FA2: tanh(s * (scale / c)), then c * log2(e) folded into the exp2 argument
+        arg = score(s * score(np.asarray(scale / softcap)))
+        th = score(tanh64(arg))
+        t = score(th * score(np.asarray(softcap * log2e)))
+    elif softcap > 0:
+        t = score(s * score(np.asarray(scale)))
+        th = score(tanh64(score(t / score(np.asarray(softcap)))))
+        t = score(softcap * th)
+    elif exp == "exp2":
+        t = score(s * score(np.asarray(scale * log2e)))  # FA2 folds scale and log2(e) into one product
+    else:
+        t = score(s * score(np.asarray(scale)))
+    if bias is not None:
+        t = score(t + score(bias * unit))
+    return t, th, unit, power
 
 
 # --- one member on a block of rows ---------------------------------------------------------------
@@ -243,28 +284,12 @@ def _member_out(member: Member, rows: _Rows, precision: PrecisionModel, scale: f
 
 def _member_out_unchecked(member: Member, rows: _Rows, precision: PrecisionModel, scale: float,
                           work: np.dtype) -> np.ndarray:
-    score = _Stage(precision.score_accumulation, work)
-    p_round = _Stage(precision.p_rounding, work)
-    pv = _Stage(precision.pv_accumulation, work)
+    score = Stage(precision.score_accumulation, work)
+    p_round = Stage(precision.p_rounding, work)
+    pv = Stage(precision.pv_accumulation, work)
     # S = q·kᵀ, summed over D: products laid out [R, D, Nk] so the sum runs along axis 1
-    s = _dot(rows.q[:, :, None], np.swapaxes(rows.k, 1, 2), member, score)
-    log2e = math.log2(math.e)
-    # exp2 members work in log2 units, as FA2 does: logits and sinks times log2(e)
-    unit = log2e if member.exp == "exp2" else 1.0
-    power = exp2_64 if member.exp == "exp2" else exp64
-    if rows.softcap > 0 and member.exp == "exp2":
-        # FA2: tanh(s * (scale / c)), then c * log2(e) folded into the exp2 argument
-        arg = score(s * score(np.asarray(scale / rows.softcap)))
-        t = score(score(tanh64(arg)) * score(np.asarray(rows.softcap * log2e)))
-    elif rows.softcap > 0:
-        t = score(s * score(np.asarray(scale)))
-        t = score(rows.softcap * score(tanh64(score(t / score(np.asarray(rows.softcap))))))
-    elif member.exp == "exp2":
-        t = score(s * score(np.asarray(scale * log2e)))  # FA2 folds scale and log2(e) into one product
-    else:
-        t = score(s * score(np.asarray(scale)))
-    if rows.bias is not None:
-        t = score(t + score(rows.bias * unit))
+    s = rounded_dot(rows.q[:, :, None], np.swapaxes(rows.k, 1, 2), member, score)
+    t, _, unit, power = logits(s, member.exp, score, scale, rows.softcap, rows.bias)
     t = np.where(rows.mask, t, -np.inf)
     nk, n_rows = t.shape[1], t.shape[0]
     tile = member.tile or nk
@@ -281,8 +306,8 @@ def _member_out_unchecked(member: Member, rows: _Rows, precision: PrecisionModel
         alpha = score(power(score(m - shift)))  # 0 before the first live key (m = −inf)
         p = score(power(score(block - shift[:, None])))
         p_rounded = p_round(p)
-        l = _sum(pv(p_rounded if member.sum_rounded_p else p), member.order, pv, pv(l * alpha))
-        acc = _dot(p_rounded[:, :, None], rows.v[:, start:start + tile], member, pv, pv(acc * alpha[:, None]))
+        l = rounded_sum(pv(p_rounded if member.sum_rounded_p else p), member.order, pv, pv(l * alpha))
+        acc = rounded_dot(p_rounded[:, :, None], rows.v[:, start:start + tile], member, pv, pv(acc * alpha[:, None]))
         m = m_new
     if rows.sinks is not None:  # after the keys: one more rescale, the sink's term in the row sum only
         sink = score(rows.sinks * unit)
@@ -303,12 +328,21 @@ def _chosen_rows(problem: AttentionProblem, reference, bound) -> np.ndarray:
     total = B * H * Nq
     if B * H * Nq * problem.nk * D <= FULL_WORK or total <= MAX_ROWS:
         return np.arange(total)
-    spread = np.linspace(0, total - 1, MAX_ROWS // 2).round().astype(int)
     if bound is None:
-        return np.unique(spread)
+        return largest_and_spread(None, total, MAX_ROWS)
     with np.errstate(divide="ignore", invalid="ignore"):
         relative = np.nan_to_num(bound.out / reference.row_scale, nan=0.0, posinf=0.0).max(axis=-1)
-    largest = np.argsort(relative.reshape(total), kind="stable")[::-1][:MAX_ROWS // 2]
+    return largest_and_spread(relative.reshape(total), total, MAX_ROWS)
+
+
+def largest_and_spread(relative, total: int, count: int) -> np.ndarray:
+    """Sorted unique indices into range(total): count // 2 spread evenly, and the count // 2
+    largest of `relative` (a [total] array: where an honest kernel's rounding errors are largest
+    relative to the scale they are judged by; None: the spread ones only)."""
+    spread = np.linspace(0, total - 1, count // 2).round().astype(int)
+    if relative is None:
+        return np.unique(spread)
+    largest = np.argsort(relative, kind="stable")[::-1][:count // 2]
     return np.unique(np.concatenate([largest, spread]))
 
 
@@ -324,7 +358,7 @@ def ensemble_outputs(problem: AttentionProblem, precision: PrecisionModel, rows=
     mask = problem.mask
     bias = problem.alibi_bias(b, h, i)
     outs = {m.name: np.empty((len(rows), D)) for m in members}
-    step = max(1, _BLOCK // max(1, problem.nk * D))
+    step = max(1, BLOCK // max(1, problem.nk * D))
     for lo in range(0, len(rows), step):
         sl = slice(lo, lo + step)
         block = _Rows(q=problem.q[b[sl], h[sl], i[sl]].astype(work), k=problem.k[b[sl], kv[sl]].astype(work),

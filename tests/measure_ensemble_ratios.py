@@ -83,7 +83,13 @@ def main(argv=None):
     _line("ALL", rows)
     for dtype in ("fp32", "fp16", "bf16"):
         _line(f"ALL {dtype}", [r for r in rows if r["dtype"] == dtype])
-    print(f"largest K needed: {max(rows, key=lambda r: r['k_needed'])}")
+    finish(rows, failures, args, config)
+
+
+def finish(rows, failures, args, config):
+    """The largest K needed, the failing verdicts, and the JSON line (--json)."""
+    if rows:
+        print(f"largest K needed: {max(rows, key=lambda r: r['k_needed'])}")
     print(f"verdicts failing any rule: {len(failures)}")
     for f in failures[:10]:
         print("  ", f)

@@ -82,6 +82,21 @@ for dtype in ("fp32", "bf16"):
     for name, out in ensemble_outputs(p, PrecisionModel.flash(dtype)).items():
         digest.update(name.encode() + out.tobytes())
 print(digest.hexdigest())
+# the backward's members (tests/test_backward_ensemble.py): GQA, anti-aligned rows, dlse, the variants
+from fa_verify.backward import BackwardProblem
+from fa_verify.backward_ensemble import ensemble_gradients
+from fa_verify.strategies._backward import anti_aligned
+digest = hashlib.sha256()
+for dtype in ("fp32", "bf16"):
+    f = anti_aligned(make_problem("large_logits", (1, 4, 2, 13, 70, 24), dtype, 0, causal=True), [0, 5])
+    g = make_problem("normal", (2, 2, 1, 9, 40, 16), dtype, 0).replace(
+        window_size=(7, 3), softcap=0.7, alibi_slopes=[0.25, 1.5], sinks=[1.0, -2.0])
+    for forward in (f, g):
+        rng = np.random.default_rng(0)
+        bp = BackwardProblem.of(forward, rng.standard_normal(forward.out_shape), rng.standard_normal(forward.lse_shape))
+        for name, grads in ensemble_gradients(forward, bp.out, bp.lse, bp.dout, bp.dlse).items():
+            digest.update(name.encode() + b"".join(x.tobytes() for x in grads.values() if x is not None))
+print(digest.hexdigest())
 """
 
 #: OpenBLAS core types (its DYNAMIC_ARCH build) and thread counts; numpy's SIMD dispatch off
@@ -96,14 +111,15 @@ CONFIGS = (
 
 
 def test_members_give_the_same_bits_under_every_blas_configuration():
+    """The forward's members and the backward's (fa_verify.backward_ensemble): one digest each."""
     digests = set()
     for config in CONFIGS:
         env = {**os.environ, "PYTHONPATH": str(ROOT), **config}
         done = subprocess.run([sys.executable, "-c", _CONFIG_SCRIPT], env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr
-        digests.add(done.stdout.strip())
-    assert len(digests) == 1, digests
+        digests.add(tuple(done.stdout.split()))
+    assert len(digests) == 1 and len(next(iter(digests))) == 2, digests
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
