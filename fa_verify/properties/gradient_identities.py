@@ -20,9 +20,23 @@ With P = exp(z - L) (0 where masked), dP = dO V^T, D_i = dO_i . O_i, dS = P o (d
   certified forward (out' = sum_j P_ij (s'_ij - lse'_i) v_j + sum_j P_ij c_j, lse'_i =
   sum_j P_ij s'_ij, s' the logits' derivative along (a, b): softcap's and ALiBi's included),
   per tensor and head, so a failure names the gradient that is not the forward's derivative.
+  With sinks and a fourth direction e [H]: <dsinks, e> per head equals e_h sum_{b,i} Ps_i
+  (dlse_i - D_i), the sink moving every L_i by Ps_i e_h.
+* gradient_key_shift: k_j + c for one vector c (exact in the dtype: `metamorphic.shifted_keys`)
+  adds scale q_i.c to row i's scores, which the softmax ignores: dK, dV unchanged, dQ_i +
+  scale r_i c with r_i = sum_j dS_ij = dlse_i (0 without dlse). A softcap and sinks (the sink's
+  logit does not move) change the probabilities: not applicable. Windows, ALiBi, causal keep it.
+* gradient_permutation (non-causal, no window, no ALiBi): keys with values permuted permute dK,
+  dV alike and leave dQ; query rows with dout, out, lse, dlse permuted permute dQ and leave dK,
+  dV (dsinks unchanged in both). Not bitwise: FA2 sums dK, dV over query rows and dQ over key
+  tiles in order, and a permutation changes the order.
 * gradient_linearity: dout and dlse times 2^k give the gradients times 2^k. Bitwise where every
   stage of an FA2 backward stays in the normal range (`bitwise_linearity`), within the error
   model otherwise (fp16: dS and small gradients are subnormal, and a subnormal does not scale).
+
+The key shift, the permutations, the GQA sum and fp16 linearity compare two runs of the target:
+each run within its own bound of its problem's exact gradients, which the law relates exactly,
+so the tolerance is the sum of both bounds (plus float64 rounding where the law adds a term).
 
 Tolerances, none of them a constant: the error model (`backward_error_model`) bounds every
 element of a target's gradient, |g_hat - g| <= beta; the identities are linear in the gradients,
