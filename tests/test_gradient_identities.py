@@ -369,13 +369,13 @@ def test_the_key_shift_tolerance_is_reached_and_a_violation_of_twice_it_fails(dt
     target, result = _flipping(gi.check_gradient_key_shift, problem, on_grid)
     assert result.passed and 0.25 < result.worst_ratio <= 1, result.message()
     assert all(check_gradient_agreement(target, p).passed for p in (grid, moved))
-    # twice the tolerance at one element of the moved problem's dk fails, naming it
-    index = (1, 0, 3, 2)
-    tol = law["dk"][2][index]
-    bugged = Perturbed({"dk": _one_element(problem.k.shape, index, 2 * tol)}, applies=lambda p: not on_grid(p))
-    result = gi.check_gradient_key_shift(bugged, problem, seed=0)
-    assert result.failed and 1.5 < result.worst_ratio < 2.5 and "dk ([batch, kv head, key, column]): 1 / " in \
-        result.detail and "at [1, 0, 3, 2]" in result.detail, result.message()
+    # twice the tolerance at one element of the moved problem's dk or dq fails, naming it
+    for tensor, index in (("dk", (1, 0, 3, 2)), ("dq", (1, 3, 4, 2))):
+        delta = _one_element(getattr(problem, tensor[1]).shape, index, 2 * law[tensor][2][index])
+        result = gi.check_gradient_key_shift(Perturbed({tensor: delta}, applies=lambda p: not on_grid(p)), problem)
+        assert result.failed and 1.5 < result.worst_ratio < 2.5 and f"{tensor} ([batch, " in result.detail, \
+            result.message()
+        assert f"at {list(index)}" in result.detail and "1 / " in result.detail
 
 
 def test_the_permutation_tolerance_is_reached_and_a_violation_of_twice_it_fails():
