@@ -51,3 +51,11 @@ def test_gradient_adjoint(backward_search):
 
 def test_gradient_linearity(backward_search):
     backward_search("gradient_linearity")
+
+
+def test_gradient_key_shift(backward_search):
+    backward_search("gradient_key_shift")
+
+
+def test_gradient_permutation(backward_search):
+    backward_search("gradient_permutation")

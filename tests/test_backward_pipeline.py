@@ -110,7 +110,8 @@ def test_a_function_naming_dout_is_a_backward_and_is_checked_with_the_backward_p
     names = [p.name for p in properties_for(BackwardCallableBackend(backward_kernels.bwd))]
     assert names == ["races", "address_sanitizer", "gradient_agreement", "gradient_variant_agreement",
                      "gradient_determinism", "gradient_strided_dout", "gradient_nan_padding", "gradient_key_sum",
-                     "gradient_value_sum", "gradient_gqa_group_sum", "gradient_adjoint", "gradient_linearity"]
+                     "gradient_value_sum", "gradient_gqa_group_sum", "gradient_adjoint", "gradient_linearity",
+                     "gradient_key_shift", "gradient_permutation"]
 
 
 # --- strategies and edge cases -----------------------------------------------------------------------

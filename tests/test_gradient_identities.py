@@ -5,6 +5,8 @@ honest target on a problem where the error model's coherent terms add up reaches
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -17,12 +19,24 @@ from fa_verify.oracle import reference
 from fa_verify.problem import AttentionProblem
 from fa_verify.properties import Selection, search_property
 from fa_verify.properties import gradient_identities as gi
-from fa_verify.properties.backward import _named
+from fa_verify.properties.backward import _named, check_gradient_agreement
 
 HONEST = NumpyBackwardBackend()
 CHECKS = {"gradient_key_sum": gi.check_gradient_key_sum, "gradient_value_sum": gi.check_gradient_value_sum,
           "gradient_gqa_group_sum": gi.check_gradient_gqa_group_sum, "gradient_adjoint": gi.check_gradient_adjoint,
-          "gradient_linearity": gi.check_gradient_linearity}
+          "gradient_linearity": gi.check_gradient_linearity, "gradient_key_shift": gi.check_gradient_key_shift,
+          "gradient_permutation": gi.check_gradient_permutation}
+#: (property, problem) pairs an identity does not hold on, by a word of the reason it gives.
+NOT_APPLICABLE = {("gradient_key_sum", "fp16-softcap-window"): "1 - tanh^2",
+                  ("gradient_key_shift", "fp16-softcap-window"): "softcap",
+                  ("gradient_key_shift", "bf16-sinks-dlse"): "sink",
+                  ("gradient_key_shift", "bf16-alibi-sinks"): "sink",
+                  ("gradient_permutation", "fp16"): "causal", ("gradient_permutation", "bf16-sinks-dlse"): "causal",
+                  ("gradient_permutation", "fp32-dlse"): "causal", ("gradient_permutation", "bf16-tiles"): "causal",
+                  ("gradient_permutation", "fp16-softcap-window"): "window",
+                  ("gradient_permutation", "bf16-alibi-sinks"): "causal",
+                  ("gradient_key_sum", "fp16-noncausal-softcap-sinks-dlse"): "1 - tanh^2",
+                  ("gradient_key_shift", "fp16-noncausal-softcap-sinks-dlse"): "softcap"}
 
 
 def _problem(dtype="bf16", sinks=False, dlse=False, shape=(2, 4, 2, 5, 7, 8), seed=1, causal=True, **variants):
@@ -86,6 +100,18 @@ def dk_negated(problem):
     return dq, _in(-dk.astype(np.float64), dk), dv, dsinks
 
 
+def dk_rolled(problem):
+    """dK of key j written at key j + 1 (mod Nk): a gradient written to another row."""
+    dq, dk, dv, dsinks = _fa2(problem)
+    return dq, np.roll(dk, 1, axis=2), dv, dsinks
+
+
+def no_dsink(problem):
+    """dsinks left at zero (fa2-bwd-no-dsink's bug class)."""
+    dq, dk, dv, dsinks = _fa2(problem)
+    return dq, dk, dv, np.zeros_like(dsinks)
+
+
 def affine_dv(problem):
     """dV from dout + 2^-6: affine in dout, not linear."""
     dq, dk, _, dsinks = _fa2(problem)
@@ -100,6 +126,7 @@ HONEST_PROBLEMS = {
     "fp16-softcap-window": _problem("fp16", causal=False, softcap=5.0, window_size=(3, 1)),
     "bf16-alibi-sinks": _problem("bf16", sinks=True, alibi_slopes=np.linspace(0.1, 1, 4, dtype=np.float32)),
     "bf16-tiles": _problem("bf16", shape=(1, 6, 2, 70, 130, 40)),
+    "fp16-noncausal-softcap-sinks-dlse": _problem("fp16", causal=False, softcap=5.0, sinks=True, dlse=True),
 }
 
 
@@ -107,8 +134,10 @@ HONEST_PROBLEMS = {
 @pytest.mark.parametrize("prop", CHECKS)
 def test_an_honest_fa2_backward_passes_every_identity(prop, name):
     result = CHECKS[prop](HONEST, HONEST_PROBLEMS[name])
-    assert result.passed or (prop == "gradient_key_sum" and "softcap" in name and not result.applicable), \
-        result.message()
+    if (prop, name) in NOT_APPLICABLE:
+        assert not result.applicable and NOT_APPLICABLE[prop, name] in result.detail, result.message()
+    else:
+        assert result.passed, result.message()
 
 
 @pytest.mark.parametrize("bug, prop, says", [
@@ -118,9 +147,15 @@ def test_an_honest_fa2_backward_passes_every_identity(prop, name):
     (unnormalised_p, "gradient_value_sum", ["sum_j dV_j", "P not normalised by the LSE"]),
     (dk_negated, "gradient_adjoint", ["<dk, direction> ([batch, head])", "the adjoint identity"]),
     (affine_dv, "gradient_linearity", ["did not scale the gradients by exactly 2^", "dv:"]),
+    (no_delta, "gradient_key_shift", ["dq ([batch, head, query, column])", "every key shifted by c on coordinates",
+                                      "the D term wrong?"]),
+    (dk_rolled, "gradient_permutation", ["dk ([batch, kv head, key, column]) with the keys permuted",
+                                         "a gradient written to another row"]),
+    (no_dsink, "gradient_adjoint", ["<dsinks, direction> ([head])", "the adjoint identity"]),
 ])
 def test_a_bug_fails_the_identity_that_names_it(bug, prop, says):
-    result = CHECKS[prop](Bugged(bug, bug.__name__), _problem("bf16"))
+    result = CHECKS[prop](Bugged(bug, bug.__name__), _problem("bf16", causal=prop != "gradient_permutation",
+                                                              sinks=bug is no_dsink))
     assert result.failed, result.message()
     assert all(s in result.detail for s in says), result.detail
     assert "exceed the tolerance; worst at [" in result.detail or "differ; first at [" in result.detail
@@ -150,7 +185,7 @@ def test_an_mha_problem_has_no_group_to_sum():
 
 # --- tolerances: neither 4x too loose nor 4x too tight -------------------------------------------
 
-def coherent_d_problem(dtype, seed=0):
+def coherent_d_problem(dtype, seed=0, sinks=False):
     """Values nearly equal (dP ~ D, so dS is small) and dout the sign of the given out's rounding
     error: D from the rounded out is off by sum_c |O_given - O| in every row, which shifts every
     dS_ij of the row alike, with positive q: the error model's given_out term, summed, is reached."""
@@ -159,7 +194,7 @@ def coherent_d_problem(dtype, seed=0):
     q = rng.uniform(0.5, 1, (1, 1, 4, 8)).astype(t)
     k = rng.standard_normal((1, 1, 8, 8)).astype(t)
     v = (1 + 2.0 ** -8 * rng.standard_normal((1, 1, 8, 8))).astype(t)
-    forward = AttentionProblem(q, k, v, causal=False)
+    forward = AttentionProblem(q, k, v, causal=False, sinks=np.zeros(1, np.float32) if sinks else None)
     exact = reference(forward).out
     return BackwardProblem.of(forward, np.sign(exact.astype(t).astype(np.float64) - exact))
 
@@ -291,3 +326,114 @@ def test_linearity_is_bitwise_in_bf16_and_fp32_where_every_stage_stays_normal():
     tiny = _problem("bf16")
     tiny = tiny.replace(dout=(tiny.dout.astype(np.float32) * 2.0 ** -20).astype(tiny.dout.dtype))
     assert "below 2^-16" in gi.bitwise_linearity(tiny, gi._bounded(HONEST, tiny)[0], 1)
+
+
+# --- key shift, permutations, dsinks: the two-run tolerances ------------------------------------
+
+class WithinModel(NumpyBackwardBackend):
+    """A target the error model accepts whose errors change sign between problems: the exact
+    gradients plus sign(problem) times half their bound, rounded to the output dtype (a 4x tighter
+    two-run tolerance would fail it)."""
+
+    def __init__(self, sign):
+        super().__init__()
+        self.sign, self.name = sign, "within-model"
+
+    def _run(self, problem):
+        ref, bound = gi._bounded(HONEST, problem)
+        names = ("dq", "dk", "dv", "dsinks")
+        return tuple(_in(getattr(ref, n) + self.sign(problem) * 0.5 * bound.bound(n), g)
+                     for n, g in zip(names, super()._run(problem)))
+
+
+def _flipping(check, problem, first):
+    """check on the within-model target that errs by +beta/2 on `first(p)` problems, -beta/2 on
+    the others; each run must pass gradient_agreement (the target is honest by the model)."""
+    target = WithinModel(lambda p: 1.0 if first(p) else -1.0)
+    result = check(target, problem, seed=0)
+    return target, result
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_the_key_shift_tolerance_is_reached_and_a_violation_of_twice_it_fails(dtype):
+    problem = _problem(dtype, causal=False, dlse=True)
+    grid, moved, c = gi.key_shift_problems(problem, 0)
+    on_grid = lambda p: np.array_equal(p.k, grid.k)  # noqa: E731
+    # the honest FA2 backward reaches over 1/4 of dQ's (the moved keys' dS rounding times |c|)
+    grads, moved_grads = (_named(p, HONEST, HONEST.run(p)) for p in (grid, moved))
+    law = gi.key_shift_law(grid, moved, c, grads, moved_grads, gi._bounded(HONEST, grid)[1],
+                           gi._bounded(HONEST, moved)[1])
+    got, expected, tol = law["dq"]
+    assert 0.25 < float((np.abs(got - expected) / tol).max()) <= 1  # measured 0.5-0.7
+    # a target within the error model on each problem reaches over 1/4 of every tensor's
+    target, result = _flipping(gi.check_gradient_key_shift, problem, on_grid)
+    assert result.passed and 0.25 < result.worst_ratio <= 1, result.message()
+    assert all(check_gradient_agreement(target, p).passed for p in (grid, moved))
+    # twice the tolerance at one element of the moved problem's dk or dq fails, naming it
+    for tensor, index in (("dk", (1, 0, 3, 2)), ("dq", (1, 3, 4, 2))):
+        delta = _one_element(getattr(problem, tensor[1]).shape, index, 2 * law[tensor][2][index])
+        result = gi.check_gradient_key_shift(Perturbed({tensor: delta}, applies=lambda p: not on_grid(p)), problem)
+        assert result.failed and 1.5 < result.worst_ratio < 2.5 and f"{tensor} ([batch, " in result.detail, \
+            result.message()
+        assert f"at {list(index)}" in result.detail and "1 / " in result.detail
+
+
+def test_the_permutation_tolerance_is_reached_and_a_violation_of_twice_it_fails():
+    problem = _problem("bf16", causal=False, sinks=True, dlse=True)
+    target, result = _flipping(gi.check_gradient_permutation, problem, lambda p: p is problem)
+    assert result.passed and 0.25 < result.worst_ratio <= 1, result.message()  # a 4x tighter one fails it
+    rng = np.random.default_rng(0)
+    key_perm, query_perm = rng.permutation(problem.nk), rng.permutation(problem.nq)
+    keys, queries = gi.permuted_problems(problem, key_perm, query_perm)
+    assert all(check_gradient_agreement(target, p).passed for p in (problem, keys, queries))
+    # twice the tolerance at one row of dQ of the query-permuted problem
+    _, bound = gi._bounded(HONEST, problem)
+    _, query_bound = gi._bounded(HONEST, queries)
+    index = (1, 2, 4, 3)
+    tol = bound.dq[1, 2, query_perm[4], 3] + query_bound.dq[index]
+    bugged = Perturbed({"dq": _one_element(problem.q.shape, index, 2 * tol)},
+                       applies=lambda p: np.array_equal(p.q, queries.q) and p is not problem)
+    result = gi.check_gradient_permutation(bugged, problem, seed=0)
+    assert result.failed and 1.5 < result.worst_ratio < 2.5, result.message()
+    assert "dq ([batch, head, query, column]) with the queries permuted: 1 / " in result.detail
+    assert "at [1, 2, 4, 3]" in result.detail
+
+
+def test_the_dsinks_adjoint_tolerance_is_reached_and_a_violation_of_twice_it_fails():
+    """D from the rounded out is off alike in every row (coherent_d_problem): dsinks' error
+    sum_i Ps_i (D_hat_i - D_i) adds up, as the error model's given_out term does."""
+    for dtype in ("fp16", "bf16"):
+        problem = coherent_d_problem(dtype, sinks=True)
+        direction = gi.random_direction(problem, 0)
+        got, expected, tol = _law(gi.adjoint_law, problem, None, direction)["dsinks"]
+        assert 0.25 < float((np.abs(got - expected) / tol).max()) <= 1  # measured 0.9x
+    problem = _problem("bf16", sinks=True)
+    direction = gi.random_direction(problem, 0)
+    _, _, tol = _law(gi.adjoint_law, problem, None, direction)["dsinks"]
+    e = direction[3]
+    result = gi.check_gradient_adjoint(Perturbed({"dsinks": _one_element((4,), 2, 2 * tol[2] / e[2])}), problem)
+    assert result.failed and 1.5 < result.worst_ratio < 2.5 and "<dsinks, direction> ([head])" in result.detail
+    assert "at [2]" in result.detail, result.message()
+
+
+def test_the_identities_draw_the_variants_they_hold_under_and_plain_problems():
+    from hypothesis import Phase, find, settings
+    from hypothesis.errors import NoSuchExample
+
+    from fa_verify.properties import draw, get_property
+    from fa_verify.properties.draw_backward import as_backward
+    from fa_verify.properties.selection import Selection
+
+    caps = draw.capabilities(HONEST, as_backward)
+    assert set(caps.features) == {"window", "softcap", "alibi", "sinks"}
+    few = settings(max_examples=25, database=None, derandomize=True, phases=[Phase.generate])
+    small = Selection(max_seq=16, max_work=4096, typical_seq=None)
+    key_sum = draw.problem_strategy(get_property("gradient_key_sum"), caps, small)
+    assert find(key_sum, lambda p: "sinks" in p.features and "window" in p.features, settings=few)
+    assert find(key_sum, lambda p: not p.features, settings=few)  # and plain problems
+    with pytest.raises(NoSuchExample):
+        find(key_sum, lambda p: "softcap" in p.features, settings=few)  # it does not hold under a softcap
+    plain = draw.problem_strategy(get_property("gradient_key_sum"), dataclasses.replace(caps, features=()),
+                                  small)
+    with pytest.raises(NoSuchExample):
+        find(plain, lambda p: bool(p.features), settings=few)  # a target with no variant: plain problems

@@ -250,4 +250,8 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
                               None if deep is None else fst.deep_problems(deep, fst.dtypes(dtypes), **modes),
                               None if long_keys is None else fst.long_key_problems(long_keys, fst.dtypes(dtypes),
                                                                                    **modes)))
-    return fst.variant_problems(dense, features, always=prop.always) if features else dense
+    if features:
+        return fst.variant_problems(dense, features, always=prop.always)
+    optional = tuple(f for f in prop.holds_under if f in caps.features)
+    # plain problems first: a failure shrinks towards one without variants where it shows there
+    return st.one_of(dense, fst.variant_problems(dense, optional)) if optional else dense

@@ -20,9 +20,23 @@ With P = exp(z - L) (0 where masked), dP = dO V^T, D_i = dO_i . O_i, dS = P o (d
   certified forward (out' = sum_j P_ij (s'_ij - lse'_i) v_j + sum_j P_ij c_j, lse'_i =
   sum_j P_ij s'_ij, s' the logits' derivative along (a, b): softcap's and ALiBi's included),
   per tensor and head, so a failure names the gradient that is not the forward's derivative.
+  With sinks and a fourth direction e [H]: <dsinks, e> per head equals e_h sum_{b,i} Ps_i
+  (dlse_i - D_i), the sink moving every L_i by Ps_i e_h.
+* gradient_key_shift: k_j + c for one vector c (exact in the dtype: `metamorphic.shifted_keys`)
+  adds scale q_i.c to row i's scores, which the softmax ignores: dK, dV unchanged, dQ_i +
+  scale r_i c with r_i = sum_j dS_ij = dlse_i (0 without dlse). A softcap and sinks (the sink's
+  logit does not move) change the probabilities: not applicable. Windows, ALiBi, causal keep it.
+* gradient_permutation (non-causal, no window, no ALiBi): keys with values permuted permute dK,
+  dV alike and leave dQ; query rows with dout, out, lse, dlse permuted permute dQ and leave dK,
+  dV (dsinks unchanged in both). Not bitwise: FA2 sums dK, dV over query rows and dQ over key
+  tiles in order, and a permutation changes the order.
 * gradient_linearity: dout and dlse times 2^k give the gradients times 2^k. Bitwise where every
   stage of an FA2 backward stays in the normal range (`bitwise_linearity`), within the error
   model otherwise (fp16: dS and small gradients are subnormal, and a subnormal does not scale).
+
+The key shift, the permutations, the GQA sum and fp16 linearity compare two runs of the target:
+each run within its own bound of its problem's exact gradients, which the law relates exactly,
+so the tolerance is the sum of both bounds (plus float64 rounding where the law adds a term).
 
 Tolerances, none of them a constant: the error model (`backward_error_model`) bounds every
 element of a target's gradient, |g_hat - g| <= beta; the identities are linear in the gradients,
@@ -40,6 +54,7 @@ import dataclasses
 
 import numpy as np
 
+from fa_verify.backward import BackwardProblem
 from fa_verify.backward_error_model import gradient_error_bound
 from fa_verify.dtypes import finfo
 from fa_verify.error_model import _RowVariants
@@ -49,6 +64,7 @@ from fa_verify.properties._compare import differing, exceeding
 from fa_verify.properties._result import failed, not_applicable, passed
 from fa_verify.properties._subject import as_backend, unsupported
 from fa_verify.properties.backward import _named
+from fa_verify.properties.metamorphic import _shown, permuted_keys, permuted_queries, shifted_keys
 
 #: Powers of two the linearity property scales dout by: |k| <= 2 keeps a gradient the
 #: strategies hold below max / 16 in range (`strategies._backward`), and 2^-2 keeps
@@ -185,22 +201,35 @@ def check_gradient_gqa_group_sum(backend, problem):
         return not_applicable(name, problem, reason)
     grads, _, bound = _judged(backend, problem)
     twin_grads, _, twin_bound = _judged(backend, twin)
-    worst, found = 0.0, []
+    law = {}
     for tensor in ("dk", "dv"):
         per_head = np.asarray(twin_grads[tensor]).astype(np.float64)
         # each head's gradient within its bound; the group's sum within their sum + its rounding
-        summed = _per_kv_head(problem, per_head)
-        tol = bound.bound(tensor) + _per_kv_head(problem, twin_bound.bound(tensor)) + float(
-            gamma(problem.group_size)) * _per_kv_head(problem, np.abs(per_head))
-        mismatch, ratio = exceeding(grads[tensor], summed, tol)
+        law[tensor] = (grads[tensor], _per_kv_head(problem, per_head), bound.bound(tensor) + _per_kv_head(
+            problem, twin_bound.bound(tensor)) + float(gamma(problem.group_size)) * _per_kv_head(
+            problem, np.abs(per_head)))
+    return _judge(name, problem, law, "the GQA gradients are not the sums over each group's query heads of the "
+                  f"same problem's MHA gradients (group of {problem.group_size}: one head taken, or a head counted "
+                  "twice?)")
+
+
+#: How each gradient's index reads in a failure message.
+_INDEXED = {"dq": "([batch, head, query, column])", "dk": "([batch, kv head, key, column])",
+            "dv": "([batch, kv head, key, column])", "dsinks": "([head])"}
+
+
+def _judge(name, problem, law: dict, rule: str, label=lambda tensor: f"{tensor} {_INDEXED[tensor]}", note=""):
+    """Judge law = {tensor: (got, expected, tolerance)}: a failure names the rule, then per
+    tensor the elements beyond the tolerance and the worst of them (index, error / tolerance)."""
+    worst, found = 0.0, []
+    for tensor, (got, expected, tol) in law.items():
+        mismatch, ratio = exceeding(got, expected, tol)
         worst = max(worst, ratio)
         if mismatch is not None:
-            found.append(mismatch.describe(f"{tensor} ([batch, kv head, key, column])"))
+            found.append(mismatch.describe(label(tensor)))
     if found:
-        return failed(name, problem, f"the GQA gradients are not the sums over each group's query heads of the "
-                                     f"same problem's MHA gradients (group of {problem.group_size}: one head "
-                                     "taken, or a head counted twice?): " + "; ".join(found), worst_ratio=worst)
-    return passed(name, problem, worst_ratio=worst)
+        return failed(name, problem, f"{rule}: " + "; ".join(found), worst_ratio=worst)
+    return passed(name, problem, worst_ratio=worst, note=note)
 
 
 # --- the adjoint identity --------------------------------------------------------------------------
@@ -209,7 +238,7 @@ def directional_derivative(problem, reference, direction):
     """(the loss <dO, out> + <dlse, lse>'s derivative along direction = (a, b, c) (shaped q, k, v),
     split per tensor: {"dq": [B, H], "dk": [B, Hkv], "dv": [B, Hkv]}, and a bound on each's
     float64 error), by forward mode from the certified forward's P."""
-    a, b, c = direction
+    a, b, c = direction[:3]
     B, H, Nq, D = problem.out_shape
     G = problem.group_size
     q = problem.q64()
@@ -259,17 +288,36 @@ def directional_derivative(problem, reference, direction):
 
 
 def random_direction(problem, seed: int):
-    """(a, b, c): standard normal directions shaped q, k, v (float64)."""
+    """(a, b, c): standard normal directions shaped q, k, v (float64), and e [H] for the sink
+    logits where the problem has sinks."""
     rng = np.random.default_rng(seed)
-    return tuple(rng.standard_normal(x.shape) for x in (problem.q, problem.k, problem.v))
+    arrays = (problem.q, problem.k, problem.v) + (() if problem.sinks is None else (problem.sinks,))
+    return tuple(rng.standard_normal(x.shape) for x in arrays)
+
+
+def sink_derivative(problem, reference, e):
+    """(the loss's derivative along the sink logits' direction e [H], per head; its bound). The
+    sink moves L_i by Ps_i e_h and so every P_ij by -P_ij Ps_i e_h: out_i by -Ps_i e_h O_i,
+    lse_i by Ps_i e_h; the loss by e_h sum_{b,i} Ps_i (dlse_i - D_i) (a row that sees no key:
+    Ps = 1, O = 0), from the certified forward's Ps and D."""
+    ps, ps_bound = _sink_weight(problem, reference)
+    dlse = np.zeros(problem.lse_shape) if problem.dlse is None else problem.dlse.astype(np.float64)
+    delta, delta_bound = reference.delta, reference.delta_bound
+    terms = ps * (dlse - delta)
+    # Ps's error times |dlse - D| (+ D's error), D's error times Ps, the two roundings of each term
+    term_bounds = ps_bound * (np.abs(dlse - delta) + delta_bound) + ps * delta_bound + float(gamma(2)) * np.abs(terms)
+    n = problem.batch * problem.nq + 1  # the sum over rows and the product with e
+    value = e * terms.sum(axis=(0, 2))
+    return value, np.abs(e) * (term_bounds.sum(axis=(0, 2)) + float(gamma(n)) * np.abs(terms).sum(axis=(0, 2)))
 
 
 def adjoint_law(problem, grads, reference, bound, direction) -> dict:
     """tensor -> (<gradient, its direction> per head, the forward's directional derivative along
-    it, the tolerance): [B, H] for dq, [B, Hkv] for dk and dv."""
+    it, the tolerance): [B, H] for dq, [B, Hkv] for dk and dv, [H] for dsinks (with sinks and a
+    fourth direction, e for the sink logits)."""
     expected = directional_derivative(problem, reference, direction)
     law = {}
-    for tensor, x in zip(("dq", "dk", "dv"), direction):
+    for tensor, x in zip(("dq", "dk", "dv"), direction[:3]):
         g = np.asarray(grads[tensor]).astype(np.float64)
         axes = (2, 3)
         with np.errstate(invalid="ignore", over="ignore"):
@@ -279,22 +327,20 @@ def adjoint_law(problem, grads, reference, bound, direction) -> dict:
                 g * x).sum(axis=axes)
         value, value_bound = expected[tensor]
         law[tensor] = (got, value, tol + value_bound)
+    if len(direction) == 4 and problem.sinks is not None:
+        e = direction[3]
+        got = np.asarray(grads["dsinks"]).astype(np.float64) * e
+        value, value_bound = sink_derivative(problem, reference, e)
+        law["dsinks"] = (got, value, bound.bound("dsinks") * np.abs(e) + U64 * np.abs(got) + value_bound)
     return law
 
 
 def adjoint_check(backend, problem, direction, name: str = "gradient_adjoint"):
     """The adjoint identity along `direction`, per tensor and head."""
-    worst, found = 0.0, []
-    for tensor, (got, value, tol) in adjoint_law(problem, *_judged(backend, problem), direction).items():
-        mismatch, ratio = exceeding(got, value, tol)
-        worst = max(worst, ratio)
-        if mismatch is not None:
-            found.append(mismatch.describe(f"<{tensor}, direction> ([batch, head])"))
-    if found:
-        return failed(name, problem, "the gradients are not the derivative of the forward's loss <dO, out> + "
-                                     "<dlse, lse> along a random direction (the adjoint identity): "
-                                     + "; ".join(found), worst_ratio=worst)
-    return passed(name, problem, worst_ratio=worst)
+    return _judge(name, problem, adjoint_law(problem, *_judged(backend, problem), direction),
+                  "the gradients are not the derivative of the forward's loss <dO, out> + <dlse, lse> along a "
+                  "random direction (the adjoint identity)",
+                  lambda tensor: f"<{tensor}, direction> ({'[head]' if tensor == 'dsinks' else '[batch, head]'})")
 
 
 def check_gradient_adjoint(backend, problem, *, seed: int = 0):
@@ -381,3 +427,117 @@ def check_gradient_linearity(backend, problem, *, seed: int = 0):
         return failed(name, problem, f"{why} did not scale the gradients by 2^{k} within the error model: "
                       + "; ".join(found), worst_ratio=worst)
     return passed(name, problem, worst_ratio=worst, note="" if reason is None else f"not bitwise: {reason}")
+
+
+# --- key shift and permutations: two problems with related exact gradients -------------------------
+
+def with_forward(problem, forward):
+    """The backward problem of `forward` for the same upstream gradients (out and lse from its
+    own certified forward)."""
+    return BackwardProblem.of(forward, problem.dout, problem.dlse, tags=problem.gradient_tags)
+
+
+def key_shift_problems(problem, seed: int):
+    """(the problem with its keys on a grid, the same with every key shifted by c, c [B, Hkv, D]),
+    both exact in the dtype (`metamorphic.shifted_keys`), or why the keys cannot be shifted."""
+    shifted = shifted_keys(problem.forward, np.random.default_rng(seed))
+    if isinstance(shifted, str):
+        return shifted
+    grid, moved, _, _ = shifted
+    c = moved.k[:, :, 0].astype(np.float64) - grid.k[:, :, 0].astype(np.float64)  # exact: both on c's grid
+    return with_forward(problem, grid), with_forward(problem, moved), c
+
+
+def key_shift_law(grid, moved, c, grads, moved_grads, bound, moved_bound) -> dict:
+    """tensor -> (the shifted problem's gradient, the value the grid problem's gives it, the
+    tolerance): dK, dV unchanged; dQ_i + scale r_i c, r_i = sum_j dS_ij = dlse_i on a row that
+    sees a key (no sinks). Each run within its bound of its exact gradients, which the law
+    relates exactly; plus the float64 rounding of scale r_i c and its sum with dQ_i."""
+    law = {t: (moved_grads[t], np.asarray(grads[t]).astype(np.float64), bound.bound(t) + moved_bound.bound(t))
+           for t in ("dk", "dv")}
+    dq = np.asarray(grads["dq"]).astype(np.float64)
+    r = np.zeros(grid.lse_shape) if grid.dlse is None else np.where(
+        grid.masked_rows[None, None, :], 0.0, grid.dlse.astype(np.float64))
+    moves = grid.scale_value * r[..., None] * np.repeat(c, grid.group_size, axis=1)[:, :, None, :]
+    law["dq"] = (moved_grads["dq"], dq + moves, bound.dq + moved_bound.dq
+                 + float(gamma(3)) * (np.abs(dq) + np.abs(moves)))
+    return law
+
+
+def check_gradient_key_shift(backend, problem, *, seed: int = 0):
+    """Adding one vector c to every key changes dK and dV not at all and dQ_i by scale dlse_i c (0 without dlse)."""
+    backend = as_backend(backend)
+    name = "gradient_key_shift"
+    if problem.softcap > 0:
+        return not_applicable(name, problem, "a softcap does not commute with shifting a row's scores: the shift "
+                                             "changes the probabilities")
+    if problem.sinks is not None:
+        return not_applicable(name, problem, "the sink's logit does not move with the keys' scores: the shift "
+                                             "changes the probabilities")
+    shifted = key_shift_problems(problem, seed)
+    if isinstance(shifted, str):
+        return not_applicable(name, problem, shifted)
+    grid, moved, c = shifted
+    if problem.dlse is not None:
+        largest = float(grid.scale_value * np.abs(grid.dlse).max(initial=0.0) * np.abs(c).max(initial=0.0))
+        if largest >= float(finfo(problem.dtype).max) / 16:
+            return not_applicable(name, problem, f"scale dlse c (up to {largest:.3g}) would take dQ near "
+                                                 f"{problem.dtype}'s largest value")
+    reason = unsupported(backend, grid, moved)
+    if reason:
+        return not_applicable(name, problem, reason)
+    grads, _, bound = _judged(backend, grid)
+    moved_grads, _, moved_bound = _judged(backend, moved)
+    coords = [int(d) for d in np.flatnonzero(np.abs(c).max(axis=(0, 1)))]
+    return _judge(name, problem, key_shift_law(grid, moved, c, grads, moved_grads, bound, moved_bound),
+                  f"every key shifted by c on coordinates {coords} (|c| up to {float(np.abs(c).max()):.3g}) changed "
+                  f"the gradients{'' if problem.dlse is None else ' beyond dQ_i + scale dlse_i c'} (the shift moves "
+                  "each row's scores alike, which the softmax ignores: sum_j dS_ij != 0, the D term wrong?)")
+
+
+def permuted_problems(problem, key_perm, query_perm):
+    """(keys and values permuted by key_perm, query rows with dout, out, lse, dlse by query_perm):
+    the backward problems of the same exact attention, rearranged."""
+    rows = (slice(None), slice(None), query_perm)
+    keys = problem.replace(forward=permuted_keys(problem.forward, key_perm))
+    queries = problem.replace(forward=permuted_queries(problem.forward, query_perm), dout=problem.dout[rows],
+                              out=problem.out[rows], lse=problem.lse[rows],
+                              dlse=None if problem.dlse is None else problem.dlse[rows])
+    return keys, queries
+
+
+def permutation_law(grads, bound, permuted_grads, permuted_bound, key_perm, query_perm) -> dict:
+    """tensor -> (the permuted problem's gradient, the original's rearranged alike, the tolerance:
+    both runs' bounds): dQ's rows follow query_perm, dK's and dV's key_perm (dsinks stays)."""
+    law = {}
+    for tensor, g in grads.items():
+        at = () if tensor == "dsinks" else (slice(None), slice(None), query_perm if tensor == "dq" else key_perm)
+        law[tensor] = (permuted_grads[tensor], np.asarray(g).astype(np.float64)[at],
+                       bound.bound(tensor)[at] + permuted_bound.bound(tensor))
+    return law
+
+
+def check_gradient_permutation(backend, problem, *, seed: int = 0):
+    """Permuting keys with values (non-causal) permutes dK, dV alike; permuting query rows with dout permutes dQ."""
+    backend = as_backend(backend)
+    name = "gradient_permutation"
+    for broken, why in ((problem.causal, "a causal mask"), (problem.window_size != (-1, -1), "a window"),
+                        (problem.alibi_slopes is not None, "ALiBi")):
+        if broken:
+            return not_applicable(name, problem, f"{why} depends on the positions of queries and keys")
+    rng = np.random.default_rng(seed)
+    key_perm, query_perm = rng.permutation(problem.nk), rng.permutation(problem.nq)
+    keys, queries = permuted_problems(problem, key_perm, query_perm)
+    reason = unsupported(backend, keys, queries)
+    if reason:
+        return not_applicable(name, problem, reason)
+    grads, _, bound = _judged(backend, problem)
+    law = {}
+    for derived, kp, qp, what in ((keys, key_perm, np.arange(problem.nq), "keys"),
+                                  (queries, np.arange(problem.nk), query_perm, "queries")):
+        derived_grads, _, derived_bound = _judged(backend, derived)
+        for tensor, judged in permutation_law(grads, bound, derived_grads, derived_bound, kp, qp).items():
+            law[f"{tensor} {_INDEXED[tensor]} with the {what} permuted"] = judged
+    return _judge(name, problem, law, f"permuting the keys with the values by {_shown(key_perm)} or the queries "
+                  f"with dout, out, lse by {_shown(query_perm)} did not permute the gradients alike (a "
+                  "gradient written to another row, or a key or query's tile read at the wrong place?)", str)

@@ -80,13 +80,23 @@ def _shown(perm: np.ndarray) -> str:
     return str(perm.tolist()[:16]) + ("..." if perm.size > 16 else "")
 
 
+def permuted_keys(problem, perm: np.ndarray):
+    """`problem` (forward) with its keys and values permuted together by `perm`."""
+    return problem.replace(k=problem.k[:, :, perm], v=problem.v[:, :, perm])
+
+
+def permuted_queries(problem, perm: np.ndarray):
+    """`problem` (forward) with its query rows permuted by `perm`."""
+    return problem.replace(q=problem.q[:, :, perm])
+
+
 def check_key_permutation(backend, problem, *, seed: int = 0) -> PropertyResult:
     """Permuting keys and values together (non-causal) leaves O and LSE unchanged."""
     backend = as_backend(backend)
     if problem.causal:
         return not_applicable("key_permutation", problem, "causal masks depend on key positions")
     perm = np.random.default_rng(seed).permutation(problem.nk)
-    derived = problem.replace(k=problem.k[:, :, perm], v=problem.v[:, :, perm])
+    derived = permuted_keys(problem, perm)
 
     def comparisons(runs, precision):
         (out, lse), (out_p, lse_p) = runs
@@ -105,7 +115,7 @@ def check_query_permutation(backend, problem, *, seed: int = 0) -> PropertyResul
     if problem.causal:
         return not_applicable("query_permutation", problem, "causal masks depend on query positions")
     perm = np.random.default_rng(seed).permutation(problem.nq)
-    derived = problem.replace(q=problem.q[:, :, perm])
+    derived = permuted_queries(problem, perm)
 
     def comparisons(runs, precision):
         (out, lse), (out_p, lse_p) = runs

@@ -63,6 +63,10 @@ class Property:
     features: tuple = ()
     #: variants every drawn problem uses (the target must implement them)
     always: tuple = ()
+    #: variants (keys of FEATURES) a check about plain problems also holds under: besides plain
+    #: problems it draws problems with a subset of those the target implements switched on (a
+    #: target implementing none gets plain problems only)
+    holds_under: tuple = ()
     #: the kinds of problem it is about (`fa_verify.kinds.KINDS`)
     kinds: tuple = ("dense",)
 
@@ -140,11 +144,21 @@ PROPERTIES = (
     Property("gradient_nan_padding", backward.check_gradient_nan_padding, kinds=("backward",),
              target_reason=backward.not_padded),
     # identities of the backward pass (fa_verify.properties.gradient_identities)
-    Property("gradient_key_sum", gradient_identities.check_gradient_key_sum, kinds=("backward",)),
-    Property("gradient_value_sum", gradient_identities.check_gradient_value_sum, kinds=("backward",)),
-    Property("gradient_gqa_group_sum", gradient_identities.check_gradient_gqa_group_sum, kinds=("backward",)),
-    Property("gradient_adjoint", gradient_identities.check_gradient_adjoint, kinds=("backward",)),
-    Property("gradient_linearity", gradient_identities.check_gradient_linearity, kinds=("backward",)),
+    # (each also drawn with the variants it holds under that the target implements)
+    Property("gradient_key_sum", gradient_identities.check_gradient_key_sum, kinds=("backward",),
+             holds_under=("window", "alibi", "sinks")),
+    Property("gradient_value_sum", gradient_identities.check_gradient_value_sum, kinds=("backward",),
+             holds_under=tuple(FEATURES)),
+    Property("gradient_gqa_group_sum", gradient_identities.check_gradient_gqa_group_sum, kinds=("backward",),
+             holds_under=tuple(FEATURES)),
+    Property("gradient_adjoint", gradient_identities.check_gradient_adjoint, kinds=("backward",),
+             holds_under=tuple(FEATURES)),
+    Property("gradient_linearity", gradient_identities.check_gradient_linearity, kinds=("backward",),
+             holds_under=tuple(FEATURES)),
+    Property("gradient_key_shift", gradient_identities.check_gradient_key_shift, kinds=("backward",),
+             holds_under=("window", "alibi")),
+    Property("gradient_permutation", gradient_identities.check_gradient_permutation, kinds=("backward",),
+             masking="non-causal", holds_under=("softcap", "sinks")),
 )
 
 PROPERTY_NAMES = tuple(p.name for p in PROPERTIES)
