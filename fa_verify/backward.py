@@ -128,8 +128,9 @@ class BackwardProblem:
         return arrays if self.dlse is None else {**arrays, "dlse": self.dlse}
 
     def unsupported_by(self, backend) -> str | None:
-        if backend.judged_under.declared:
-            return (f"{backend.name} declares conventions ({backend.judged_under.describe()}), which are about a "
+        about_outputs = backend.judged_under.about_outputs
+        if about_outputs.declared:
+            return (f"{backend.name} declares conventions ({about_outputs.describe()}), which are about a "
                     "forward's outputs; a backward target is given out and lse in fa_verify's")
         return self.forward.unsupported_by(backend)
 

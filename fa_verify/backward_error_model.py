@@ -45,6 +45,13 @@ over the group's query heads); P's terms reach dV as sum_i W_ij |dO_ic|. Then:
                also half an ulp at each query head's |dK_h|, |dV_h| + the errors: FA2's mha_bwd
                stores every query head's dK, dV in the output dtype before summing the group.
 * reference    the gradient oracle's own bound.
+* flush_to_zero  only for a declared flush-to-zero (`precision.ftz`: XLA on the CPU, GPUs' .ftz):
+               every subnormal input entry read as 0 moves it by less than tiny_in, the smallest
+               normal of the input dtype (a given out entry: tiny_out). dP_ij by tiny_in
+               (sum_c |dO_ic| + sum_c |v_jc|), D_i by tiny_out sum_c |dO_ic| + tiny_in
+               sum_c |O_ic|: into dS as p (those) f; dQ by scale tiny_in sum_j |dS_ij| (k
+               flushed), dK likewise (q), dV by tiny_in sum_i p_ij (dO); a stored gradient
+               below the normal range by tiny_out. Flushed scores: `error_model._Units.t_abs`.
 dsinks: dsink_h = -sum_{b,i} P_sink,i (D_i - dlse_i): P_sink's softmax and given_lse errors
 times |D - dlse|, given_out's p_sink |delta D|, dp's 2 u_s p_sink (|D| + |dlse|).
 
@@ -59,7 +66,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fa_verify.dtypes import ulp
+from fa_verify.dtypes import finfo, ulp
 from fa_verify.error_model import DEFAULT_LAMBDA, _RowVariants, _scaled, _Units, gamma
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.oracle.backward import GradientReference, checked_upstream
@@ -68,10 +75,10 @@ from fa_verify.problem import AttentionProblem
 
 TENSORS = ("dq", "dk", "dv", "dsinks")
 #: The terms of every tensor (a term that does not reach a tensor is zero there).
-TERMS = ("scores", "softmax", "given_lse", "given_out", "dp", "p_rounding", "ds_rounding",
+TERMS = ("scores", "softmax", "given_lse", "given_out", "dp", "p_rounding", "ds_rounding", "flush_to_zero",
          "accumulation", "second_order", "output_rounding", "reference")
 #: The terms that pass through dS, in the order they are stacked for the GEMMs.
-_DS_TERMS = ("scores", "softmax", "given_lse", "given_out", "dp", "ds_rounding")
+_DS_TERMS = ("scores", "softmax", "given_lse", "given_out", "dp", "ds_rounding", "flush_to_zero")
 #: The terms of P that reach dV.
 _P_TERMS = ("scores", "softmax", "given_lse", "p_rounding")
 #: Slack for the float64 arithmetic of the bound itself.
@@ -136,6 +143,9 @@ def gradient_error_bound(problem: AttentionProblem, dout, precision: PrecisionMo
             "out_given or lse_given holds NaN/Inf where the exact result is finite: the backward was handed a "
             "broken forward result, which bounds nothing; judge the forward first (check_attention)")
     U = _Units.of(problem, precision, accumulation, lam)
+    # what reading a subnormal input, or storing one, as 0 can cost (0 without a declared ftz)
+    flush = ((float(finfo(problem.dtype).smallest_normal), float(finfo(precision.output).smallest_normal))
+             if precision.ftz else (0.0, 0.0))
     B, H, Nq, D = problem.out_shape
     G, Nk, Hkv = problem.group_size, problem.nk, problem.kv_heads
     shapes = {"dq": (B, H, Nq, D), "dk": (B, Hkv, Nk, D), "dv": (B, Hkv, Nk, D), "dsinks": (B, H, Nq)}
@@ -156,7 +166,7 @@ def gradient_error_bound(problem: AttentionProblem, dout, precision: PrecisionMo
                 problem, U, (g_q, g_k, g_v), problem.mask[rows], _RowVariants.of(problem, b, h, rows),
                 q[at], k[b, h], v[b, h], dout[at], None if dlse is None else dlse[at],
                 (fwd.lse[at], fwd.lse_bound[at], fwd.out[at], fwd.out_bound[at]),
-                (out_given[at], lse_given[at]), reference.delta[at])
+                (out_given[at], lse_given[at]), reference.delta[at], flush)
             hk = (b, h // G)
             for name, value in dq.items():
                 terms["dq"][name][at] = value
@@ -190,6 +200,8 @@ def gradient_error_bound(problem: AttentionProblem, dout, precision: PrecisionMo
             heads = 0.5 * ulp(np.abs(per_head[tensor]) + np.repeat(before, G, axis=1), out_dtype)
             heads = heads.reshape(B, Hkv, G, Nk, D).sum(axis=2)
         named["output_rounding"] = heads + 0.5 * ulp(np.abs(values[tensor]) + before + heads, out_dtype)
+        if tensor != "dsinks":  # a gradient stored below the normal range may be flushed
+            named["flush_to_zero"] = named["flush_to_zero"] + flush[1]
         if tensor == "dq":  # rows that see no key: dq is exactly 0, nothing to round
             named["output_rounding"] = np.where(np.isfinite(fwd.lse)[..., None] & (_has_key(problem)[:, None]),
                                                 named["output_rounding"], 0.0)
@@ -202,7 +214,7 @@ def _has_key(problem) -> np.ndarray:
     return ~problem.masked_rows
 
 
-def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up, fwd, given, delta):
+def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up, fwd, given, delta, flush):
     """The terms contributed by rows `q` [r, D] of one query head (see the module's doc):
     (dq [r, D], dk and dv [Nk, D] to add into the kv head, dsinks [r] per row), each a dict, and
     this head's own dK and dV from these rows (float64)."""
@@ -242,6 +254,9 @@ def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up,
         d_from_out = (np.abs(do) * (np.abs(out_given - out) + out_bound)).sum(-1) + U.g_d * np.abs(do * out_given).sum(-1)
         d_from_pdp = (np.where(allowed, p * (eps_p * abs_dp + U.g_d * b_mag), 0.0).sum(-1)
                       + float(gamma(Nk, U.u_s, U.accumulation, U.lam)) * (p * abs_dp).sum(-1))
+    tiny_in, tiny_out = flush
+    abs_do_rows = np.abs(do).sum(-1)
+    d_flush = np.where(live, tiny_out * abs_do_rows + tiny_in * np.abs(out_given).sum(-1), 0.0)
     d_delta = np.where(live, np.maximum(d_from_out, d_from_pdp), 0.0)
     d_delta = np.where(np.isnan(d_delta), np.inf, d_delta)
 
@@ -261,6 +276,8 @@ def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up,
         e = {name: w[name] * np.abs(g) * f_hi + pg * df.get(name, 0.0) for name in ("scores", "softmax", "given_lse")}
         e["given_out"] = p * d_delta[:, None] * f_hi
     e["dp"] = (p * U.g_d * b_mag + 4 * U.u_s * m) * f_hi
+    dp_flush = tiny_in * (abs_do_rows[:, None] + np.abs(v).sum(-1)[None, :])
+    e["flush_to_zero"] = p * (dp_flush + d_flush[:, None]) * f_hi
     signed_ds = p * g * f
     ds = np.abs(signed_ds)
     e["ds_rounding"] = (U.u_p * np.where(allowed, np.maximum(ds, U.tiny_p), 0.0) if U.p_rounds
@@ -280,6 +297,9 @@ def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up,
     dq = dict(zip(_DS_TERMS, through_k[:-1]))
     dk = dict(zip(_DS_TERMS, through_q[:-1]))
     dq["accumulation"] = g_q * through_k[-1] + (Nk + 1) * U.tiny_pv
+    # k (for dQ), q (for dK) read as 0 where subnormal: scale tiny_in per |dS|
+    dq["flush_to_zero"] = dq["flush_to_zero"] + (scale * tiny_in * ds.sum(-1))[:, None]
+    dk["flush_to_zero"] = dk["flush_to_zero"] + (scale * tiny_in * ds.sum(0))[:, None]
     dk["accumulation"] = g_k * through_q[-1] + (len(L) + 1) * U.tiny_pv
     dq["second_order"] = _scaled(sum(dq.values()), factor[:, None])
     first_dk = np.stack([sum(e[name] for name in _DS_TERMS), g_k * ds])
@@ -291,6 +311,7 @@ def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up,
         through_do = stack.swapaxes(-1, -2) @ abs_do
     dv = dict(zip(_P_TERMS, through_do[:-1]))
     dv["accumulation"] = g_v * through_do[-1] + (len(L) + 1) * U.tiny_pv
+    dv["flush_to_zero"] = np.broadcast_to((tiny_in * np.where(allowed, p, 0.0).sum(0))[:, None], dv["accumulation"].shape)
     first_dv = sum(w[name] for name in _P_TERMS) + g_v * p
     with np.errstate(invalid="ignore"):
         dv["second_order"] = _scaled(first_dv, factor[:, None]).T @ abs_do
@@ -304,8 +325,8 @@ def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up,
         rel_soft = U.u_s * (abs(sink) + np.abs(L0) + np.abs(sink - L0)) + U.eps_exp
         dsinks = {"softmax": ps * rel_soft * dd + U.tiny_s, "given_lse": ps * d_lse * dd,
                   "given_out": ps * d_delta, "dp": 2 * U.u_s * ps * (np.abs(delta) + np.abs(up)),
-                  "accumulation": ps * dd}  # times gamma_{B Nq} once summed
-        first = sum(dsinks[n] for n in ("softmax", "given_lse", "given_out", "dp"))
+                  "flush_to_zero": ps * d_flush, "accumulation": ps * dd}  # times gamma_{B Nq} once summed
+        first = sum(dsinks[n] for n in ("softmax", "given_lse", "given_out", "dp", "flush_to_zero"))
         dsinks["second_order"] = _scaled(first, factor)
     own = {"dk": scale * signed_ds.T @ q, "dv": p.T @ do}
     return dq, dk, dv, dsinks, own

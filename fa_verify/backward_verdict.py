@@ -24,7 +24,8 @@ The floor, GRADIENT_FLOOR_ROUNDINGS x (u_out + sqrt(n) u_pv) in normalised units
 summed length (Nk for dq, G Nq for dk and dv, B Nq for dsinks; dsinks stored in float32), keeps
 the rule from demanding the impossible where every member happens to be exact; the absolute
 floor, one subnormal spacing of the stored dtype plus (n + 2) of the accumulation dtype, is
-where relative resolution is gone.
+where relative resolution is gone. With a declared flush-to-zero (`precision.ftz`) the allowance
+also gains the bound's flush_to_zero term: no member flushes.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ class EnsembleCheck:
     error: float
     magnitude: float
     allowed: float
+    #: with a declared flush-to-zero, the bound's flush_to_zero term at the worst element, added
+    #: to the allowance: no member flushes
+    flushed: float = 0.0
 
     def line(self) -> str:
         if self.member is None:
@@ -119,7 +123,8 @@ class EnsembleCheck:
                 f"√n {_g(np.sqrt(self.n))} × u_pv {_g(self.u_pv)}) = {_g(self.floor)}, so K × E + floor = {_g(per)}; "
                 f"absolute floor {_g(self.absolute_floor)}; used {_r(self.ratio)} of it at {list(self.worst_index)}: "
                 f"error {_g(self.error)} against {_g(per)} × magnitude {_g(self.magnitude)} + "
-                f"{_g(self.absolute_floor)} = {_g(self.allowed)}")
+                f"{_g(self.absolute_floor)}" + (f" + flush-to-zero's term {_g(self.flushed)}" if self.flushed else "")
+                + f" = {_g(self.allowed)}")
 
 
 @dataclass(frozen=True)
@@ -262,7 +267,8 @@ def check_gradients(grads: dict, problem: AttentionProblem, dout, *, out_given, 
         if ensemble is None:
             ensemble = gradient_ensemble_errors(problem, dout, precision, reference, out_given=out_given,
                                                 lse_given=lse_given, dlse=dlse, bound=bound)
-        ensemble_checks = {name: _ensemble_check(name, x, refs[name][0], problem, precision, ensemble, ensemble_factor)
+        ensemble_checks = {name: _ensemble_check(name, x, refs[name][0], problem, precision, ensemble, ensemble_factor,
+                                                 bound.terms[name]["flush_to_zero"] if precision.ftz else 0.0)
                            for name, x in got.items()}
         if any(c.ratio > 1 for c in ensemble_checks.values()):
             failures.append(("ensemble", ""))
@@ -273,8 +279,10 @@ def check_gradients(grads: dict, problem: AttentionProblem, dout, *, out_given, 
                            ensemble=ensemble_checks, **info)
 
 
-def _ensemble_check(tensor, got, ref, problem, precision, ensemble: GradientEnsemble, factor) -> EnsembleCheck:
-    """The ensemble rule on one gradient (module doc): every term of its allowance, the worst element."""
+def _ensemble_check(tensor, got, ref, problem, precision, ensemble: GradientEnsemble, factor,
+                    flushed=0.0) -> EnsembleCheck:
+    """The ensemble rule on one gradient (module doc): every term of its allowance, the worst element;
+    `flushed`: what a declared flush-to-zero may cost there (the bound's term), added."""
     stored = "fp32" if tensor == "dsinks" else precision.output
     u_out, u_pv = unit_roundoff(stored), unit_roundoff(precision.pv_accumulation)
     n = summed_length(problem, tensor)
@@ -282,7 +290,8 @@ def _ensemble_check(tensor, got, ref, problem, precision, ensemble: GradientEnse
     absolute = absolute_floor(problem, precision, tensor)
     magnitude = ensemble.magnitudes.of(tensor)
     E = ensemble.max_error(tensor)
-    allowed = (factor * E + floor) * magnitude + absolute
+    flushed = np.broadcast_to(flushed, magnitude.shape)
+    allowed = (factor * E + floor) * magnitude + absolute + flushed
     err = np.abs(got - ref)
     err[np.isnan(err)] = np.inf
     ratios = _ratio(err, allowed)
@@ -296,7 +305,7 @@ def _ensemble_check(tensor, got, ref, problem, precision, ensemble: GradientEnse
                          u_pv=u_pv, floor=floor, absolute_floor=absolute,
                          normalised_error=float(np.max(normalised, initial=0.0)),
                          ratio=float(ratios[w]) if np.isfinite(E) else 0.0, worst_index=w, error=float(err[w]),
-                         magnitude=float(magnitude[w]), allowed=float(allowed[w]))
+                         magnitude=float(magnitude[w]), allowed=float(allowed[w]), flushed=float(flushed[w]))
 
 
 def _structural_zeros(problem) -> dict:

@@ -84,6 +84,12 @@ class Conventions:
     def declared(self) -> bool:
         return self != Conventions()
 
+    @property
+    def about_outputs(self) -> "Conventions":
+        """The declared conventions about a forward's outputs and scale: all but flushing, which is
+        arithmetic (a backward target may declare it; what it is given is in fa_verify's)."""
+        return replace(self, ftz=False)
+
     def describe(self) -> str:
         """The declared conventions in words, e.g. 'LSE base 2, flush-to-zero'."""
         parts = []

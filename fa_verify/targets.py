@@ -232,11 +232,12 @@ def _callable(name: str, options: dict):
                                        "about a forward's outputs, not its gradients; drop them")
         return GradCallableBackend(fn, name=name, **options)
     if is_backward(fn):
-        if options["conventions"].declared:
+        about_outputs = options["conventions"].about_outputs
+        if about_outputs.declared:
             raise InvalidArgumentError(
                 f"{name} is a backward (its signature names dout): it is given out and lse in fa_verify's "
-                f"conventions, so the convention options ({options['conventions'].describe()}) do not apply; "
-                "drop them")
+                f"conventions, so the convention options ({about_outputs.describe()}) do not apply; "
+                "drop them (--ftz, about its arithmetic, does)")
         return BackwardCallableBackend(fn, name=name, **options)
     return CallableBackend(fn, name=name, **options)
 

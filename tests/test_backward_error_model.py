@@ -3,6 +3,8 @@ dtype, variant and honest order passes with room to spare, yet uses a measured s
 bound (so it cannot loosen silently); each term follows its formula where it dominates (4x off
 either way fails); simple wrong gradients fail check_gradients."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -462,3 +464,38 @@ def test_no_finite_bound_where_first_order_analysis_fails_is_said():
     verdict = check_gradients(grads, problem, dout, out_given=out, lse_given=lse, precision=precision, reference=ref)
     assert verdict.passed and verdict.tensors["dq"].unbounded_count == verdict.tensors["dq"].total
     assert "pass the rules that could judge them" in verdict.message() and "No finite bound" in verdict.message()
+
+
+def _subnormal_values(scale_dout: float):
+    """fp32, every V entry subnormal (0.99 x the smallest normal, signs alternating over keys so
+    that O cancels and dP - D does not), dO of one sign, k aligned with dP: a kernel that reads
+    subnormals as 0 (XLA on the CPU, GPUs' .ftz) computes dP = D = 0, so its dq and dk are 0 and
+    its dv = P^T dO is unaffected."""
+    tiny = float(np.finfo(np.float32).tiny)
+    Nk, D = 8, 8
+    signs = np.where(np.arange(Nk) % 2 == 0, 1.0, -1.0)
+    v = (0.99 * tiny * signs[:, None] * np.ones((Nk, D))).astype(np.float32)[None, None]
+    k = signs[:, None] * np.ones((Nk, D), np.float32)[None, None]
+    q = np.zeros((1, 1, Nk, D), np.float32)  # uniform P: every key weighs alike
+    problem = AttentionProblem.from_float(q, k, v, "fp32", causal=False)
+    ref = gradient_reference(problem, np.full((1, 1, Nk, D), scale_dout))
+    dout = np.full((1, 1, Nk, D), scale_dout)
+    flushed = {"dq": np.zeros_like(q), "dk": np.zeros_like(q), "dv": ref.dv.astype(np.float32)}
+    return problem, dout, ref, flushed
+
+
+def test_a_declared_flush_to_zero_bounds_what_flushing_costs_and_no_more():
+    """The DAZ kernel's dq error is 0.99 x |dO| x D x tiny per key, the flush_to_zero term's dP part
+    (sum |dO| + sum |v|) x tiny per key plus D's: measured 0.50 of the whole dq bound (0.25 is what
+    the term 2x looser gives, 1 at 2x tighter), and beyond the bound without the declaration."""
+    problem, dout, ref, flushed = _subnormal_values(2.0 ** 10)
+    out_given, lse_given = round_to(ref.out, "fp32"), ref.lse.astype(np.float32)
+    ratios = {}
+    for ftz in (False, True):
+        precision = replace(PrecisionModel.flash("fp32"), ftz=ftz)
+        verdict = check_gradients(flushed, problem, dout, out_given=out_given, lse_given=lse_given,
+                                  precision=precision)
+        ratios[ftz] = verdict.tensors["dq"].ratio, verdict.passed, verdict.tensors["dq"].dominant_term
+    assert ratios[False][0] > 100 and not ratios[False][1]
+    ratio, passed, dominant = ratios[True]
+    assert passed and dominant == "flush_to_zero" and 0.35 <= ratio <= 0.7, ratios

@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from fa_verify import AttentionProblem
 from fa_verify.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,10 +51,39 @@ def test_torch_cpu_flash_backward_passes_as_same_precision(capsys, torch_sdpa):
 def test_jax_backward_passes_fa2s_model_in_fp32(capsys):
     pytest.importorskip("jax", reason="jax is not installed (pip install 'fa-verify[jax]')")
     # fp32 only: on the CPU, XLA's fp16 vjp is refused (tests/test_backward_adapters.py) and its
-    # bf16 dots are bf16 throughout (no FA2 model).
+    # bf16 dots are bf16 throughout (no FA2 model). XLA on the CPU reads subnormals as 0: --ftz
+    # (without it, a V of subnormal entries gives dq 5x beyond FA2's bound, tests below).
     code, out = _check(capsys, "fa_verify.adapters.jax_attention:backward", "--causal-alignment", "top-left",
-                       "--dtype", "fp32", "--shapes", "2", "--property", "gradient_agreement")
+                       "--dtype", "fp32", "--shapes", "2", "--property", "gradient_agreement", "--ftz")
     assert code == 0, out
+
+
+def test_jax_backward_flushes_subnormals_and_says_so_only_when_declared():
+    """A V of subnormal entries: XLA's vjp reads them as 0, beyond FA2's bound unless flush-to-zero
+    is declared, which bounds what flushing costs."""
+    pytest.importorskip("jax", reason="jax is not installed (pip install 'fa-verify[jax]')")
+    from dataclasses import replace
+
+    from fa_verify.adapters.jax_attention import backward
+    from fa_verify.backward import BackwardProblem
+    from fa_verify.backward_verdict import check_gradients
+    from fa_verify.precision import PrecisionModel
+
+    rng = np.random.default_rng(0)
+    tiny = float(np.finfo(np.float32).tiny)
+    q, k = rng.normal(size=(2, 1, 1, 16, 8))
+    v = rng.uniform(-2, 2, size=(1, 1, 16, 8)) * tiny  # half of them subnormal
+    problem = BackwardProblem.of(AttentionProblem.from_float(q, k, v, "fp32", causal=False),
+                                 rng.normal(size=(1, 1, 16, 8)) * 2.0 ** 12)
+    f = problem.forward
+    dq, dk, dv = backward(f.q, f.k, f.v, problem.out, problem.lse, problem.dout, causal=False, scale=f.scale_value)
+    passed = {}
+    for ftz in (False, True):
+        verdict = check_gradients({"dq": np.asarray(dq), "dk": np.asarray(dk), "dv": np.asarray(dv)}, f, problem.dout,
+                                  out_given=problem.out, lse_given=problem.lse,
+                                  precision=replace(PrecisionModel.flash("fp32"), ftz=ftz))
+        passed[ftz] = verdict.passed
+    assert passed == {False: False, True: True}
 
 
 def test_our_triton_backward_passes_under_the_interpreter():
