@@ -20,6 +20,7 @@ from dataclasses import replace
 from fa_verify.arguments import positive_int, writable_file, writable_folder
 from fa_verify.conventions import CONVENTION_OPTIONS, convention_arguments, conventions_from_options
 from fa_verify.errors import BackendUnavailableError, InvalidArgumentError
+from fa_verify.guards import forbidden_names
 from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 from fa_verify.limits import _positive_set, limit_arguments, limits_from_options, read_limits_file
 from fa_verify.profiles import DEFAULT_PROFILE, PROFILES
@@ -37,7 +38,7 @@ SEED_HELP = ("Hypothesis seed: an integer, or 'random' to draw one per run (prin
 ISOLATION_DEFAULTS = {"isolate": True, "timeout": DEFAULT_TIMEOUT, "memory_limit": DEFAULT_MEMORY_LIMIT}
 #: The callable-protocol options and their defaults (CallableBackend's).
 CALLABLE_DEFAULTS = {"layout": "bhsd", "array": "numpy", "causal_alignment": "bottom-right", "precision": None,
-                     "grad": None, **ISOLATION_DEFAULTS}
+                     "grad": None, **ISOLATION_DEFAULTS, "forbid": None}
 
 
 def parse_seed(text: str):
@@ -115,8 +116,8 @@ def callable_arguments(skip=()) -> dict:
 
 
 def add_isolation_options(add_argument, prefix: str = "") -> None:
-    """--no-isolate, --timeout and --memory-limit (--fa-... in the pytest plugin); None when not
-    given, ISOLATION_DEFAULTS then."""
+    """--no-isolate, --timeout, --memory-limit and --forbid (--fa-... in the pytest plugin); None
+    when not given, CALLABLE_DEFAULTS then."""
     add_argument(f"--{prefix}no-isolate", dest=f"{prefix.replace('-', '_')}isolate", action="store_const",
                  const=False, default=None,
                  help="run MODULE:FUNC in this process, for a debugger (default: in a worker process, so that "
@@ -126,6 +127,11 @@ def add_isolation_options(add_argument, prefix: str = "") -> None:
     add_argument(f"--{prefix}memory-limit", default=None, metavar="SIZE",
                  help="memory an isolated MODULE:FUNC may allocate (RLIMIT_DATA): e.g. 4GiB, 50%% of the "
                       f"machine's memory, or none (default {DEFAULT_MEMORY_LIMIT.replace('%', '%%')})")
+    add_argument(f"--{prefix}forbid", action="append", default=None, metavar="NAME[,NAME...]",
+                 help="framework functions (dotted names: torch.nn.functional.scaled_dot_product_attention) whose "
+                      "call fails MODULE:FUNC, naming the call and where it was made; repeatable; 'default': the "
+                      "attention, softmax and matmul entry points of torch and JAX where installed ('check "
+                      "--grading' forbids them unless --forbid none); see docs/grading.md for what it cannot see")
 
 
 def _option(name: str) -> str:
@@ -178,6 +184,7 @@ def _callable_options(values: dict, prefix: str, say) -> dict:
     """The keyword arguments of a MODULE:FUNC target's backend, its limits and conventions from
     the options given (and --limits FILE), defaults for the others."""
     options = {name: default if values.get(name) is None else values[name] for name, default in CALLABLE_DEFAULTS.items()}
+    options["forbid"] = forbidden_names(options["forbid"])
     limits_file = values.get("limits")
     limit_values = {name: values.get(name.replace("-", "_")) for name in limit_arguments() if name != "limits"}
     options["limits"] = limits_from_options(limit_values, limits_file, prefix, other_keys=CONVENTION_OPTIONS)

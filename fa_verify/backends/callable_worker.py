@@ -14,6 +14,7 @@ import warnings
 from fa_verify.backends.backward_callable import BackwardCallableBackend
 from fa_verify.backends.grad_callable import GradCallableBackend
 from fa_verify.backends.ragged_callable import RaggedCallableBackend
+from fa_verify.guards import install
 from fa_verify.backends.user_callable import CallableBackend, _portable, _portable_warning, load_callable
 from fa_verify.worker_loop import serve
 
@@ -37,6 +38,8 @@ def worker_main(inbox_fd: int, outbox_fd: int) -> None:
             sys.path[:] = path
             try:
                 options = dict(options)
+                if options.get("forbid"):  # before the target's module binds what it imports
+                    install(options["forbid"])
                 backend = _backend_class(options.pop("protocol", "CallableBackend"), options.get("layout"))
                 state["backend"] = backend(load_callable(spec), **options)
             except Exception as exc:  # noqa: BLE001 - reported to the parent

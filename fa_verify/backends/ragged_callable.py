@@ -41,6 +41,7 @@ from fa_verify.backends.user_callable import (
 from fa_verify.conventions import of as conventions_of
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name
 from fa_verify.errors import BackendOutputError, InvalidArgumentError
+from fa_verify.guards import guarded
 from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 from fa_verify.limits import Limits, parse_limits
 from fa_verify.precision import PrecisionModel
@@ -60,7 +61,7 @@ class RaggedCallableBackend(Backend):
     def __init__(self, fn, layout: str, name: str | None = None, precision: str | None = None, dtypes=None,
                  limits: Limits | dict | None = None, features=None, array: str = "numpy",
                  page_sizes=None, conventions=None, isolate: bool = False, timeout: float = DEFAULT_TIMEOUT,
-                 memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT):
+                 memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT, forbid=()):
         if not callable(fn):
             raise InvalidArgumentError(f"fn={fn!r} is not callable")
         for arg, value, allowed in (("layout", layout, LAYOUTS), ("array", array, ARRAYS)):
@@ -88,7 +89,10 @@ class RaggedCallableBackend(Backend):
         self.judged_under = conventions_of(conventions)
         self._worker = isolated_worker(fn, name, isolate, timeout, memory_limit, dict(
             name=self.name, layout=layout, precision=precision, dtypes=self.dtypes, features=self.features,
-            array=array))
+            array=array, forbid=tuple(forbid or ())))
+        self.forbid = tuple(forbid or ())
+        if self.forbid:  # the worker's backend guards its own copy; this one serves --no-isolate
+            self.fn = guarded(fn, self.forbid)
 
     def precision(self, dtype) -> PrecisionModel:
         return self.judged_under.precision(parse_precision(self._precision, dtype))

@@ -51,6 +51,7 @@ from fa_verify.conventions import Conventions
 from fa_verify.conventions import of as conventions_of
 from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import BackendOutputError, InvalidArgumentError, KernelCrashError, KernelTimeoutError
+from fa_verify.guards import guarded
 from fa_verify.isolation import (
     DEFAULT_MEMORY_LIMIT,
     DEFAULT_TIMEOUT,
@@ -85,7 +86,8 @@ class CallableBackend(Backend):
     signature names) lists the variants to exercise (keys of fa_verify.problem.FEATURES).
     `conventions` (a `Conventions`, or a dict of convention options such as {"lse_base": "2",
     "ftz": True}) declares where its outputs differ from fa_verify's conventions on purpose: it
-    is judged under them (`fa_verify.conventions`).
+    is judged under them (`fa_verify.conventions`). `forbid` (dotted names, `fa_verify.guards`)
+    lists framework functions whose call fails the example (ForbiddenCallError).
     """
 
     #: the protocol's positional arguments, in order (`_inputs` gives them)
@@ -98,7 +100,7 @@ class CallableBackend(Backend):
                  precision: str | PrecisionModel | None = None, isolate: bool = False,
                  timeout: float = DEFAULT_TIMEOUT, memory_limit: int | str | None = DEFAULT_MEMORY_LIMIT,
                  limits: Limits | dict | None = None, features=None,
-                 conventions: Conventions | dict | None = None):
+                 conventions: Conventions | dict | None = None, forbid=()):
         if not callable(fn):
             raise InvalidArgumentError(f"fn={fn!r} is not callable")
         for arg, value, allowed in (("layout", layout, LAYOUTS), ("array", array, ARRAYS),
@@ -135,7 +137,11 @@ class CallableBackend(Backend):
         self.pad = 0
         self._worker = isolated_worker(fn, name, isolate, timeout, memory_limit, dict(
             name=self.name, layout=layout, array=array, causal_alignment=causal_alignment, dtypes=self.dtypes,
-            precision=precision, features=self.features, conventions=self.judged_under, protocol=type(self).__name__))
+            precision=precision, features=self.features, conventions=self.judged_under, protocol=type(self).__name__,
+            forbid=tuple(forbid or ())))
+        self.forbid = tuple(forbid or ())
+        if self.forbid:  # the worker's backend guards its own copy; this one serves --no-isolate
+            self.fn = guarded(fn, self.forbid)
 
     def precision(self, dtype) -> PrecisionModel:
         """The claimed model, with the LSE dtype and flushing the conventions declare."""

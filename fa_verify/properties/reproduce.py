@@ -86,7 +86,9 @@ def _resolve(reference: str):
 def _reference(fn, name: str) -> tuple[str, str | None]:
     """("MODULE:FUNC", the folder its module was imported from) naming `fn`: its target `name`
     when that is a MODULE:FUNC (a function made by a factory has no importable qualified name),
-    else its module and qualified name; NotReproducible when neither names it."""
+    else its module and qualified name; NotReproducible when neither names it. A function
+    wrapped by fa_verify (`guards.guarded`: --forbid) is named by what it wraps."""
+    fn = getattr(fn, "fa_verify_guards", fn)
     qualified = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', None)}"
     for reference in (name, qualified):
         if ":" in reference and not reference.startswith("__main__:") and _resolve(reference) is fn:
