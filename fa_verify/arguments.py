@@ -28,6 +28,17 @@ def int_at_least(minimum: int):
 positive_int = int_at_least(1)
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give seconds > 0, e.g. 60") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value:g} must be a finite number of seconds > 0")
+    return value
+
+
 def _nearest_existing(path: Path) -> Path:
     """`path` itself or its nearest ancestor that exists."""
     for candidate in (path, *path.parents):

@@ -5,11 +5,15 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 
-from fa_verify.arguments import positive_int
+from fa_verify.arguments import positive_float, positive_int
+from fa_verify.errors import InvalidArgumentError
+from fa_verify.guards import DEFAULT as DEFAULT_FORBID
 from fa_verify.limits import CAUSAL_CHOICES
 from fa_verify.profiles import DEFAULT_PROFILE
 from fa_verify.targets import (
+    RANDOM_SEED,
     SEARCH_OPTIONS,
     SEED_HELP,
     SELECTION_LIMITS,
@@ -56,11 +60,21 @@ def add_parser(sub) -> None:
                      help="largest Nq or Nk drawn (default: the profile's; ci: 257, most examples <= 64; the "
                           "agreement properties' share of long keys, a few rows over thousands of keys: up to "
                           "4096 unless N is given)")
-    cmd.add_argument("--seed", type=parse_seed, default=0, metavar="N|random", help=SEED_HELP + " (default 0)")
+    cmd.add_argument("--seed", type=parse_seed, default=None, metavar="N|random",
+                     help=SEED_HELP + " (default 0; with --grading: random, printed after the verdict)")
     for name, kwargs in SEARCH_OPTIONS.items():
         cmd.add_argument(f"--{name}", **kwargs)
     cmd.add_argument("--json", action="store_true",
                      help="print one JSON document on stdout (progress goes to stderr)")
+    cmd.add_argument("--grading", action="store_true",
+                     help="grading mode for kernel-generation pipelines (docs/grading.md): a seed drawn at run time "
+                          "and printed after the verdict, the frameworks' attention, softmax and matmul entry points "
+                          "forbidden (--forbid default, for MODULE:FUNC), and a versioned JSON verdict on stdout "
+                          "(format fa_verify-grading/1) that fails closed: a property the --budget cut short "
+                          "before it judged enough examples is not passed")
+    cmd.add_argument("--budget", type=positive_float, default=None, metavar="SECONDS",
+                     help="time budget per target: once spent, searches stop drawing (and say so; the properties "
+                          "not yet started are not run); default: none")
     cmd.add_argument("-v", "--verbose", action="store_true",
                      help="print every distinct failure of a property in full (default: the first in full, the "
                           "others one line each; --json always has them in full)")
@@ -90,6 +104,8 @@ def add_parser(sub) -> None:
 
 def _targets(args) -> list:
     values = {name: getattr(args, name) for name in vars(args)}
+    if args.grading and values.get("forbid") is None and ":" in args.target:
+        values["forbid"] = [DEFAULT_FORBID]  # a MODULE:FUNC target under grading
     return build_targets([args.target], values, spec=args.spec, runner=args.runner, arch=args.arch,
                          shared=SELECTION_LIMITS)
 
@@ -119,13 +135,17 @@ def _run(args) -> int:
     from fa_verify.properties import Selection, get_property
     from fa_verify.properties.reproduce import default_folder
 
+    if args.grading and args.target == "all":
+        raise InvalidArgumentError("--grading grades one target: name it (MODULE:FUNC, a backend, or a CUDA file "
+                                   "with --spec), not 'all'")
     targets = _targets(args)
     for name in args.properties or ():
         get_property(name)  # an unknown name is a usage error before anything runs
-    seed, drawn = resolve_seed(args.seed)
-    if drawn:  # first, so that even a run that dies later can be replayed
+    seed, drawn = resolve_seed(args.seed if args.seed is not None else RANDOM_SEED if args.grading else 0)
+    json_out = args.json or args.grading
+    if drawn and not args.grading:  # first, so that even a run that dies later can be replayed
         print(f"seed {seed} (--seed random; replay with --seed {seed})", flush=True,
-              file=sys.stderr if args.json else sys.stdout)
+              file=sys.stderr if json_out else sys.stdout)
     outcomes, documents, skipped = [], [], []
     for backend in targets:
         dtypes = tuple(d for d in (args.dtype or backend.dtypes) if d in backend.dtypes)
@@ -136,22 +156,23 @@ def _run(args) -> int:
                                            causal=CAUSAL_CHOICES[args.causal or "both"],
                                            max_examples=args.max_examples, max_edge_cases=args.max_examples,
                                            max_seq=args.max_seq, max_long_keys=args.max_seq,
-                                           seed=seed, shapes=args.shapes)
+                                           seed=seed, shapes=args.shapes,
+                                           stop_at=None if args.budget is None else time.monotonic() + args.budget)
         record = results_recorder(args.results, backend, "check", seed=seed) if args.results else None
         print(f"checking {backend.name} ({', '.join(dtypes)}) ...", file=sys.stderr, flush=True)
-        if not args.json:
+        if not json_out:
             print(backend.name)
             print(f"  limits: {backend.limits.describe()}")
             print(f"  judged under: {_judged_under(backend)}")
         # With --json, stdout holds only the document: progress goes to stderr as it comes.
-        progress = functools.partial(_print_property, file=sys.stderr if args.json else sys.stdout,
+        progress = functools.partial(_print_property, file=sys.stderr if json_out else sys.stdout,
                                      verbose=args.verbose)
         outcome = check_backend(backend, selection, properties=args.properties, on_result=record,
                                 progress=progress, repro_dir=args.repro_dir or default_folder())
         outcomes.append(outcome)
         documents.append({**outcome.as_dict(), "limits": backend.limits.as_dict(),
                           "conventions": backend.judged_under.as_dict(), "judged_under": _judged_under(backend)})
-        if not args.json:
+        if not json_out:
             counts = outcome.counts()
             print(f"{_verdict(outcome)} {backend.name}: {counts['passed']} passed, "
                   f"{counts['failed']} failed, {counts['not applicable']} not applicable; "
@@ -162,16 +183,36 @@ def _run(args) -> int:
     error = None if any(o.checked for o in outcomes) else _nothing_checked(outcomes, skipped)
     for reason in skipped if error is None else ():
         print(f"skipped {reason}", file=sys.stderr)
-    if args.json:
+    if json_out:
         document = {"passed": error is None and all(o.passed for o in outcomes), "seed": seed,
                     "seed_drawn": drawn, "targets": documents}
         if error is not None:
             document["error"] = error
+        if args.grading:
+            return _grade(args, document, targets, error, seed, drawn)
         print(json.dumps(document, indent=2))
     if error is not None:
         print(f"fa_verify check: error: {error}", file=sys.stderr)
         return 2
     return 0 if all(o.passed for o in outcomes) else 1
+
+
+def _grade(args, document: dict, targets: list, error, seed: int, drawn: bool) -> int:
+    """Print the grading document (stdout), then the verdict line and only then the seed (stderr)."""
+    from fa_verify import grading
+    from fa_verify.properties import Selection
+
+    forbid = getattr(targets[0], "forbid", ()) if targets else ()
+    max_examples = args.max_examples or Selection.from_profile(args.profile or DEFAULT_PROFILE).max_examples
+    graded = grading.document(document, budget=args.budget, forbid=forbid, max_examples=max_examples)
+    print(grading.verdict_line(graded), file=sys.stderr, flush=True)
+    print(f"seed {seed} ({'drawn at run time' if drawn else 'given'}; replay with --seed {seed})", file=sys.stderr,
+          flush=True)
+    print(json.dumps(graded, indent=2), flush=True)
+    if error is not None and not graded["budget"]["spent"]:  # nothing judged, and not for want of time
+        print(f"fa_verify check: error: {error}", file=sys.stderr)
+        return 2
+    return 0 if graded["passed"] else 1  # a budget spent before enough was judged fails closed
 
 
 def _nothing_checked(outcomes, skipped) -> str:

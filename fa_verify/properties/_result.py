@@ -39,6 +39,9 @@ class PropertyResult:
     #: about, and the part where the check failed (None: the whole problem)
     verdict_parts: tuple = ()
     part: int | None = None
+    #: the trivial outputs of the null-model guard that the tolerance rejected on this example
+    #: (its power: what a pass rules out); () where the guard does not apply
+    null_rejected: tuple = ()
 
     @property
     def passed(self) -> bool:
@@ -81,7 +84,7 @@ def passed(name: str, problem, note: str = "", worst_ratio=None, verdicts=(), gu
                               verdict_parts=tuple(verdict_parts))
     return PropertyResult(name, PASSED, problem.describe(), note=note, worst_ratio=worst_ratio,
                           verdicts=tuple(verdicts), informative=None if guard is None else True,
-                          verdict_parts=tuple(verdict_parts))
+                          verdict_parts=tuple(verdict_parts), null_rejected=() if guard is None else guard.tried)
 
 
 def failed(name: str, problem, detail: str, worst_ratio=None, verdicts=(), part=None,

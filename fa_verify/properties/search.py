@@ -80,6 +80,11 @@ class PropertyOutcome:
     #: for a failure, the looser legitimate precision presets its example passes under
     #: (`precision_hint.passes_under`; None where precision was not judged)
     passes_under: tuple | None = None
+    #: the null-model guard's power: per trivial output, on how many informative examples the
+    #: tolerance rejected it
+    null_rejected: dict = field(default_factory=dict)
+    #: the search stopped drawing because Selection.stop_at (`check --budget`) was reached
+    budget_spent: bool = False
 
     @property
     def passed(self) -> bool:
@@ -137,7 +142,8 @@ class PropertyOutcome:
                 "notes": list(self.notes), "informative": self.informative,
                 "uninformative": self.uninformative, "judged_under": self.judged_under or None,
                 "other_failures": [r.message() for _, _, r in self.other_failures],
-                "passes_under": None if self.passes_under is None else list(self.passes_under)}
+                "passes_under": None if self.passes_under is None else list(self.passes_under),
+                "null_rejected": dict(self.null_rejected), "budget_spent": self.budget_spent}
 
 
 def _counterexample(problem, result: PropertyResult, seed) -> str:
@@ -238,6 +244,8 @@ CONTINUED_EXAMPLES = 10
 #: How the detail of a failure begins when the target raised (crashed, timed out) instead of
 #: returning: records tell such failures from wrong numbers by it.
 TARGET_RAISED = "the target raised"
+#: What a search cut short by Selection.stop_at says.
+BUDGET_SPENT = "the time budget (--budget) was spent"
 #: Prefixed to a failure that did not repeat when Hypothesis replayed its example.
 NOT_REPEATED = ("the failure did not repeat when the example was run again: the target's results vary "
                 "from run to run (nondeterministic). When it failed: ")
@@ -330,6 +338,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
             reasons[result.detail] += 1
             return False
         outcome.examples += 1
+        for name in result.null_rejected if result.informative else ():
+            outcome.null_rejected[name] = outcome.null_rejected.get(name, 0) + 1
         if result.informative is not None:
             outcome.informative = (outcome.informative or 0) + result.informative
             outcome.uninformative += not result.informative
@@ -349,7 +359,14 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
             raise _failure_type(kind)(result)
         return True
 
+    def spent() -> bool:
+        if selection.stop_at is not None and time.monotonic() >= selection.stop_at:
+            outcome.budget_spent = True
+        return outcome.budget_spent
+
     def example(drawn, seed):
+        if spent():  # the budget is spent: every further draw is rejected unjudged
+            reject()
         if backend.supports(drawn.problem) is not None or not judge(drawn.problem, seed):
             reject()
 
@@ -380,6 +397,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
             notes.add(f"{budget} of the {len(edges)} fixed edge cases, spread over them ({why})")
             edges = edges[::-(-len(edges) // budget)][:budget] if budget else []
         for problem in edges:
+            if spent():
+                break
             try:
                 judge(problem)
             except PropertyFailure:
@@ -388,7 +407,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
             finally:
                 outcome.fixed_examples = outcome.examples
         # After a failing edge case too, a shorter search: failures of other kinds are reported apart.
-        search(min(max_examples, CONTINUED_EXAMPLES) if found else max_examples)
+        if not spent():
+            search(min(max_examples, CONTINUED_EXAMPLES) if found else max_examples)
     except _Abort:
         raise setup_error[0] from None
     except _TimedOut:
@@ -416,6 +436,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         if repro_dir is not None:
             _write_reproducer(outcome, backend, prop, repro_dir, selection.seed)
     outcome.seconds = time.perf_counter() - start
+    if outcome.status == PASSED and outcome.examples == 0 and outcome.budget_spent:
+        outcome.status, outcome.reason = NOT_APPLICABLE, f"not run: {BUDGET_SPENT} before its first example"
     if outcome.status == PASSED and outcome.examples == 0:
         common = [f"{why} ({n}x)" for why, n in reasons.most_common(2)]
         outcome.status = NOT_APPLICABLE
@@ -426,6 +448,8 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
         outcome.reason = (f"no informative example: on every one a trivial output passes the same "
                           f"tolerance (first: {first.problem}: {first.detail})")
     outcome.worst_ratio = max(ratios) if ratios else None
+    if outcome.budget_spent and outcome.examples:
+        notes.add(f"{BUDGET_SPENT}: stopped drawing after {outcome.examples} examples")
     outcome.notes = tuple(sorted(notes))
     if hasattr(on_result, "finish"):  # check.results_recorder: only now are the minimal failures known
         on_result.finish(outcome)

@@ -43,6 +43,9 @@ class Selection:
     #: the fixed edge cases run before the search (properties that have them), at most this many,
     #: spread over them (None: all of them)
     max_edge_cases: int | None = None
+    #: time.monotonic() after which no further example is drawn (`check --budget`; None: no limit):
+    #: a search stops drawing, and says so (`PropertyOutcome.budget_spent`)
+    stop_at: float | None = None
 
     def __post_init__(self):
         if self.shapes is not None:
