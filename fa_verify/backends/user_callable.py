@@ -427,13 +427,18 @@ def _located(error: Exception, output: str) -> Exception:
     return error
 
 
+_GUARD_FILE = os.path.join("fa_verify", "guards.py")
+
+
 def _portable(exc: BaseException, memory_limit: int | None = None) -> tuple:
     """What the parent needs to raise `exc` again: (the exception if it pickles and is an
     Exception or SystemExit, else None, its type's name, its message, where it was raised)."""
     type_name, message, tb = type(exc).__name__, str(exc), exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    where = None
+    while tb is not None:  # the innermost frame that is not --forbid's guard raising on its behalf
+        if not tb.tb_frame.f_code.co_filename.endswith(_GUARD_FILE):
+            where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
         tb = tb.tb_next
-    where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else None
     if isinstance(exc, MemoryError):
         limit = "no limit" if memory_limit is None else format_size(memory_limit)
         message = f"{message or 'out of memory'} (the worker's memory limit: {limit}; --memory-limit)"
