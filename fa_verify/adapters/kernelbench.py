@@ -34,7 +34,6 @@ from pathlib import Path
 from fa_verify.backends.user_callable import CallableBackend, _import_file
 from fa_verify.conventions import Conventions
 from fa_verify.errors import InvalidArgumentError
-from fa_verify.limits import Limits
 
 #: The names a KernelBench-format module defines.
 REQUIRED = ("Model", "ModelNew", "get_inputs")
