@@ -110,6 +110,10 @@ def callable_arguments(skip=()) -> dict:
                                "'score=fp32,p=bf16,pv=fp32,out=bf16'; default: flash (FlashAttention's: fp32 scores "
                                "and accumulation, P in the input dtype); a failure says which looser preset would "
                                "pass"),
+        "model-scale": dict(default=None, metavar="SCALE|default",
+                            help="a KernelBench file (path/to/problem.py with Model and ModelNew): the scale its Model "
+                                 "computes with, a number or 'default' (1/sqrt(D)), where probing cannot tell "
+                                 "(default: inferred from Model)"),
         **limit_arguments(skip=skip),
         **convention_arguments(),
     }
@@ -153,7 +157,9 @@ def build_targets(names, values: dict, *, spec=None, runner: str = "auto", arch=
     for option, value in (("--arch", arch), ("--runner", None if runner == "auto" else runner)):
         if value is not None:
             raise InvalidArgumentError(f"{option} applies to CUDA files checked with --spec, not to {', '.join(names)}")
-    functions = [n for n in names if ":" in n]
+    from fa_verify.adapters.kernelbench import is_kernelbench_file
+
+    functions = [n for n in names if ":" in n or is_kernelbench_file(n)]
     if given and not functions:
         raise InvalidArgumentError(
             f"{say(given)} appl{'ies' if len(given) == 1 else 'y'} to MODULE:FUNC targets only; "
@@ -169,6 +175,8 @@ def build_targets(names, values: dict, *, spec=None, runner: str = "auto", arch=
             targets += [b for b in builtin_backends() if b.availability().available]
         elif ":" in name:
             targets.append(_callable(name, options))
+        elif is_kernelbench_file(name):
+            targets.append(_kernelbench(name, options, values, say))
         else:
             from fa_verify.backends import get_backend
 
@@ -185,6 +193,8 @@ def _callable_options(values: dict, prefix: str, say) -> dict:
     the options given (and --limits FILE), defaults for the others."""
     options = {name: default if values.get(name) is None else values[name] for name, default in CALLABLE_DEFAULTS.items()}
     options["forbid"] = forbidden_names(options["forbid"])
+    if values.get("model_scale") is not None:
+        options["model_scale"] = values["model_scale"]
     limits_file = values.get("limits")
     limit_values = {name: values.get(name.replace("-", "_")) for name in limit_arguments() if name != "limits"}
     options["limits"] = limits_from_options(limit_values, limits_file, prefix, other_keys=CONVENTION_OPTIONS)
@@ -226,6 +236,9 @@ def _callable(name: str, options: dict):
     sys.path.insert(0, os.getcwd())  # MODULE is looked up where the user runs the command
     fn = load_callable(name)
     options = dict(options)
+    if options.pop("model_scale", None) is not None:
+        raise InvalidArgumentError(f"--model-scale declares the scale of a KernelBench file's Model, not of {name}: "
+                                   "drop it (a function is given the scale with each call)")
     grad = options.pop("grad", None)
     if options["layout"] in RAGGED_LAYOUTS and not grad:
         return RaggedCallableBackend(fn, name=name, **options)
@@ -247,6 +260,19 @@ def _callable(name: str, options: dict):
                 "drop them (--ftz, about its arithmetic, does)")
         return BackwardCallableBackend(fn, name=name, **options)
     return CallableBackend(fn, name=name, **options)
+
+
+def _kernelbench(name: str, options: dict, values: dict, say):
+    """The backend of a KernelBench-format file: its ModelNew, under what its Model computes
+    (`fa_verify.adapters.kernelbench`); --layout, --causal yes|no and --model-scale declare what
+    probing would otherwise infer."""
+    from fa_verify.adapters.kernelbench import kernelbench_target
+
+    options = dict(options)
+    causal = values.get("causal")
+    declared = {"layout": values.get("layout"), "array": values.get("array"), "scale": options.pop("model_scale", None),
+                "causal": None if causal in (None, "both") else causal == "yes"}
+    return kernelbench_target(name, options, declared, say)
 
 
 def _spec_target(names, spec, runner: str, arch, given: list, say):

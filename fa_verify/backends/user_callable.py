@@ -312,7 +312,11 @@ def variant_parameters(fn, features=None) -> tuple:
 
 def _reference(fn, name: str | None) -> str:
     """The MODULE:FUNC by which a worker process imports `fn`: `name` if it is one, else the
-    function's own module and qualified name; InvalidArgumentError when neither finds `fn`."""
+    function's own module and qualified name; InvalidArgumentError when neither finds `fn`. A
+    callable object marked `portable` (picklable by what it loads, as a KernelBench solution) is
+    its own reference: the worker gets it pickled."""
+    if getattr(fn, "portable", False) is True:
+        return fn
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     for spec in (name, f"{module}:{qualname}"):
         if not spec or ":" not in spec or spec.startswith("__main__:") or "<" in spec:
@@ -498,7 +502,9 @@ def _import_file(path: str):
 
 def load_callable(spec: str):
     """Import and return the function named by 'MODULE:FUNC' or 'path/to/file.py:FUNC' (FUNC may
-    be dotted: 'mod:Cls.fn')."""
+    be dotted: 'mod:Cls.fn'); a `portable` callable object (see `_reference`) is returned as it is."""
+    if callable(spec) and getattr(spec, "portable", False) is True:
+        return spec
     module_name, _, attr_path = str(spec).rpartition(":")
     if not isinstance(spec, str) or not module_name or not attr_path:
         raise InvalidArgumentError(

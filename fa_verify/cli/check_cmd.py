@@ -44,7 +44,8 @@ def add_parser(sub) -> None:
                           "backend, MODULE:FUNC (or path/to/file.py:FUNC) with fn(q, k, v, *, causal, scale) -> "
                           "out | (out, lse) "
                           "(--layout varlen / paged: flash-attn's varlen and kvcache signatures), "
-                          "or a CUDA file (kernel.cu) with --spec")
+                          "a CUDA file (kernel.cu) with --spec, or a KernelBench-format file (problem.py with "
+                          "Model, ModelNew, get_inputs: ModelNew checked under what probing Model infers)")
     cmd.add_argument("--dtype", action="append", choices=("fp16", "bf16", "fp32"),
                      help="dtype to check (repeatable; default: every dtype the target runs)")
     cmd.add_argument("--causal", choices=tuple(CAUSAL_CHOICES), default=None,
@@ -162,6 +163,8 @@ def _run(args) -> int:
         print(f"checking {backend.name} ({', '.join(dtypes)}) ...", file=sys.stderr, flush=True)
         if not json_out:
             print(backend.name)
+            if getattr(backend, "inferred", None) is not None:  # a KernelBench file: what its Model computes
+                print(f"  inferred from Model: {backend.inferred.describe()}")
             print(f"  limits: {backend.limits.describe()}")
             print(f"  judged under: {_judged_under(backend)}")
         # With --json, stdout holds only the document: progress goes to stderr as it comes.
@@ -170,7 +173,9 @@ def _run(args) -> int:
         outcome = check_backend(backend, selection, properties=args.properties, on_result=record,
                                 progress=progress, repro_dir=args.repro_dir or default_folder())
         outcomes.append(outcome)
-        documents.append({**outcome.as_dict(), "limits": backend.limits.as_dict(),
+        inferred = getattr(backend, "inferred", None)
+        documents.append({**outcome.as_dict(), **({"inferred": inferred.describe()} if inferred else {}),
+                          "limits": backend.limits.as_dict(),
                           "conventions": backend.judged_under.as_dict(), "judged_under": _judged_under(backend)})
         if not json_out:
             counts = outcome.counts()
