@@ -113,7 +113,9 @@ def callable_options(backend, dtype: str) -> dict:
             "precision": precision_spec(backend.precision(dtype)),
             # merge_law's and fully_masked_rows' derived problems follow the declared limits
             "limits": backend.limits.as_dict(),
-            "features": list(backend.features), "conventions": backend.judged_under.as_dict()}
+            "features": list(backend.features), "conventions": backend.judged_under.as_dict(),
+            # a forbidden call fails the example: the replay forbids it too
+            "forbid": list(backend.forbid)}
 
 
 def ragged_callable_options(backend, dtype: str) -> dict:
@@ -122,7 +124,7 @@ def ragged_callable_options(backend, dtype: str) -> dict:
     return {"layout": backend.layout, "array": backend.array, "precision": precision_spec(backend.precision(dtype)),
             "dtypes": list(backend.dtypes), "limits": backend.limits.as_dict(), "features": list(backend.features),
             "page_sizes": None if backend.page_sizes is None else list(backend.page_sizes),
-            "conventions": backend.judged_under.as_dict()}
+            "conventions": backend.judged_under.as_dict(), "forbid": list(backend.forbid)}
 
 
 @dataclass(frozen=True)
