@@ -27,11 +27,18 @@ def add_parser(sub) -> None:
                     "defaults) on every mutant and on the unmutated kernels, and prints each rule's kill "
                     "rate, false positives and time to kill next to the suite's. Exit 0: every mutant "
                     "killed and no false positive; 1: a mutant survived the suite or a correct kernel "
-                    "failed it; 2: usage or setup error.")
+                    "failed it; 2: usage or setup error. With --exploits: the same for the catalogue of "
+                    "known exploits of kernel checkers (fa_verify.judge.exploits: mean of V, caches, state "
+                    "between calls, writes into inputs, ...), false positives on the correct callables; an "
+                    "exploit declared out of reach of an in-process checker may survive.")
     cmd.add_argument("--family", action="append", metavar="FAMILY",
                      help="only mutants of this kernel family (repeatable: fa2, wmma, mma_ptx, naive, naive16, "
                           "split_kv)")
     cmd.add_argument("--mutant", action="append", metavar="NAME", help="only this mutant (repeatable)")
+    cmd.add_argument("--exploits", action="store_true",
+                     help="judge the exploit catalogue (fa_verify.judge.exploits) instead of the mutants")
+    cmd.add_argument("--exploit", action="append", metavar="NAME",
+                     help="only this exploit (repeatable; implies --exploits)")
     cmd.add_argument("--seeds", type=int_at_least(0), default=20, metavar="N",
                      help="Hypothesis seeds for the suite on the unmutated kernels (default 20; 0 skips "
                           "the false-positive runs)")
@@ -62,10 +69,10 @@ def _run(args) -> int:
     from fa_verify.errors import BackendUnavailableError, InvalidArgumentError
     from fa_verify.kernels.mutants import load_mutants, mutable_kernels
     from fa_verify.judge.report import run_campaign
-    from fa_verify.judge.rule_table import RULES, get_rule
     from fa_verify.kernels.catalogue import get_family
-    from fa_verify.properties import Selection
 
+    if args.exploits or args.exploit:
+        return _run_exploits(args)
     for family in args.family or ():
         if family not in mutable_kernels():
             get_family(family)  # an unknown family is a usage error before "no mutant of it"
@@ -77,14 +84,51 @@ def _run(args) -> int:
         raise BackendUnavailableError(f"the mutants run through the CUDA-on-CPU runner: {runner.reason}")
     if not mutants:
         raise InvalidArgumentError("no mutant selected")
+    profile, selection = _selection(args)
+    report = run_campaign(mutants, selection, profile=profile, seeds=range(args.seeds),
+                          families=args.family or None, rules=_rules(args), sanitizer=not args.no_sanitizer,
+                          stop_at_first=args.first_kill, quiet=False)
+    return _print(report, args)
+
+
+def _selection(args):
+    from fa_verify.properties import Selection
+
     profile = args.profile or DEFAULT_PROFILE
     selection = Selection.from_profile(profile, max_examples=args.max_examples)
     if selection.seed is None:  # a profile that explores: seed it, so the table can be reproduced
         selection = dataclasses.replace(selection, seed=0)
-    rules = [] if args.no_rules else [get_rule(r) for r in args.rules] if args.rules else list(RULES)
-    report = run_campaign(mutants, selection, profile=profile, seeds=range(args.seeds),
-                          families=args.family or None, rules=rules, sanitizer=not args.no_sanitizer,
-                          stop_at_first=args.first_kill, quiet=False)
+    return profile, selection
+
+
+def _rules(args) -> list:
+    from fa_verify.judge.rule_table import RULES, get_rule
+
+    return [] if args.no_rules else [get_rule(r) for r in args.rules] if args.rules else list(RULES)
+
+
+def _run_exploits(args) -> int:
+    """The campaign on the exploit catalogue: the exploits that cannot run here are listed, not run."""
+    from fa_verify.errors import InvalidArgumentError
+    from fa_verify.judge.exploits import FAMILY, get_exploits
+    from fa_verify.judge.report import run_campaign
+
+    for option, given in (("--family", args.family), ("--mutant", args.mutant), ("--mutants-file", args.mutants_file)):
+        if given:
+            raise InvalidArgumentError(f"{option} selects mutants; with --exploits select with --exploit NAME")
+    chosen = get_exploits(args.exploit)
+    skipped = [(e.name, e.missing()) for e in chosen if e.missing()]
+    runnable = [e for e in chosen if not e.missing()]
+    if not runnable:
+        raise InvalidArgumentError("no exploit can run here: " + "; ".join(f"{n}: {why}" for n, why in skipped))
+    profile, selection = _selection(args)
+    report = run_campaign(runnable, selection, profile=profile, seeds=range(args.seeds), families=[FAMILY],
+                          rules=_rules(args), sanitizer=not args.no_sanitizer, stop_at_first=args.first_kill,
+                          quiet=False, exploits=True, skipped=skipped)
+    return _print(report, args)
+
+
+def _print(report, args) -> int:
     document = json.dumps(report.as_dict(), indent=2)
     if args.save:
         with open(args.save, "w") as fh:

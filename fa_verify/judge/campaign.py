@@ -220,6 +220,8 @@ class MutantVerdict:
     build_seconds: float
     plain: SuiteRun
     sanitizer: SuiteRun | None = None
+    #: why the in-process suite cannot catch it (an exploit's `out_of_reach`; "" for a mutant)
+    out_of_reach: str = ""
 
     @property
     def killed(self) -> bool:
@@ -252,6 +254,15 @@ class MutantVerdict:
         return self._until_kill("seconds")
 
     @property
+    def guard(self) -> str | None:
+        """The guard behind the kill (inputs unchanged, unwritten or non-finite output, ...;
+        fa_verify.judge.exploits.guard_of), None where a property's comparison failed."""
+        from fa_verify.judge.exploits import guard_of
+
+        kill = self.kill
+        return None if kill is None else guard_of(kill.detail)
+
+    @property
     def killed_by(self) -> str:
         kill = self.kill
         if kill is None:
@@ -265,6 +276,7 @@ class MutantVerdict:
                 "description": self.description, "killed": self.killed, "killed_by": self.killed_by,
                 "examples_to_kill": self.examples_to_kill,
                 "seconds_to_kill": None if self.seconds_to_kill is None else round(self.seconds_to_kill, 3),
+                "guard": self.guard, "out_of_reach": self.out_of_reach or None,
                 "build_seconds": round(self.build_seconds, 3), "plain": self.plain.as_dict(),
                 "sanitizer": None if self.sanitizer is None else self.sanitizer.as_dict()}
 
@@ -279,12 +291,13 @@ def judge_mutant(mutant, selection: Selection = Selection(), *, sanitizer: bool 
     backend = mutant_backend(mutant)
     control = unmutated_backend(mutant)
     began = time.perf_counter()
-    backend.build()
+    getattr(backend, "build", lambda: None)()  # a callable exploit has nothing to build
     build_seconds = time.perf_counter() - began
     plain = run_suite(backend, selection, stop_at_first=stop_at_first, progress=progress, control=control)
-    verdict = MutantVerdict(mutant.name, mutant.family, mutant.bug_class, mutant.description, build_seconds, plain)
-    if not plain.killed and sanitizer:
-        asan = mutant_backend(mutant, sanitize=True)
+    verdict = MutantVerdict(mutant.name, mutant.family, mutant.bug_class, mutant.description, build_seconds, plain,
+                            out_of_reach=getattr(mutant, "out_of_reach", ""))
+    asan = mutant_backend(mutant, sanitize=True) if not plain.killed and sanitizer else None
+    if asan is not None:  # None: an exploit with no sanitizer build
         asan.build()
         run = run_suite(asan, selection, stop_at_first=True, progress=progress, control=control)
         if run.killed:

@@ -15,6 +15,7 @@ from pathlib import Path
 from fa_verify.backends.backward_kernel import BackwardKernelBackend
 from fa_verify.backends.cuda_kernels import CpuKernelBackend
 from fa_verify.backends.split_kv import SplitKvCpuBackend
+from fa_verify.judge.exploits import Exploit
 from fa_verify.kernels.catalogue import cached_source, kernels_dir
 from fa_verify.kernels.mutants import Mutant
 
@@ -73,7 +74,10 @@ class RaggedMutantBackend(SplitKvCpuBackend):
 
 def mutant_backend(mutant: Mutant, sanitize: bool = False):
     """The backend running `mutant`: dense (MutantBackend), ragged (RaggedMutantBackend), or the
-    backward kernel's (BackwardKernelBackend running the mutated text)."""
+    backward kernel's (BackwardKernelBackend running the mutated text); an exploit's own target
+    (fa_verify.judge.exploits: None where it has no sanitizer build)."""
+    if isinstance(mutant, Exploit):
+        return mutant.backend(sanitize)
     if mutant.backward:
         text = mutant.mutate((kernels_dir() / mutant.kernel_family.source).read_text())
         return BackwardKernelBackend("cpu", source=text, name=f"{mutant.name}-cpu", sanitize=sanitize)
@@ -81,7 +85,10 @@ def mutant_backend(mutant: Mutant, sanitize: bool = False):
 
 
 def unmutated_backend(mutant: Mutant):
-    """The backend of the kernel `mutant` edits, unedited: the control its kills are judged against."""
+    """The backend of the kernel `mutant` edits, unedited: the control its kills are judged against
+    (an exploit's: the correct callable of its form)."""
+    if isinstance(mutant, Exploit):
+        return mutant.control_backend()
     if mutant.backward:
         return BackwardKernelBackend("cpu")
     return SplitKvCpuBackend(mutant.layout) if mutant.layout else CpuKernelBackend(mutant.kernel_family)

@@ -2,7 +2,10 @@
 
 `run_campaign(...)` returns a `CampaignReport`; `.text()` is the table `fa_verify mutants`
 prints, `.as_dict()` its JSON document, `.passed` whether every mutant was killed by our
-suite (a property, or the sanitizer) and no correct kernel failed it.
+suite (a property, or the sanitizer) and no correct kernel failed it. The same campaign judges
+the exploit catalogue (`fa_verify.judge.exploits`, `fa_verify mutants --exploits`): an exploit
+is a "mutant" of the correct callable, and one declared out of reach of the in-process suite
+may survive without failing the campaign (it is listed as surviving).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ class CampaignReport:
     false_positives: FalsePositiveReport | None = None
     rules: list = field(default_factory=list)             # RuleResults
     seconds: float = 0.0
+    #: the targets are the exploit catalogue's (the table says "exploit" and shows the guard)
+    exploits: bool = False
+    #: (name, why) of the exploits that cannot run here
+    skipped: list = field(default_factory=list)
 
     # --- summary ---------------------------------------------------------------------------------
     @property
@@ -62,9 +69,14 @@ class CampaignReport:
                 if m.plain.killed and set(m.plain.killers) <= STATISTICAL_PROPERTIES]
 
     @property
+    def out_of_reach(self) -> list:
+        """Survivors declared out of reach of the in-process suite (exploits that detect it, ...)."""
+        return [m for m in self.survivors if m.out_of_reach]
+
+    @property
     def passed(self) -> bool:
         fp = self.false_positives.count if self.false_positives is not None else 0
-        return not self.survivors and fp == 0
+        return len(self.survivors) == len(self.out_of_reach) and fp == 0
 
     def _ours_summary(self) -> dict:
         killed = [m for m in self.mutants if m.killed]
@@ -96,7 +108,9 @@ class CampaignReport:
                 "max_examples": self.selection.max_examples, "max_seq": self.selection.max_seq,
                 "seed": self.selection.seed, "seconds": round(self.seconds, 1),
                 "summary": self.summary(),
+                "exploits": self.exploits, "skipped": [list(x) for x in self.skipped],
                 "survivors": [m.name for m in self.survivors],
+                "out_of_reach": [m.name for m in self.out_of_reach],
                 "killed_only_by_sanitizer": [m.name for m in self.sanitizer_only],
                 "killed_only_by_statistical_property": [m.name for m in self.statistical_only],
                 "mutants": [m.as_dict() for m in self.mutants],
@@ -105,20 +119,23 @@ class CampaignReport:
 
     # --- tables (text, or Markdown for the README) ---------------------------------------------
     def mutant_table(self, markdown: bool = False) -> list[str]:
-        head = ["mutant", "bug class", "killed by", "examples", "seconds", "minimal counterexample (B,H,Nq,Nk,D)"]
-        head += [r.name for r in self.rules]
+        head = ["exploit" if self.exploits else "mutant", "bug class", "killed by"] + (["guard"] if self.exploits else [])
+        head += ["examples", "seconds", "minimal counterexample (B,H,Nq,Nk,D)"] + [r.name for r in self.rules]
         rows = []
         for m in self.mutants:
             kill = m.kill
             bug_class = m.bug_class.replace("_", "\\_") if markdown else m.bug_class  # not bold
-            row = [f"`{m.name}`" if markdown else m.name, bug_class, _killed_by(m, markdown),
-                   "-" if kill is None else str(m.examples_to_kill),
+            row = [f"`{m.name}`" if markdown else m.name, bug_class, _killed_by(m, markdown)]
+            if self.exploits:
+                row.append("-" if kill is None else m.guard or "none (the property's comparison)")
+            row += ["-" if kill is None else str(m.examples_to_kill),
                    "-" if kill is None else f"{m.seconds_to_kill:.2f}",
                    "-" if kill is None or kill.counterexample is None else _ce_text(kill.counterexample)]
             for rule in self.rules:
                 outcome = rule.mutants.get(m.name)
                 row.append("-" if outcome is None else
-                           f"{outcome.cases} ({outcome.seconds:.1f} s)" if outcome.killed else "survived")
+                           f"{outcome.cases} ({outcome.seconds:.1f} s)" if outcome.killed else
+                           "no case" if not outcome.total_cases else "survived")
             rows.append(row)
         return (_markdown if markdown else _table)(head, rows)
 
@@ -141,7 +158,8 @@ class CampaignReport:
         return "\n".join(self.mutant_table(markdown=True) + [""] + self.summary_table(markdown=True))
 
     def text(self) -> str:
-        lines = [f"fa_verify mutants: {len(self.mutants)} mutants, property suite profile {self.profile!r} "
+        what = "exploits" if self.exploits else "mutants"
+        lines = [f"fa_verify mutants: {len(self.mutants)} {what}, property suite profile {self.profile!r} "
                  f"({self.selection.max_examples} examples per property, N <= {self.selection.max_seq}, "
                  f"seed {self.selection.seed}); {self.seconds:.0f}s", ""]
         lines += self.mutant_table()
@@ -150,7 +168,8 @@ class CampaignReport:
             fp = self.false_positives
             targets = sorted({r.target for r in fp.runs})
             seeds = sorted({r.seed for r in fp.runs})
-            lines.append(f"false positives of the property suite on the unmutated kernels ({', '.join(targets)}; "
+            correct = "correct targets" if self.exploits else "unmutated kernels"
+            lines.append(f"false positives of the property suite on the {correct} ({', '.join(targets)}; "
                          f"{len(seeds)} seeds, {len(fp.runs)} suite runs, "
                          f"{sum(r.examples for r in fp.runs)} examples): {fp.count}")
             for run in fp.failures:
@@ -172,10 +191,14 @@ class CampaignReport:
         if self.statistical_only:
             lines.append("killed only by a statistical property: "
                          + ", ".join(f"{m.name} ({', '.join(m.plain.killers)})" for m in self.statistical_only))
-        if self.survivors:
-            lines.append("SURVIVED our suite: " + ", ".join(m.name for m in self.survivors))
+        for name, why in self.skipped:
+            lines.append(f"not run here: {name} ({why})")
+        for m in self.out_of_reach:
+            lines.append(f"SURVIVED, out of reach of the in-process suite: {m.name}: {m.out_of_reach}")
+        if len(self.survivors) > len(self.out_of_reach):
+            lines.append("SURVIVED our suite: " + ", ".join(m.name for m in self.survivors if not m.out_of_reach))
         verdict = "PASS" if self.passed else "FAIL"
-        lines.append(f"{verdict}: {len(self.mutants) - len(self.survivors)}/{len(self.mutants)} mutants killed by "
+        lines.append(f"{verdict}: {len(self.mutants) - len(self.survivors)}/{len(self.mutants)} {what} killed by "
                      f"the property suite"
                      + (f", {self.false_positives.count} false positives" if self.false_positives is not None else ""))
         return "\n".join(lines)
@@ -186,7 +209,7 @@ def _killed_by(m: MutantVerdict, markdown: bool) -> str:
     stands out."""
     kill = m.kill
     if kill is None:
-        return "**SURVIVED**" if markdown else "SURVIVED"
+        return ("**SURVIVED**" if markdown else "SURVIVED") + (" (out of reach)" if m.out_of_reach else "")
     if kill is not m.plain:
         return ("**sanitizer**" if markdown else "sanitizer") + f" (ASan build, {kill.killer})"
     more = len(kill.killers) - 1
@@ -232,25 +255,29 @@ def _log(message: str, quiet: bool) -> None:
 
 def unmutated_backends(families):
     """The CPU-runner backends of the unmutated kernel families (split_kv: its paged and varlen
-    ragged backends; fa2_bwd: the backward kernel's)."""
+    ragged backends; fa2_bwd: the backward kernel's; the exploits': the correct callables)."""
     from fa_verify.backends.backward_kernel import BackwardKernelBackend
     from fa_verify.backends.cuda_kernels import CpuKernelBackend
     from fa_verify.backends.split_kv import SplitKvCpuBackend
     from fa_verify.kernels.backward import FA2_BWD
     from fa_verify.kernels.split_kv import SPLIT_KV
 
+    from fa_verify.judge.exploits import CORRECT, FAMILY
+
     special = {SPLIT_KV.name: lambda: [SplitKvCpuBackend("paged"), SplitKvCpuBackend("varlen")],
-               FA2_BWD.name: lambda: [BackwardKernelBackend("cpu")]}
+               FA2_BWD.name: lambda: [BackwardKernelBackend("cpu")],
+               FAMILY: lambda: [make() for make in CORRECT.values()]}
     return [backend for f in families for backend in special.get(f, lambda: [CpuKernelBackend(f)])()]
 
 
 def run_campaign(mutants, selection: Selection, *, profile: str = "ci", seeds=range(20), families=None,
-                 rules=(), sanitizer: bool = True, stop_at_first: bool = False, quiet: bool = False
-                 ) -> CampaignReport:
+                 rules=(), sanitizer: bool = True, stop_at_first: bool = False, quiet: bool = False,
+                 exploits: bool = False, skipped=()) -> CampaignReport:
     """Our suite on every mutant (then ASan for survivors), on the unmutated `families` with each
-    seed, and every rule in `rules` on each mutant and unmutated family."""
+    seed, and every rule in `rules` on each mutant and unmutated family. With `exploits`, the
+    "mutants" are exploits of fa_verify.judge.exploits (`skipped`: (name, why) of those left out)."""
     start = time.perf_counter()
-    report = CampaignReport(selection=selection, profile=profile)
+    report = CampaignReport(selection=selection, profile=profile, exploits=exploits, skipped=list(skipped))
     families = list(dict.fromkeys(families if families is not None else (m.family for m in mutants)))
     for i, mutant in enumerate(mutants, 1):
         verdict: MutantVerdict = judge_mutant(mutant, selection, sanitizer=sanitizer, stop_at_first=stop_at_first)
