@@ -15,6 +15,11 @@ is being called (`guarded(fn, names)`):
   `torch._C._nn` alias) is recorded from its 'c_call' event (builtins) or 'call' event (Python
   functions, by code object).
 
+While a guarded target runs, the checker is also kept out of its sight where a kernel would
+look for it first: fa_verify's modules are out of `sys.modules` and `FA_VERIFY*` variables out
+of the environment (`checker_unseen`), put back when it returns. A kernel that inspects its call
+stack, its caller's files or the timing still sees the checker: in-process, nothing hides it.
+
 A recorded call fails the example after the target returns, even if the target caught the
 wrapper's exception. The originals are put back when the last guarded call returns (in the
 worker: never; the process ends).
@@ -29,9 +34,11 @@ reference models.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -262,6 +269,20 @@ def _profile(frame, event, arg):
             _record(name, frame.f_back)
 
 
+@contextlib.contextmanager
+def checker_unseen():
+    """fa_verify's modules out of sys.modules and FA_VERIFY* out of the environment while the block
+    runs, put back after (a module the block imports anew is dropped for the original)."""
+    modules = {name: sys.modules.pop(name) for name in [n for n in sys.modules
+                                                        if n == "fa_verify" or n.startswith("fa_verify.")]}
+    variables = {name: os.environ.pop(name) for name in [n for n in os.environ if n.startswith("FA_VERIFY")]}
+    try:
+        yield
+    finally:
+        sys.modules.update(modules)
+        os.environ.update(variables)
+
+
 def guarded(fn, names):
     """`fn` called with the calls of `names` forbidden: a call fails it with ForbiddenCallError
     naming the call and where it was made."""
@@ -276,7 +297,8 @@ def guarded(fn, names):
                 _STATE.calls = []
             sys.setprofile(_profile)
             try:
-                result = fn(*args, **kwargs)
+                with checker_unseen():
+                    result = fn(*args, **kwargs)
             finally:
                 sys.setprofile(previous)
                 _STATE.armed -= 1
