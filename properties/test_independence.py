@@ -4,6 +4,7 @@ from fa_verify.properties import (
     check_batch_head_independence,
     check_determinism,
     check_masked_key_independence,
+    check_reused_buffers,
 )
 
 
@@ -17,3 +18,7 @@ def test_masked_key_independence(fa_backend, fa_search):
 
 def test_determinism(fa_backend, fa_search):
     fa_search(fa_backend, check_determinism)
+
+
+def test_reused_buffers(fa_backend, fa_search):
+    fa_search(fa_backend, check_reused_buffers)

@@ -28,6 +28,7 @@ from fa_verify.properties.convexity import check_constant_v, check_convex_hull, 
 from fa_verify.properties.independence import (
     check_batch_head_independence,
     check_determinism,
+    check_reused_buffers,
     check_masked_key_independence,
 )
 from fa_verify.properties.masking import check_fully_masked_rows
@@ -78,6 +79,7 @@ __all__ = [
     "check_constant_v",
     "check_convex_hull",
     "check_determinism",
+    "check_reused_buffers",
     "check_fully_masked_rows",
     "check_key_permutation",
     "check_lse_agreement",

@@ -6,7 +6,12 @@
     leaves its output and LSE untouched;
   * determinism: the same inputs twice, each time in fresh allocations, give the same outputs
     (outputs are fresh too: every run allocates its own, NaN-filled where the target takes
-    buffers, so no run can inherit the previous one's answer).
+    buffers, so no run can inherit the previous one's answer);
+  * reused buffers: new contents in the buffers of the previous call give the new answer. The
+    problem runs, then again with V negated: a callable target gets the second call's inputs in
+    the first call's buffers (`CallableBackend` keeps them), so an answer cached on their
+    addresses, or on the shape, or left from the last call, shows. Negation is exact and every
+    rounding is symmetric, so O must come back exactly negated and the LSE identical.
 
 Bitwise is fair here: the shapes do not change (so neither do tile counts nor a split-KV
 kernel's split heuristic, which depends on B*H and Nk), the inputs the checked rows read are
@@ -111,3 +116,12 @@ def check_determinism(backend, problem) -> PropertyResult:
     first, second = fresh_copy(problem), fresh_copy(problem)  # both alive: different addresses
     return judge_identical("determinism", "two runs of the same problem, on fresh copies of the inputs, differ",
                            problem, backend.run(first), backend.run(second))
+
+
+def check_reused_buffers(backend, problem) -> PropertyResult:
+    """The problem, then the problem with V negated in the same buffers: O exactly negated, the same LSE."""
+    backend = as_backend(backend)
+    out, lse = backend.run(problem)
+    return judge_identical("reused_buffers", "V negated in the buffers of the previous call did not negate O "
+                           "exactly (or moved the LSE): an answer kept from the previous call?",
+                           problem, (-out, lse), backend.run(problem.replace(v=-problem.v)))

@@ -110,6 +110,7 @@ PROPERTIES = (
              unequal_seq="needs fewer keys than queries (rows that see no key)"),
     Property("nan_padding", padding.check_nan_padding),
     Property("determinism", independence.check_determinism),
+    Property("reused_buffers", independence.check_reused_buffers),
     Property("unbiased_rounding", rounding.check_unbiased_rounding, large=True),
     # A backward's dQ atomics race only across key tiles: its edge cases have several.
     Property("races", races.check_races, target_reason=races.not_checkable, max_examples=races.RACE_EXAMPLES,
