@@ -190,3 +190,45 @@ def test_a_python_file_without_model_new_is_refused(capsys, monkeypatch, tmp_pat
     assert code == 2
     assert "is not a KernelBench-format module: it lacks Model, ModelNew, get_inputs" in err
     assert "FILE.py:FUNC" in err
+
+
+def test_the_task_shape_and_shapes_around_it_are_edge_cases(capsys, monkeypatch, tmp_path):
+    """A ModelNew right at get_inputs()'s sequence length (N = 40) and the mean of V at every other
+    fails on the shapes drawn around it; the task's own shape is checked first (one batch, one
+    K/V head), so the correct ModelNew passes it."""
+    from fa_verify.properties import get_property
+    from fa_verify.properties.draw import AROUND, AROUND_REACH, edge_problems
+    from fa_verify.properties.selection import Selection
+    from fa_verify.targets import build_targets
+
+    source = textwrap.dedent('''
+        import torch
+        import torch.nn.functional as F
+
+        class Model(torch.nn.Module):
+            def forward(self, Q, K, V):
+                return F.scaled_dot_product_attention(Q, K, V)
+
+        class ModelNew(torch.nn.Module):
+            def forward(self, Q, K, V):
+                if ONLY_AT_TASK and Q.shape[-2] != 40:
+                    return V.mean(dim=-2, keepdim=True).expand(Q.shape[:-1] + V.shape[-1:])
+                s = torch.softmax((Q.float() @ K.float().transpose(-1, -2)) * Q.shape[-1] ** -0.5, dim=-1)
+                return (s @ V.float()).to(Q.dtype)
+
+        def get_inputs():
+            return [torch.rand(3, 4, 40, 16) for _ in range(3)]
+        ''')
+    honest, special = tmp_path / "honest.py", tmp_path / "special.py"
+    honest.write_text(source.replace("ONLY_AT_TASK", "False"))
+    special.write_text(source.replace("ONLY_AT_TASK", "True"))
+    [backend] = build_targets([str(honest)], {})
+    assert backend.task_shapes == ((3, 4, 4, 40, 40, 16),)
+    edges, _ = edge_problems(get_property("oracle_agreement"), backend, Selection(seed=5))
+    around = [(p.batch, p.heads, p.kv_heads, p.nq, p.nk, p.head_dim) for p in edges[:AROUND + 1]]
+    assert around[0] == (1, 1, 1, 40, 40, 16)  # one batch, one K/V head and its group (MHA: one head)
+    assert all(p[:3] == (1, 1, 1) and all(1 <= abs(n - 40) <= AROUND_REACH for n in p[3:5]) for p in around[1:]), around
+    options = ("--max-examples", "2", "--property", "oracle_agreement")
+    assert _check(capsys, monkeypatch, str(honest), *options)[0] == 0
+    code, out, _ = _check(capsys, monkeypatch, str(special), *options)
+    assert code == 1 and "FAIL oracle_agreement" in out

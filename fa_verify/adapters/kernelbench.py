@@ -83,6 +83,8 @@ class Inferred:
     #: the head dims the Model runs (None: any)
     head_dims: tuple | None = None
     declared: tuple = ()
+    #: (B, H, Hkv, Nq, Nk, D) of get_inputs()
+    task_shape: tuple = ()
 
     def describe(self) -> str:
         mark = lambda what: " (declared)" if what in self.declared else ""  # noqa: E731
@@ -144,6 +146,7 @@ class KernelBenchBackend(CallableBackend):
 
     def __init__(self, fn: KernelBenchSolution, inferred: Inferred, **options):
         self.inferred = inferred
+        self.task_shapes = (inferred.task_shape,)
         super().__init__(fn, **options)
         if self._worker is not None:  # the worker runs the calls only, which are CallableBackend's
             self._worker.options["protocol"] = "CallableBackend"
@@ -252,9 +255,11 @@ def infer(module, path: str, declared: dict, say) -> Inferred:
         scale, head_dims = (None if declared["scale"] == "default" else float(declared["scale"])), None
     else:
         scale, head_dims = _scale(probe, shape, d, path)
+    seq_axis = 2 if layout == "bhsd" else 1
+    task_shape = (q0.shape[0], heads, kv_heads, q0.shape[seq_axis], k0.shape[seq_axis], d)
     return Inferred(dtype=dtype, layout=layout, causal=causal, scale=scale, heads=heads, kv_heads=kv_heads,
                     head_dim=d, causal_alignment=alignment, equal_seq=equal_seq, head_dims=head_dims,
-                    declared=declared_names)
+                    declared=declared_names, task_shape=tuple(int(n) for n in task_shape))
 
 
 class _Prober:

@@ -82,6 +82,10 @@ class Backend(ABC):
     judged_under: Conventions = Conventions()
     #: The kinds of problem it runs (`fa_verify.kinds.KINDS`: "dense", "varlen", "paged").
     kinds: tuple = ("dense",)
+    #: The shapes (B, H, Hkv, Nq, Nk, D) of the task it was written for (a KernelBench module's
+    #: get_inputs): the agreement properties' edge cases include each, with one batch and one
+    #: K/V head, and shapes around it (`properties.draw.around_task_shapes`).
+    task_shapes: tuple = ()
     #: Whether its precision model is declared by its user (a callable's --precision), so a
     #: failure may say which looser model would pass (`properties.precision_hint`).
     declared_precision: bool = False

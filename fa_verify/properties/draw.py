@@ -12,6 +12,7 @@ cases (moved to the nearest allowed shape).
 from __future__ import annotations
 
 import contextlib
+import random
 import weakref
 from dataclasses import dataclass
 
@@ -142,14 +143,36 @@ def _causal_modes(prop: Property, *allowed: tuple) -> tuple:
     return tuple(c for c in (False, True) if c in wanted and all(c in modes for modes in allowed))
 
 
+#: Shapes drawn around each task shape, and how far (in rows) their lengths move from it.
+AROUND, AROUND_REACH = 3, 16
+
+
+def around_task_shapes(task_shapes, seed) -> list:
+    """Edge cases ((shape, distribution) pairs) from a target's task shapes: each with one batch and
+    one K/V head (its group of query heads), and AROUND shapes whose Nq and Nk move by 1 to
+    AROUND_REACH rows either way, drawn from `seed` (the run's: a kernel cannot know them ahead), so
+    a kernel right only on the task's shape shows."""
+    rng = random.Random(seed)
+    cases = []
+    for b, h, hkv, nq, nk, d in task_shapes:
+        group = max(h // max(hkv, 1), 1)
+        cases.append(((1, group, 1, nq, nk, d), "normal"))
+        for _ in range(AROUND):
+            moved = [max(n + rng.choice((-1, 1)) * rng.randint(1, AROUND_REACH), 1) for n in (nq, nk)]
+            cases.append(((1, group, 1, *moved, d), "normal"))
+    return cases
+
+
 def edge_problems(prop: Property, backend: Backend, selection: Selection, cases=EDGE_CASES,
                   as_kind=None) -> tuple[list[AttentionProblem], tuple]:
     """The edge `cases` ((shape, distribution) pairs) for the selected dtypes and causal modes
-    that the target runs (made problems of its kind by `as_kind`, as `capabilities` probes), each
-    moved to the nearest shape within the target's declared limits; and notes on what was moved
-    or dropped."""
+    that the target runs (made problems of its kind by `as_kind`, as `capabilities` probes), and
+    those around the target's task shapes, each moved to the nearest shape within the target's
+    declared limits; and notes on what was moved or dropped."""
     if not prop.edge_cases:
         return [], ()
+    # first: a budget on edge cases keeps every k-th from the first, so the task's shape stays
+    cases = around_task_shapes(backend.task_shapes, selection.seed) + list(cases)
     limits = backend.limits
     causal = _causal_modes(prop, selection.causal, limits.causal)
     modes = ([(False, "bottom-right")] * (False in causal)
