@@ -2,6 +2,8 @@
 causality, alignment, GQA, dtype), refusals when it cannot tell, and `fa_verify check
 problem.py` passing a correct ModelNew and failing a wrong one."""
 
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -194,8 +196,8 @@ def test_a_python_file_without_model_new_is_refused(capsys, monkeypatch, tmp_pat
 
 def test_the_task_shape_and_shapes_around_it_are_edge_cases(capsys, monkeypatch, tmp_path):
     """A ModelNew right at get_inputs()'s sequence length (N = 40) and the mean of V at every other
-    fails on the shapes drawn around it; the task's own shape is checked first (one batch, one
-    K/V head), so the correct ModelNew passes it."""
+    fails on the shapes drawn around it, with a reproducer; the task's own shape is checked first
+    (one batch, one K/V head), and the correct ModelNew passes."""
     from fa_verify.properties import get_property
     from fa_verify.properties.draw import AROUND, AROUND_REACH, edge_problems
     from fa_verify.properties.selection import Selection
@@ -230,5 +232,11 @@ def test_the_task_shape_and_shapes_around_it_are_edge_cases(capsys, monkeypatch,
     assert all(p[:3] == (1, 1, 1) and all(1 <= abs(n - 40) <= AROUND_REACH for n in p[3:5]) for p in around[1:]), around
     options = ("--max-examples", "2", "--property", "oracle_agreement")
     assert _check(capsys, monkeypatch, str(honest), *options)[0] == 0
+    monkeypatch.setenv("FA_VERIFY_REPRO_DIR", str(tmp_path / "repro"))
     code, out, _ = _check(capsys, monkeypatch, str(special), *options)
     assert code == 1 and "FAIL oracle_agreement" in out
+    # its reproducer rebuilds the target from the file, with what was inferred declared
+    [script] = (tmp_path / "repro").glob("repro_oracle_agreement_*.py")
+    assert "build_targets([" in script.read_text() and "'model_scale': 'default'" in script.read_text()
+    rerun = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert rerun.returncode == 1 and "error-model bound" in rerun.stdout, rerun.stdout + rerun.stderr

@@ -151,6 +151,12 @@ class KernelBenchBackend(CallableBackend):
         if self._worker is not None:  # the worker runs the calls only, which are CallableBackend's
             self._worker.options["protocol"] = "CallableBackend"
 
+    def declarations(self) -> dict:
+        """`check`'s option values that rebuild this target without probing (a reproducer's)."""
+        scale = "default" if self.inferred.scale is None else repr(self.inferred.scale)
+        return {"layout": self.inferred.layout, "causal": "yes" if self.inferred.causal else "no",
+                "model_scale": scale, "forbid": list(self.forbid) or ["none"]}
+
     def supports(self, problem):
         reason = super().supports(problem)
         if reason is None and self.inferred.scale is None and problem.scale is not None \

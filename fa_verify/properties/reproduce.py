@@ -133,7 +133,8 @@ class Target:
     `reference` (MODULE:FUNC, imported from `folder`) wrapped as `kind` ("callable": the callable
     protocol, CallableBackend with `options`; "run": a run(problem) function, RunFunctionBackend;
     "ragged": a varlen or paged function, RaggedCallableBackend; "backward": a backward function,
-    BackwardCallableBackend)."""
+    BackwardCallableBackend; "kernelbench": a KernelBench-format file, `reference` its path and
+    `options` its check options)."""
 
     name: str
     kind: str = "builtin"
@@ -149,6 +150,10 @@ class Target:
         from fa_verify.backends.ragged_callable import RaggedCallableBackend
         from fa_verify.properties._subject import RunFunctionBackend
 
+        from fa_verify.adapters.kernelbench import KernelBenchBackend
+
+        if isinstance(backend, KernelBenchBackend):  # its file again, what was inferred declared
+            return cls(backend.name, "kernelbench", backend.fn.path, None, backend.declarations())
         if isinstance(backend, BackwardCallableBackend):
             reference, folder = _reference(backend.fn, backend.name)
             options = {**callable_options(backend, dtype), "deterministic_dq": backend.deterministic_dq}
@@ -183,12 +188,15 @@ class Target:
                 "ragged": "from fa_verify.backends import load_callable\n"
                           "    from fa_verify.backends.ragged_callable import RaggedCallableBackend",
                 "backward": "from fa_verify.backends import load_callable\n"
-                            "    from fa_verify.backends.backward_callable import BackwardCallableBackend"}[self.kind]
+                            "    from fa_verify.backends.backward_callable import BackwardCallableBackend",
+                "kernelbench": "from fa_verify.targets import build_targets"}[self.kind]
 
     def expression(self) -> str:
         """Python that rebuilds the target (after `imports()`), one keyword argument a line."""
         if self.kind == "builtin":
             return f"get_backend({self.name!r})"
+        if self.kind == "kernelbench":  # in this process, as every reproducer runs its target
+            return f"build_targets([{self.reference!r}], {{**{self.options!r}, 'isolate': False}})[0]"
         make = {"run": "as_backend", "callable": "CallableBackend", "ragged": "RaggedCallableBackend",
                 "backward": "BackwardCallableBackend"}[self.kind]
         arguments = [f"load_callable({self.reference!r})", f"name={self.name!r}",
