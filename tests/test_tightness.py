@@ -26,6 +26,7 @@ from fa_verify.error_model import LSE_TERMS, OUT_TERMS, error_bound
 from fa_verify.honest_ensemble import ensemble_errors
 from fa_verify.null_model import guard, null_outputs
 from fa_verify.oracle import certified, reference
+from fa_verify.oracle.backward import gradient_reference
 from fa_verify.strategies import make_problem
 from fa_verify.verdict import check_attention
 
@@ -113,6 +114,102 @@ def test_oracle_lse_bound_is_sound_and_within_2_4x_of_its_true_error():
     exact = reference(problem, method="mpmath", digits=60)
     assert fast.method == "certified" and fast.mpmath_rows == 0 and fast.gemm_rows == 0
     _check_ratio("LSE", fast.lse_bound, fast.lse, exact.lse, exact.lse_bound, LSE_RATIO_LIMITS)
+
+
+# --- the gradient oracle's bound against its true error ----------------------------------------
+
+#: dO = [1, -1] on _worst_out_problem: key 1's probability (e^-256) errs by the 7.59 u T of its
+#: lined-up roundings, of the ~15 u T its bound allows (the scores' gamma_5 s A, the forward's LSE
+#: bound, u |x|); on _worst_lse_problem with a sink at 0 and dlse = 1000, dsinks carries the LSE's
+#: 3.77 u T. bound / true error, measured: dq 2.81, dk 3.61 and 2.01 (keys 0 and 1), dv 2.00 (both
+#: columns), dsinks 2.91. A bound 4x smaller is unsound on every tensor (dv 0.50), 4x larger above
+#: every upper limit (dv 8.0); dv's limits catch 2x either way.
+GRADIENT_RATIO_LIMITS = {"dq": (1.0, 3.1), "dk": (1.0, 4.0), "dv": (1.0, 2.2), "dsinks": (1.0, 3.2)}
+
+
+def _lined_up_gradient_cases():
+    """(problem, dout, dlse, {tensor: the elements its lined-up roundings decide}); the others
+    are exact (0) or equal to dO."""
+    sink = _worst_lse_problem().replace(sinks=np.zeros(1, np.float32))
+    return [(_worst_out_problem(), np.array([[[[1.0, -1.0]]]]), None, {"dq": (..., 0), "dk": (..., 0), "dv": (0, 0, 1)}),
+            (sink, np.zeros((1, 1, 1, 2)), np.full((1, 1, 1), 1000.0), {"dsinks": ...})]
+
+
+def test_gradient_oracle_bound_is_sound_and_within_its_limits_of_the_true_error():
+    for problem, dout, dlse, elements in _lined_up_gradient_cases():
+        fast = gradient_reference(problem, dout, dlse)
+        exact = gradient_reference(problem, dout, dlse, method="mpmath", digits=60)
+        for tensor, at in elements.items():
+            (value, bound), (mp_value, mp_bound) = fast.tensors()[tensor], exact.tensors()[tensor]
+            _check_ratio(tensor, bound[at], value[at], mp_value[at], mp_bound[at], GRADIENT_RATIO_LIMITS[tensor])
+
+
+#: Below the normal range: a sink 700-740 above every logit makes the keys' probabilities
+#: e^-700 ... e^-745 (subnormal below e^-708), and dO down to 2^-30 makes their products with g and
+#: dO smaller still, where exp and every product round by up to half a spacing (2^-1074 / 2)
+#: whatever their factors' size: the bound's absolute allowance, tau = 4 spacings per such rounding
+#: (exp within 4 ulp, EPS_EXP, an ulp there the spacing), covers them (without it the bound was 0
+#: where the error was 1 to 4 spacings). With one query row each element of dv and dsinks holds one
+#: or two such roundings; bound / true error at the elements that err, measured: dv 4.0, dsinks 2.0
+#: (through D: the forward output's own underflow term). tau 4x larger gives dv 16 and fails.
+UNDERFLOW_RATIO_LIMITS = {"dv": 8.0, "dsinks": 4.0}
+
+
+def _below_normal_cases():
+    rng = np.random.default_rng(5)
+    for softcap in (0.0, 2.0):
+        for sink, dout_scale in ((700.0, 2.0 ** -30), (720.0, 2.0 ** -20), (736.0, 2.0 ** -4), (740.0, 1.0)):
+            problem = AttentionProblem.from_float(rng.standard_normal((1, 1, 1, 4)), rng.standard_normal((1, 1, 32, 4)),
+                                                  rng.standard_normal((1, 1, 32, 4)), "fp32", sinks=[sink],
+                                                  softcap=softcap)
+            yield problem, rng.standard_normal(problem.out_shape) * dout_scale
+
+
+def _sound_below_normal_range(exact):
+    """Per tensor, bound / true error at every element that errs on _below_normal_cases, after
+    checking |certified - mpmath| <= both bounds everywhere; `exact` the mpmath gradients."""
+    ratios = {}
+    for (problem, dout), reference_grads in zip(_below_normal_cases(), exact):
+        for tensor, (value, bound) in gradient_reference(problem, dout).tensors().items():
+            mp_value, mp_bound = reference_grads.tensors()[tensor]
+            err = np.abs(value - mp_value)
+            worst = np.argmax(err - bound - mp_bound)
+            assert np.all(err <= bound + mp_bound), (
+                f"unsound {tensor} bound: error {err.ravel()[worst] / 2.0 ** -1074:.1f} spacings, bound "
+                f"{bound.ravel()[worst] / 2.0 ** -1074:.1f} ({problem.describe()})")
+            ratios.setdefault(tensor, []).extend(bound[err > 0] / err[err > 0])
+    return ratios
+
+
+def _mpmath_below_normal():
+    return [gradient_reference(problem, dout, method="mpmath", digits=60) for problem, dout in _below_normal_cases()]
+
+
+def test_gradient_oracle_bound_covers_the_roundings_below_the_normal_range():
+    ratios = _sound_below_normal_range(_mpmath_below_normal())
+    for tensor, limit in UNDERFLOW_RATIO_LIMITS.items():
+        assert ratios[tensor] and min(ratios[tensor]) <= limit, (tensor, sorted(ratios[tensor])[:5])
+
+
+def _exp_3_ulp_high(exp):
+    """`exp` moved 3 ulp up (not at 0): within the 4 ulp the oracle assumes of numpy's exp."""
+    def shifted(x, out=None):
+        y = exp(x)
+        z = np.nextafter(np.nextafter(np.nextafter(y, np.inf), np.inf), np.inf)
+        if out is None:
+            return np.where(y > 0, z, y)
+        out[...] = np.where(y > 0, z, y)
+        return out
+    return shifted
+
+
+def test_gradient_oracle_bound_holds_for_an_exp_off_by_what_it_assumes(monkeypatch):
+    """The bound rests on exp being within 4 ulp, an ulp below the normal range the subnormal
+    spacing: with every exp 3 ulp high (3.5 from the exact value) it still holds. Measured: bound /
+    error >= 1.56 (dv), 3.5 (dk); with tau 4x smaller dv errs by 6 spacings against a bound of 3."""
+    exact = _mpmath_below_normal()
+    monkeypatch.setattr(np, "exp", _exp_3_ulp_high(np.exp))
+    _sound_below_normal_range(exact)
 
 
 # --- the error model's terms against their formulas --------------------------------------------
