@@ -26,7 +26,7 @@ Two paths, one contract (`GradientReference`):
   sum of |errors| x |values| is bounded by (sum of |errors|) x (max of |values|), which costs
   no GEMM, only row sums and matrix-vector products (the bound is then ~1e-13 of the terms'
   magnitudes, far below any fp32 kernel's error). A product rounded into the subnormal range
-  (P g, P dO, dS K, dS^T Q, the scale's and the softcap factor's products) errs by up to half a
+  (dO O, P g, P dO, dS K, dS^T Q, the scale's and the softcap factor's products) errs by up to half a
   spacing whatever its factors, which no relative term covers: tau per such rounding, carried
   by the factors after it (`_underflow`). Query heads are
   summed into kv heads with gamma_G more. The bound arithmetic's own rounding is covered by
@@ -192,7 +192,8 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
         # D from the certified output, and dP = dO V^T: |dP_ij error| <= g_d |dO_i| |V_j|
         out, out_b = forward.out[at], forward.out_bound[at]
         delta[at] = (do * out).sum(axis=-1)
-        delta_b[at] = ((np.abs(do) * out_b).sum(axis=-1) + g_d * np.abs(do * out).sum(axis=-1)) * (1 + g_d)
+        delta_b[at] = (((np.abs(do) * out_b).sum(axis=-1) + g_d * np.abs(do * out).sum(axis=-1)) * (1 + g_d)
+                       + _TAU * D * (keys_per_row > 0))  # D products dO O's underflow
         n_do = np.sqrt((do * do).sum(-1)) / slack
         n_v = np.sqrt((vb * vb).sum(-1))
         dp = np.matmul(do, vb.swapaxes(-1, -2))
