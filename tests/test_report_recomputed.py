@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 
 import numpy as np
@@ -146,26 +147,38 @@ def _cells(records, recomputed):
     return cells
 
 
-def test_cells_rank_curves_and_shares_recomputed_from_the_runs(swept):
-    out, records, data, recomputed = swept
+def test_cells_and_rank_recomputed_from_the_runs(swept):
+    out, records, _, recomputed = swept
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    table = (out / "summary.md").read_text(encoding="utf-8").splitlines()
     cells = _cells(records, recomputed)
     ranks = {}
     for section in summary["sections"]:
-        [row] = section["rows"]  # one bucket
+        name, [row] = section["name"], section["rows"]  # one bucket
+        # the Markdown table's row: runs, rank, then per column "✅ {× rounded}× · bound {ratio}"
+        shown = next(line for line in table if line.startswith(f"| {name} |")).strip("|").split("|")
         vs_rounded = []
-        for label, cell in zip(section["columns"], row["cells"]):
-            f = cells[section["name"], label]
+        for label, cell, text in zip(section["columns"], row["cells"], shown[3:], strict=True):
+            f = cells[name, label]
             assert cell["runs"] == 2
             # × rounded: the RMSE of every element of the cell's runs over the rounded reference's
             vs_rounded.append(_rms(f["err"]) / _rms(f["rounded_err"]))
-            assert cell["vs_rounded"] == pytest.approx(vs_rounded[-1], rel=1e-9), (section["name"], label)
+            assert cell["vs_rounded"] == pytest.approx(vs_rounded[-1], rel=1e-9), (name, label)
             assert cell["normalised_max"] == pytest.approx(max(f["normalised"]), rel=1e-9)
             assert cell["ulp_max"] == pytest.approx(max(f["ulp_not_tiny"]), rel=1e-9)
             assert cell["bound_ratio"] == pytest.approx(max(f["bound_ratio"]), rel=1e-9)
-        ranks[section["name"]] = math.prod(vs_rounded) ** (1 / len(vs_rounded))
-        assert section["vs_rounded"] == pytest.approx(ranks[section["name"]], rel=1e-9)
+            x, bound = re.fullmatch(r" ✅ ([\d.]+)× · bound ([\d.e-]+) ", text).groups()
+            # shown to 3 significant digits
+            assert (float(x), float(bound)) == pytest.approx((vs_rounded[-1], max(f["bound_ratio"])), rel=5e-3)
+        ranks[name] = math.prod(vs_rounded) ** (1 / len(vs_rounded))
+        assert section["vs_rounded"] == pytest.approx(ranks[name], rel=1e-9)
+        assert int(shown[1]) == 2 * len(vs_rounded) and float(shown[2]) == pytest.approx(ranks[name], rel=5e-3)
     assert [s["name"] for s in summary["sections"]] == sorted(ranks, key=ranks.get)
+
+
+def test_curves_and_histograms_recomputed_from_the_runs(swept):
+    out, records, data, recomputed = swept
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     # error against N: the largest normalised error of each backend's runs of that length, and
     # the largest bound (normalised alike) its line is drawn at
     for curve in summary["curves"]:
