@@ -19,7 +19,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from fa_verify.backends import NaiveBackend, get_backend
+from fa_verify.backends import get_backend
 from fa_verify.error_model import error_bound
 from fa_verify.oracle import reference
 from fa_verify.report import write_report
@@ -38,15 +38,11 @@ FORMATS = {"fp16": (10, -14), "fp32": (23, -126)}
 CAST = {"fp16": np.float16, "fp32": np.float32}
 
 
-def _backend(name):
-    return NaiveBackend("fp32") if name == "naive-fp32" else get_backend(name)
-
-
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     out = tmp_path_factory.mktemp("recomputed")
     store = ResultsStore(out / "results.jsonl")
-    info = run_sweep(SWEEP, [_backend(name) for name in BACKENDS], store, out_dir=out)
+    info = run_sweep(SWEEP, [get_backend(name) for name in BACKENDS], store, out_dir=out)
     records = store.read()
     data = write_report(records, out, run=info)
     return out, records, data, {(r.backend, r.problem.key()): _recompute(r) for r in records}
@@ -83,10 +79,10 @@ def _recompute(record):
     """The record's run again: its figures from the backend's output and mpmath's reference."""
     problem = record.problem.rebuild()
     dtype = record.precision["output"]
-    out, _ = _backend(record.backend).run(problem)
+    out, _ = get_backend(record.backend).run(problem)
     exact = reference(problem, method="mpmath")
     q, k, v = (x.astype(np.float64) for x in (problem.q, problem.k, problem.v))
-    bound = error_bound(problem, _backend(record.backend).precision(problem.dtype), reference(problem)).out
+    bound = error_bound(problem, get_backend(record.backend).precision(problem.dtype), reference(problem)).out
     figures = defaultdict(list)
     for b, h, i in np.ndindex(*problem.out_shape[:3]):
         lse = float(exact.lse[b, h, i])
