@@ -179,6 +179,37 @@ def test_rows_the_norm_bound_leaves_loose_get_the_gemm_bound(monkeypatch):
     assert (free.dv_bound >= 4 * tight.dv_bound).all()
 
 
+def test_the_gemm_bound_goes_to_the_rows_above_tight_rel_and_to_no_other(monkeypatch):
+    """_TIGHT_REL routes each row to one of two valid bounds. Two rows either side of it: q = [306, 0]
+    and [50, 0] against keys [0, +-100] and [1e-3, 0], where |q| |k| is 1e5 x sum |q||k|; the free
+    bound leaves their probabilities 2.4e-11 and 0.39e-11 relative error (the scores' gamma_5 s |q||k|
+    and the forward's LSE bound, measured 1.2e-11 and 0.2e-11). The first pays for its |q||K|^T row
+    and gets the tighter bound; the second, already far below any kernel's error, is not charged
+    one. A threshold 4x higher leaves the first loose, 4x lower charges the second."""
+    import fa_verify.oracle.backward as backward
+    problem = AttentionProblem(np.array([[[[306, 0], [50, 0]]]], np.float32),
+                               np.array([[[[0, 100], [1e-3, 0], [0, -100]]]], np.float32),
+                               np.array([[[[1, 2], [-1, 0.5], [0.3, -2]]]], np.float32))
+    dout = np.array([[[[1.0, -0.5], [0.7, 1.0]]]])
+    charged, gemm = [], backward._gemm_magnitude
+
+    def counted(q, k, mask, rows):
+        charged.extend(rows[1].tolist())
+        return gemm(q, k, mask, rows)
+
+    monkeypatch.setattr(backward, "_gemm_magnitude", counted)
+    chosen = gradient_reference(problem, dout)
+    assert charged == [0]
+    bounds = {}
+    for grade, threshold in (("free", np.inf), ("gemm", 0.0)):
+        monkeypatch.setattr(backward, "_TIGHT_REL", threshold)
+        bounds[grade] = gradient_reference(problem, dout).dq_bound[0, 0]
+    assert (chosen.dq_bound[0, 0, 0] == bounds["gemm"][0]).all() and (bounds["gemm"] < bounds["free"]).all()
+    assert (chosen.dq_bound[0, 0, 1] == bounds["free"][1]).all()
+    exact = gradient_reference(problem, dout, method="mpmath", digits=60)
+    assert (np.abs(chosen.dq - exact.dq) <= chosen.dq_bound + exact.dq_bound).all()
+
+
 def test_structural_zeros_are_exact():
     for name in ("causal_bottom_right_nq_gt_nk", "window", "sinks_empty_rows"):
         problem = CASES[name]

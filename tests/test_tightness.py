@@ -4,7 +4,9 @@ A verifier's tolerance can fail two ways: too small (the certificate is unsound,
 fail) or too large (real bugs pass). The other tests check the first side on ordinary inputs,
 where every bound is far from attained; here each tolerance meets inputs built so that it is
 attained approximately, and is held between two limits:
-  * the certified oracle's bound against the float64 path's true error (mpmath, 60 digits);
+  * the certified oracle's bound against the float64 path's true error (mpmath, 60 digits), and
+    the gradient oracle's likewise, also below the normal range and with exp as far off as the
+    oracle assumes it may be;
   * each error-model term against the formula of fa_verify/error_model.py's derivation, on a
     case where that term dominates, and the accumulation term against a correct kernel that
     nearly attains it;
@@ -26,6 +28,7 @@ from fa_verify.error_model import LSE_TERMS, OUT_TERMS, error_bound
 from fa_verify.honest_ensemble import ensemble_errors
 from fa_verify.null_model import guard, null_outputs
 from fa_verify.oracle import certified, reference
+from fa_verify.oracle.backward import gradient_reference
 from fa_verify.strategies import make_problem
 from fa_verify.verdict import check_attention
 
@@ -113,6 +116,120 @@ def test_oracle_lse_bound_is_sound_and_within_2_4x_of_its_true_error():
     exact = reference(problem, method="mpmath", digits=60)
     assert fast.method == "certified" and fast.mpmath_rows == 0 and fast.gemm_rows == 0
     _check_ratio("LSE", fast.lse_bound, fast.lse, exact.lse, exact.lse_bound, LSE_RATIO_LIMITS)
+
+
+# --- the gradient oracle's bound against its true error ----------------------------------------
+
+#: dO = [1, -1] on _worst_out_problem: key 1's probability (e^-256) errs by the 7.59 u T of its
+#: lined-up roundings, of the ~15 u T its bound allows (the scores' gamma_5 s A, the forward's LSE
+#: bound, u |x|); on _worst_lse_problem with a sink at 0 and dlse = 1000, dsinks carries the LSE's
+#: 3.77 u T. bound / true error, measured: dq 2.81, dk 3.61 and 2.01 (keys 0 and 1), dv 2.00 (both
+#: columns), dsinks 2.91. A bound 4x smaller is unsound on every tensor (dv 0.50), 4x larger above
+#: every upper limit (dv 8.0); dv's limits catch 2x either way.
+GRADIENT_RATIO_LIMITS = {"dq": (1.0, 3.1), "dk": (1.0, 4.0), "dv": (1.0, 2.2), "dsinks": (1.0, 3.2)}
+
+
+def _lined_up_gradient_cases():
+    """(problem, dout, dlse, {tensor: the elements its lined-up roundings decide}); the others
+    are exact (0) or equal to dO."""
+    sink = _worst_lse_problem().replace(sinks=np.zeros(1, np.float32))
+    return [(_worst_out_problem(), np.array([[[[1.0, -1.0]]]]), None, {"dq": (..., 0), "dk": (..., 0), "dv": (0, 0, 1)}),
+            (sink, np.zeros((1, 1, 1, 2)), np.full((1, 1, 1), 1000.0), {"dsinks": ...})]
+
+
+def test_gradient_oracle_bound_is_sound_and_within_its_limits_of_the_true_error():
+    for problem, dout, dlse, elements in _lined_up_gradient_cases():
+        fast = gradient_reference(problem, dout, dlse)
+        exact = gradient_reference(problem, dout, dlse, method="mpmath", digits=60)
+        for tensor, at in elements.items():
+            (value, bound), (mp_value, mp_bound) = fast.tensors()[tensor], exact.tensors()[tensor]
+            _check_ratio(tensor, bound[at], value[at], mp_value[at], mp_bound[at], GRADIENT_RATIO_LIMITS[tensor])
+
+
+#: Below the normal range: a sink 700-745 above every logit makes the keys' probabilities
+#: e^-700 ... e^-745 (subnormal below e^-708), and dO down to 2^-30 makes their products with g and
+#: dO smaller still, where exp and every product round by up to half a spacing (2^-1074 / 2)
+#: whatever their factors' size: the bound's absolute allowance, tau = 4 spacings per such rounding
+#: (exp within 4 ulp, EPS_EXP, an ulp there the spacing), covers them (without it the bound was 0
+#: where the error was 1 to 4 spacings). With one query row each element of dv holds two such
+#: roundings, exp's and the product's; bound / true error at the elements that err, measured: 4.0
+#: (5 and 7 where dO ~ 2 and 30 elements err; dsinks 10, its allowance also holds D's products).
+#: tau 4x larger gives 16 and fails.
+UNDERFLOW_RATIO_LIMIT = 8.0
+
+
+def _below_normal_cases():
+    """One query row and dO from 2^-30 to 1, then two rows with dO ~ 64 against V ~ 4, where the
+    probabilities' own error times |dP| outweighs the products' roundings."""
+    rng = np.random.default_rng(5)
+    cases = [(1, softcap, sink, dout_scale, 1.0) for softcap in (0.0, 2.0) for sink, dout_scale in
+             ((700.0, 2.0 ** -30), (720.0, 2.0 ** -20), (736.0, 2.0 ** -4), (740.0, 1.0))]
+    cases += [(2, 0.0, sink, 64.0, 4.0) for sink in (738.0, 742.0, 745.0)]
+    for nq, softcap, sink, dout_scale, v_scale in cases:
+        problem = AttentionProblem.from_float(rng.standard_normal((1, 1, nq, 4)), rng.standard_normal((1, 1, 32, 4)),
+                                              v_scale * rng.standard_normal((1, 1, 32, 4)), "fp32", sinks=[sink],
+                                              softcap=softcap)
+        yield problem, rng.standard_normal(problem.out_shape) * dout_scale
+    # every key the same positive vector, every value along dO: the probabilities' errors add up
+    key, dout = np.abs(rng.standard_normal(4)) + 0.5, 64 * rng.standard_normal((1, 1, 1, 4))
+    yield AttentionProblem.from_float(rng.standard_normal((1, 1, 1, 4)), np.tile(key, (1, 1, 32, 1)),
+                                      np.tile(4 * dout / np.linalg.norm(dout), (1, 1, 32, 1)), "fp32",
+                                      sinks=[740.0]), dout
+
+
+def _sound_below_normal_range(exact):
+    """Per tensor, bound / true error at every element that errs on _below_normal_cases, after
+    checking |certified - mpmath| <= both bounds everywhere; `exact` the mpmath gradients."""
+    ratios = {}
+    for (problem, dout), reference_grads in zip(_below_normal_cases(), exact):
+        for tensor, (value, bound) in gradient_reference(problem, dout).tensors().items():
+            mp_value, mp_bound = reference_grads.tensors()[tensor]
+            err = np.abs(value - mp_value)
+            worst = np.argmax(err - bound - mp_bound)
+            assert np.all(err <= bound + mp_bound), (
+                f"unsound {tensor} bound: error {err.ravel()[worst] / 2.0 ** -1074:.1f} spacings, bound "
+                f"{bound.ravel()[worst] / 2.0 ** -1074:.1f} ({problem.describe()})")
+            ratios.setdefault(tensor, []).extend(bound[err > 0] / err[err > 0])
+    return ratios
+
+
+def _mpmath_below_normal():
+    return [gradient_reference(problem, dout, method="mpmath", digits=60) for problem, dout in _below_normal_cases()]
+
+
+def test_gradient_oracle_bound_covers_the_roundings_below_the_normal_range():
+    ratios = _sound_below_normal_range(_mpmath_below_normal())["dv"]
+    assert ratios and min(ratios) <= UNDERFLOW_RATIO_LIMIT, sorted(ratios)[:5]
+
+
+#: With every exp 3 ulp high, bound / true error at the elements that err, measured: dq 3.1 and dk
+#: 3.1 (the aligned case: the tau part of dS's error, 2 tau (|dO| |V| + |D| + |dlse|) per key,
+#: nearly attained), dv 1.28. That term 4x larger gives 12 for dq and dk and fails here; 4x smaller,
+#: or tau 4x smaller, the bound is unsound (dv: an error of 6 spacings against 3).
+SHIFTED_EXP_RATIO_LIMIT = 6.0
+
+
+def _exp_3_ulp_high(exp):
+    """`exp` moved 3 ulp up (not at 0): within the 4 ulp the oracle assumes of numpy's exp."""
+    def shifted(x, out=None):
+        y = exp(x)
+        z = np.nextafter(np.nextafter(np.nextafter(y, np.inf), np.inf), np.inf)
+        if out is None:
+            return np.where(y > 0, z, y)
+        out[...] = np.where(y > 0, z, y)
+        return out
+    return shifted
+
+
+def test_gradient_oracle_bound_holds_for_an_exp_off_by_what_it_assumes(monkeypatch):
+    """The bound rests on exp being within 4 ulp, an ulp below the normal range the subnormal
+    spacing: with every exp 3 ulp high (3.5 from the exact value) it still holds, and no looser
+    than SHIFTED_EXP_RATIO_LIMIT where the probabilities' errors add up."""
+    exact = _mpmath_below_normal()
+    monkeypatch.setattr(np, "exp", _exp_3_ulp_high(np.exp))
+    ratios = _sound_below_normal_range(exact)
+    for tensor in ("dq", "dk"):
+        assert min(ratios[tensor]) <= SHIFTED_EXP_RATIO_LIMIT, (tensor, sorted(ratios[tensor])[:5])
 
 
 # --- the error model's terms against their formulas --------------------------------------------

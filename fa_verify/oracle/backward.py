@@ -25,7 +25,10 @@ Two paths, one contract (`GradientReference`):
   summed length, + 1 for the scale, + the scale's own roundings) of the magnitudes; every
   sum of |errors| x |values| is bounded by (sum of |errors|) x (max of |values|), which costs
   no GEMM, only row sums and matrix-vector products (the bound is then ~1e-13 of the terms'
-  magnitudes, far below any fp32 kernel's error). Query heads are
+  magnitudes, far below any fp32 kernel's error). A product rounded into the subnormal range
+  (dO O, P g, P dO, dS K, dS^T Q, the scale's and the softcap factor's products) errs by up to half a
+  spacing whatever its factors, which no relative term covers: tau per such rounding, carried
+  by the factors after it (`_underflow`). Query heads are
   summed into kv heads with gamma_G more. The bound arithmetic's own rounding is covered by
   _SLACK; first order in r is exact here (r enters through rho, not linearised).
 - "mpmath": the definition, row by row at `digits` digits (small problems). Its bound: every
@@ -52,9 +55,10 @@ from fa_verify.oracle.certified import (_CHUNK_ENTRIES, EPS_EXP, _gemm_magnitude
 from fa_verify.problem import AttentionProblem
 
 METHODS = ("certified", "mpmath")
-#: An absolute error per probability below the normal range: exp's subnormal results carry up to
-#: one subnormal spacing (2^-1074) of error; 16 of them leave room for exp's own inaccuracy there.
-_TAU = 2.0 ** -1070
+#: An absolute error per probability below the normal range: exp within 4 ulp (EPS_EXP, as the
+#: forward assumes), where an ulp is the subnormal spacing 2^-1074 (the forward's underflow term
+#: counts 4 of them too). Also the allowance per product rounded there (half a spacing each).
+_TAU = EPS_EXP / (2 * U64) * 2.0 ** -1074
 #: Rows whose probabilities' relative error the free norm bound leaves above this get the GEMM one.
 _TIGHT_REL = 1e-11
 #: Slack for the float64 arithmetic of the bound itself.
@@ -188,7 +192,8 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
         # D from the certified output, and dP = dO V^T: |dP_ij error| <= g_d |dO_i| |V_j|
         out, out_b = forward.out[at], forward.out_bound[at]
         delta[at] = (do * out).sum(axis=-1)
-        delta_b[at] = ((np.abs(do) * out_b).sum(axis=-1) + g_d * np.abs(do * out).sum(axis=-1)) * (1 + g_d)
+        delta_b[at] = (((np.abs(do) * out_b).sum(axis=-1) + g_d * np.abs(do * out).sum(axis=-1)) * (1 + g_d)
+                       + _TAU * D * (keys_per_row > 0))  # D products dO O's underflow
         n_do = np.sqrt((do * do).sum(-1)) / slack
         n_v = np.sqrt((vb * vb).sum(-1))
         dp = np.matmul(do, vb.swapaxes(-1, -2))
@@ -230,11 +235,16 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
         # dQ = scale dS K over Nk keys (+1 the product with the scale, + the scale's roundings);
         # sums of |errors| |K| bounded by (sum of |errors|) max |K| (no GEMM)
         dq[at] = np.matmul(ds, kb) * scale
-        dq_b[at] = scale_hi * (err_rows + g_q * s1_rows)[..., None] * np.abs(kb).max(axis=-2)[:, None, :]
+        k_max, q_max = np.abs(kb).max(axis=-2)[:, None, :], np.abs(qb).max(axis=-2)[:, None, :]
+        ds_products = 1 if raw is None else 2  # P g, and times f with a softcap
+        dq_b[at] = (scale_hi * (err_rows + g_q * s1_rows)[..., None] * k_max
+                    + _underflow(keys_per_row[:, None], ds_products, scale_hi * k_max))
         dk_h[at] = np.matmul(ds.swapaxes(-1, -2), qb) * scale
-        dk_hb[at] = scale_hi * (err_cols + g_k * s1_cols)[..., None] * np.abs(qb).max(axis=-2)[:, None, :]
+        dk_hb[at] = (scale_hi * (err_cols + g_k * s1_cols)[..., None] * q_max
+                     + _underflow(rows_per_key[:, None], ds_products, scale_hi * q_max))
         dv_h[at] = np.matmul(p.swapaxes(-1, -2), do)
-        dv_hb[at] = (dv_cols + _TAU * rows_per_key)[..., None] * np.abs(do).max(axis=-2)[:, None, :]
+        dv_hb[at] = ((dv_cols + _TAU * rows_per_key)[..., None] * np.abs(do).max(axis=-2)[:, None, :]
+                     + _TAU * rows_per_key[:, None])  # each product p dO's underflow
 
         if sinks:
             sink = problem.sinks[hs].astype(np.float64)[:, None]
@@ -249,7 +259,7 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
             term = ps * dd
             sink_terms[at] = -term
             sink_err[at] = ((rhos * ps + _TAU) * np.abs(dd) + ((1 + rhos) * ps + _TAU) * (delta_b[at] + u * np.abs(dd))
-                           + u * np.abs(term))
+                           + u * np.abs(term) + _TAU)  # the product's underflow
 
     dk, dk_b = _group_sum(problem, dk_h, dk_hb)
     dv, dv_b = _group_sum(problem, dv_h, dv_hb)
@@ -261,6 +271,14 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
     return GradientReference(dq=dq, dk=dk, dv=dv, dsinks=dsinks, dq_bound=_no_nan(dq_b) * _SLACK,
                              dk_bound=dk_b * _SLACK, dv_bound=dv_b * _SLACK, dsinks_bound=dsinks_b,
                              forward=forward, delta=delta, delta_bound=delta_b, method="certified")
+
+
+def _underflow(terms, products, factor):
+    """The absolute error of a gradient from products rounded into the subnormal range: each of
+    the `terms` summed carries `products` such roundings of dS, carried by `factor` (the scale
+    times the largest |K| or |Q|; at least 1, as the bound's own arithmetic underflows there too),
+    then one of its own product; and the scale's product (none where nothing is summed)."""
+    return _TAU * (terms * (products * np.maximum(factor, 1.0) + 1) + (terms > 0))
 
 
 def _column_sums(weights, x):
@@ -352,8 +370,10 @@ def _mp_gradients(problem, dout, dlse, forward, digits) -> GradientReference:
         values = {name: np.vectorize(float, otypes=[np.float64])(x) for name, x in acc.items()}
 
     coefficient = 8 * (G * Nq + Nk + D + 40) * 2.0 ** -dps_to_prec(digits) * amp
-    # the rounding to float64: half an ulp, at least half a subnormal spacing
-    bounds = {name: coefficient * mags[name] + U64 * np.abs(values[name]) + 2.0 ** -1075 for name in values}
+    # the rounding to float64: half an ulp, or below the normal range half a subnormal spacing
+    # (2^-1075 itself rounds to 0 in float64: a whole spacing); none for a structural zero
+    bounds = {name: coefficient * mags[name] + U64 * np.abs(values[name]) + np.where(mags[name] > 0, 2.0 ** -1074, 0.0)
+              for name in values}
     sinks = problem.sinks is not None
     return GradientReference(
         dq=values["dq"], dk=values["dk"], dv=values["dv"], dsinks=values["dsinks"] if sinks else None,

@@ -32,13 +32,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ["fa_verify/oracle/*", "fa_verify/error_model.py", "fa_verify/honest_ensemble.py", "fa_verify/verdict.py",
         "fa_verify/null_model.py"]
-#: The fast tests that cover the core: 155 tests, 12 s in all (measured, one process), so that a
+#: The fast tests that cover the core: 203 tests, 16 s in all (measured, one process), so that a
 #: mutant of a function every test calls (check_attention, error_bound) costs seconds, not
 #: minutes. Left out: the tests that start subprocesses (they would import the unmutated
 #: package), the property searches, and the long parametrised runs of correct kernels and of
 #: seeded bugs through whole kernels (minutes; they judge kernels, the tests here judge the
 #: numbers).
 TESTS = ["tests/test_tightness.py", "tests/test_oracle.py", "tests/test_oracle_variants.py", "tests/test_oracle_ragged.py",
+         "tests/test_backward_oracle.py",
          "tests/test_verdict.py", "tests/test_null_model.py", "tests/test_honest_ensemble.py",
          "tests/test_error_model.py"]
 DESELECT = ["tests/test_honest_ensemble.py::test_members_give_the_same_bits_under_every_blas_configuration",
