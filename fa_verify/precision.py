@@ -104,6 +104,10 @@ class PrecisionModel:
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"precision={text!r}: {exc}") from None
 
+    def replace(self, **changes) -> "PrecisionModel":
+        """This model with `changes` (field=value), validated as a new one."""
+        return replace(self, **changes)
+
     def as_dict(self) -> dict:
         return asdict(self)
 
