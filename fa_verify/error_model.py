@@ -236,6 +236,11 @@ class _Units:
     accumulation: str
     lam: float
 
+    def tanh_error(self, tanh_part, softcap: float):
+        """The softcapped logit's error from tanh as declared: eps_tanh |z| (tanh_part = |z|, or
+        |tanh| for tanh's own error) plus tanh_abs c (times the cap; 0 without a softcap)."""
+        return self.eps_tanh * tanh_part + self.tanh_abs * softcap
+
     @classmethod
     def of(cls, problem, precision, accumulation, lam) -> "_Units":
         u_in = unit_roundoff(precision.input)
@@ -400,9 +405,7 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
     with np.errstate(invalid="ignore"):  # 0 * inf where gamma_D has no finite value
         rel_scores = U.g_d * a + U.t_abs
         w_scores = p * rel_scores
-    # tanh's error as declared: relative (times |z|) and absolute (times the cap c)
-    tanh_error = U.eps_tanh * tanh_part + U.tanh_abs * variants.softcap
-    rel_softmax = U.u_s * (np.abs(t) + 3 * np.abs(x) + M + own) + tanh_error + U.eps_exp_p
+    rel_softmax = U.u_s * (np.abs(t) + 3 * np.abs(x) + M + own) + U.tanh_error(tanh_part, variants.softcap) + U.eps_exp_p
     rel_rescale = R * (U.eps_exp + 4 * U.u_s * M)
     w_scores[np.isnan(w_scores)] = np.inf  # no bound is no bound, even for a masked entry
     # Below the smallest normal an exp result's error is absolute (tiny_s with flush to zero).
