@@ -26,7 +26,7 @@ from fa_verify.strategies import make_problem
 from fa_verify.verdict import check_attention
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
-from cheap_tanh import cheap_tanh, softcap_attention  # noqa: E402
+from cheap_tanh import cheap_tanh, chopped_tanh, softcap_attention  # noqa: E402
 
 SEEDS = range(20)
 #: Small problems: the checks cost milliseconds each, the CPU runner's build is cached.
@@ -125,6 +125,20 @@ def test_fa2_tanh_approx_passes_declared_and_fails_undeclared(tanh_approx_kernel
     declared, undeclared = _tanh_approx_verdicts(seed, tanh_approx_kernel)
     assert declared.passed, declared.message()
     assert not undeclared.passed and undeclared.rule == "error_bound", undeclared.message()
+
+
+@pytest.mark.parametrize("bits, passes", [(12, True), (10, False)])
+def test_a_tanh_4x_worse_than_tanh_approx_fails_the_approx_declaration(bits, passes):
+    """The declaration is no blank cheque: a softcap whose tanh is cut to 12 bits (relative error
+    below 2^-11, within tanh.approx's 2^-10.987) passes "flash,tanh=approx" (0.47 of the bound at
+    worst over 10 seeds, measured), one cut to 10 bits (below 2^-9, 4x the documented bound)
+    fails it on every seed (1.8x the bound). fp32, softcap 5; 3 seeds here."""
+    for seed in range(3):
+        problem = make_problem("normal", SHAPE, "fp32", seed).replace(softcap=5.0)
+        out, lse = softcap_attention(problem.q, problem.k, problem.v, causal=False, scale=problem.scale_value,
+                                     softcap=5.0, tanh=chopped_tanh(bits))
+        verdict = check_attention(out, problem, lse, precision="flash,tanh=approx")
+        assert verdict.passed == passes, (seed, verdict.message())
 
 
 def test_fa2_with_tanhf_passes_the_accurate_model(tanh_approx_kernel):
