@@ -381,9 +381,10 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
     Variants: the scores t become logits z (softcap, ALiBi) before the softmax; the scores'
     error reaches z times tanh'(t / c) <= 1, the logits' own roundings (u_s |t| for the
     quotient, u_s |z| per product or sum, u_s |bias| for the ALiBi product, tanh's declared
-    accuracy: eps_tanh |z| relative, tanh_abs c absolute) join the softmax term. A sink is one more term of the row sum only:
-    its weight p_s = e^{sink - LSE} with relative error eps_s moves O by p_s eps_s |O| and
-    the LSE by p_s eps_s (softmax term), and adds one rounding to the sum."""
+    accuracy: eps_tanh |z| relative, tanh_abs c absolute) join the softmax term. A sink is one
+    more term of the row sum only: its weight p_s = e^{sink - LSE} with relative error eps_s
+    moves O by p_s eps_s |O| and the LSE by p_s eps_s (softmax term), and adds one rounding to
+    the sum."""
     U = units
     live = np.isfinite(lse)
     allowed = allowed & live[:, None]
@@ -405,7 +406,8 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
     with np.errstate(invalid="ignore"):  # 0 * inf where gamma_D has no finite value
         rel_scores = U.g_d * a + U.t_abs
         w_scores = p * rel_scores
-    rel_softmax = U.u_s * (np.abs(t) + 3 * np.abs(x) + M + own) + U.tanh_error(tanh_part, variants.softcap) + U.eps_exp_p
+    rel_softmax = (U.u_s * (np.abs(t) + 3 * np.abs(x) + M + own) + U.tanh_error(tanh_part, variants.softcap)
+                   + U.eps_exp_p)
     rel_rescale = R * (U.eps_exp + 4 * U.u_s * M)
     w_scores[np.isnan(w_scores)] = np.inf  # no bound is no bound, even for a masked entry
     # Below the smallest normal an exp result's error is absolute (tiny_s with flush to zero).

@@ -13,9 +13,10 @@ declares them (`PrecisionModel.tanh`, `.exp`): correctly rounded when "accurate"
 1 − 2/(e^{2x} + 1) with every operation rounded when "absolute"; tanh or exp rounded to the
 significant bits whose rounding error reaches the documented bound of tanh.approx.f32 or
 ex2.approx.f32 when "approx" (11 and 22 bits: up to 2^-11 and 2^-22 relative), so that the
-ensemble's allowance covers a kernel that uses them. `ensemble_errors(problem, precision, reference)` runs them
-and returns each member's max normalised error (`EnsembleErrors`); the verdict's "ensemble"
-rule allows a kernel K times the largest of them plus a floor (see `fa_verify.verdict`).
+ensemble's allowance covers a kernel that uses them. `ensemble_errors(problem, precision,
+reference)` runs them and returns each member's max normalised error (`EnsembleErrors`); the
+verdict's "ensemble" rule allows a kernel K times the largest of them plus a floor (see
+`fa_verify.verdict`).
 
 No BLAS decides any bit: every sum is an explicit sequence of numpy elementwise operations,
 each rounded to the stage's dtype. Elementwise + − × ÷ are IEEE correctly rounded on every

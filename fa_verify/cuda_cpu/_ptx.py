@@ -294,8 +294,8 @@ def _emit(statement: _Statement, opcode: str, args: list[str]) -> str:
     raise statement.fail(opcode, "this PTX instruction is not emulated by the CUDA-on-CPU runner (it emulates "
                                  "mma.sync.aligned.m16n8k16/m16n8k8 .row.col.f32 with f16/bf16 inputs, "
                                  "ldmatrix.sync.aligned.m8n8 .b16, cp.async.ca/.cg with commit_group/wait_group/"
-                                 "wait_all, ex2.approx.f32, tanh.approx.f32, cvt.rn.f16x2/bf16x2.f32 and shfl.sync .b32); use the "
-                                 "CUDA C intrinsic instead")
+                                 "wait_all, ex2.approx.f32, tanh.approx.f32, cvt.rn.f16x2/bf16x2.f32 and "
+                                 "shfl.sync .b32); use the CUDA C intrinsic instead")
 
 
 def _emit_mma(statement, opcode, parts, args, label) -> str:
