@@ -98,6 +98,14 @@ def test_the_cheap_tanh_softcap_passes_declared_and_fails_by_default(seed):
     assert _cheap_tanh_verdicts(seed) == (True, True)
 
 
+def test_softcap_limit_does_not_apply_where_an_absolute_tanh_leaves_no_bound():
+    """Scores of 50-500 put softcap_limit's cap near 5e5: c 25 u_fp32 ~ 0.7 there, past the error
+    model's first-order range. The check says so instead of passing on an infinite tolerance."""
+    declared = CallableBackend(softcap_attention, precision="flash,tanh=absolute")
+    result = check_softcap_limit(declared, make_problem("large_logits", SHAPE, "fp32", 0))
+    assert not result.applicable and "tanh=absolute) gives no finite error bound there" in result.detail
+
+
 # --- target (b): fa2.cu with tanh.approx.f32 --------------------------------------------------------
 
 def _tanh_approx_verdicts(seed, backend, dtype="fp32", softcap=5.0):
