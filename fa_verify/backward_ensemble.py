@@ -205,6 +205,8 @@ class _Stages:
         self.pv = Stage(precision.pv_accumulation, work)
         self.out = Stage(precision.output, work)
         self.work = work
+        #: the declared accuracy of (tanh, exp): the members compute them so (`honest_ensemble.logits`)
+        self.accuracy = (precision.tanh, precision.exp)
 
 
 def _tiles(n: int, size: int | None) -> list:
@@ -226,7 +228,7 @@ def _probabilities(member: BackwardMember, st: _Stages, kv: _KvHead, g: int, row
     q, do = kv.q[g, rows], kv.do[g, rows]
     s = gemm(q, kv.k[keys].T, member, score)
     bias = None if kv.bias is None else kv.bias[g][np.ix_(rows, keys)]
-    t, th, unit, power = logits(s, member.exp, score, kv.scale, kv.softcap, bias)
+    t, th, unit, power = logits(s, member.exp, score, kv.scale, kv.softcap, bias, st.accuracy)
     L = kv.L[g, rows]
     live = np.isfinite(L)
     Lu = score(np.where(live, L, 0) * unit) if unit != 1.0 else np.where(live, L, 0).astype(st.work)
@@ -329,7 +331,7 @@ def _member_kv_head(member: BackwardMember, st: _Stages, kv: _KvHead, rows_of: d
 def _sink_terms(member, st: _Stages, kv: _KvHead, g: int, delta) -> np.ndarray:
     """P_sink,i (D_i − dlse_i) of head g's rows (score dtype), to be summed over the batch."""
     score = st.score
-    unit, power = exp_kind(member.exp)
+    unit, power = exp_kind(member.exp, st.accuracy[1])
     L = kv.L[g]
     live = np.isfinite(L)
     Lu = score(np.where(live, L, 0) * unit) if unit != 1.0 else np.where(live, L, 0).astype(st.work)

@@ -16,9 +16,11 @@ P's relative error eps_ij is the sum of three parts; each dS error is a named te
 * scores       the q.k GEMM: eps = gamma_D(u_s) scale A_ij tanh'(t) (error_model's g_d), through
                P into dS as p eps |g| f, and with a softcap into f: 2 |tanh| f gamma_D scale A / c.
 * softmax      the logits' fp32 arithmetic and exp: eps = u_s (|z| + 2|z - L| + 2|L| + own) +
-               eps_exp (1 + tanh_part) (error_model's `_RowVariants.logits` gives own and
-               tanh_part), at least tiny_s absolute; with a softcap, f's own rounding
-               4 |tanh| f u_s |t / c| + (2 eps_exp + u_s) tanh^2 + u_s f.
+               eps_exp + tanh's declared error eps_tanh |z| + tanh_abs c (error_model's
+               `_RowVariants.logits` gives own and |z|; `_Units.tanh_error`), at least tiny_s
+               absolute; with a softcap, f's own rounding 4 |tanh| f u_s |t / c| +
+               2 |tanh| (eps_tanh |tanh| + tanh_abs) + u_s tanh^2 + u_s f (eps_tanh = eps_exp,
+               tanh_abs = 0 for an accurate tanh).
 * given_lse    P = exp(z - LSE_given): eps = |LSE_given - LSE| (+ the oracle's LSE bound).
 * given_out    D's error: from the given out, sum_c |dO_ic| (|O_given - O| + out bound) +
                gamma_D(u_s) sum_c |dO_ic O_given_ic|; or, for a kernel that takes
@@ -239,7 +241,7 @@ def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up,
     d_lse = np.where(np.isnan(d_lse), np.inf, d_lse)
     eps = {"scores": U.g_d * a * slope + U.t_abs,
            "softmax": U.u_s * (np.abs(z) + 2 * np.abs(x) + 2 * np.abs(L0)[:, None] + own)
-           + U.eps_exp * (1 + tanh_part),
+           + U.eps_exp + U.tanh_error(tanh_part, problem.softcap),
            "given_lse": np.broadcast_to(d_lse[:, None], (r, Nk))}
     with np.errstate(invalid="ignore"):  # inf relative errors times p = 0 (masked)
         w = {name: np.where(allowed, p * e, 0.0) for name, e in eps.items()}
@@ -268,7 +270,8 @@ def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up,
         th = np.abs(np.tanh(y))
         f = slope
         df = {"scores": 2 * th * f * (U.g_d * a + U.t_abs) / problem.softcap,
-              "softmax": 4 * th * f * U.u_s * np.abs(y) + (2 * U.eps_exp + U.u_s) * th * th + U.u_s * f}
+              "softmax": 4 * th * f * U.u_s * np.abs(y) + 2 * th * U.tanh_error(th, 1.0) + U.u_s * th * th
+              + U.u_s * f}
         f_hi = np.minimum(1.0, f + df["scores"] + df["softmax"])
     else:
         f, df, f_hi = 1.0, {}, 1.0

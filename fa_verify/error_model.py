@@ -74,6 +74,11 @@ Underflow: exp results and products p v below the smallest normal carry absolute
 to that smallest normal (flush-to-zero included); q.k products likewise. These terms are
 ~1e-38 in fp32 but keep the bound valid for subnormal-scale inputs.
 
+Declared accuracy of tanh and exp (`PrecisionModel.tanh`, `.exp`): softcap's logit z = c tanh(t/c)
+errs by eps_tanh |z| + tanh_abs c: "accurate" eps_exp |z|; "absolute" TANH_ABSOLUTE_UNITS u_fp32 c
+(1 - 2 / (e^{2x} + 1)); "approx" TANH_APPROX_ERROR |z| (tanh.approx.f32). exp "approx"
+(ex2.approx.f32, EX2_APPROX_ERROR) is within EXP_ULPS already: it changes the ensemble only.
+
 Assumptions: IEEE round-to-nearest in every stage; exp within EXP_ULPS ulp (torch's
 CPU kernel uses Vectorized::exp_u20, documented at 20 ulp; CUDA's ex2.approx is 2 ulp);
 log within LOG_ULPS; no overflow; keys processed in ascending or descending order.
@@ -99,6 +104,21 @@ EXP_ULPS = 20.0
 #: CPU flash kernel uses Vectorized::fexp_u20 for fp16/bf16 ("accurate within 1 ULP for FP16",
 #: measured here: relative error up to 1.1e-4 ~ 2^-13). Allowed: 2^-12, twice the measured.
 FAST_EXP_ERROR = 2.0 ** -12
+#: tanh declared "absolute" (`PrecisionModel.tanh`): |error| <= TANH_ABSOLUTE_UNITS u_fp32, the
+#: bound of tanh(x) = 1 - 2 / (e^{2x} + 1) in fp32 with an exp within EXP_ULPS ulp. With
+#: E = e^{2x} (1 + e_E) (2x exact, |e_E| <= 2 EXP_ULPS u), D = fl(E + 1), Q = fl(2 / D),
+#: R = fl(1 - Q): Q's relative error is e_E E / (E + 1) plus two roundings; times
+#: Q = 2 / (E + 1) < 2 that is at most e_E 2E / (E + 1)^2 <= e_E / 2 = EXP_ULPS u, plus 4 u;
+#: |R| <= 1 adds u. Near 0 the error is absolute, not relative: tanh(x) ~ x, R cancels.
+TANH_ABSOLUTE_UNITS = EXP_ULPS + 5.0
+#: tanh declared "approx": the hardware tanh.approx.f32, relative error <= 2^-10.987 (PTX ISA,
+#: "Floating Point Instructions: tanh"; measured on sm_75+ at 1.1e-5 ~ 2^-16.5, so the documented
+#: bound, not the measurement, is what a kernel may rely on).
+TANH_APPROX_ERROR = 2.0 ** -10.987
+#: exp declared "approx": ex2.approx.f32, 2 ulp (CUDA C Programming Guide, exp2f / ex2.approx),
+#: a relative 2^-22. The error model's exp bound (EXP_ULPS = 20 ulp) already covers it; the
+#: declaration changes the honest ensemble, whose members then err by up to this much in exp.
+EX2_APPROX_ERROR = 2.0 ** -22
 #: log's error in ulp (CUDA __logf: 2^-21.41 absolute near 1, a few ulp elsewhere).
 LOG_ULPS = 4.0
 #: lambda of the probabilistic mode: with 2 n exp(-lam^2/2) per inner product, lam = 9 leaves
@@ -208,11 +228,18 @@ class _Units:
     p_rounds: bool    # P is stored in a dtype narrower than the one it was computed in
     eps_exp: float    # relative error of exp (the rescale factors)
     eps_exp_p: float  # relative error of the exp that makes P (a fast exp when P is 16-bit)
+    eps_tanh: float   # relative error of tanh (softcap), as declared
+    tanh_abs: float   # absolute error of tanh, as declared ("absolute"; 0 otherwise)
     g_d: float        # relative error bound of a score dot product
     t_abs: float      # absolute score error from underflow of the products
     scale: float
     accumulation: str
     lam: float
+
+    def tanh_error(self, tanh_part, softcap: float):
+        """The softcapped logit's error from tanh as declared: eps_tanh |z| (tanh_part = |z|, or
+        |tanh| for tanh's own error) plus tanh_abs c (times the cap; 0 without a softcap)."""
+        return self.eps_tanh * tanh_part + self.tanh_abs * softcap
 
     @classmethod
     def of(cls, problem, precision, accumulation, lam) -> "_Units":
@@ -227,6 +254,10 @@ class _Units:
         u_32 = unit_roundoff("fp32")
         eps_exp = 2 * EXP_ULPS * min(u_s, u_32) + (u_s if u_s > u_32 else 0.0)
         eps_exp_p = eps_exp + (FAST_EXP_ERROR if p_rounds and u_p >= FAST_EXP_ERROR else 0.0)
+        # tanh in fp32 as declared (accurate: as exp), then rounded to a narrower score dtype
+        narrow = u_s if u_s > u_32 else 0.0
+        eps_tanh = {"accurate": eps_exp, "absolute": narrow, "approx": TANH_APPROX_ERROR + narrow}[precision.tanh]
+        tanh_abs = TANH_ABSOLUTE_UNITS * u_32 if precision.tanh == "absolute" else 0.0
         D = problem.head_dim
         g_d = float(gamma(D, u_s, accumulation, lam))
         if u_s > u_in:  # q and k rounded to the score dtype first: relative u_s each
@@ -238,7 +269,7 @@ class _Units:
         return cls(u_s=u_s, u_p=u_p, u_pv=u_pv, tiny_s=tiny_s,
                    tiny_pv=float(finfo(precision.pv_accumulation).smallest_normal),
                    tiny_p=float(finfo(precision.p_rounding).smallest_normal), p_rounds=p_rounds,
-                   eps_exp=eps_exp, eps_exp_p=eps_exp_p, g_d=g_d,
+                   eps_exp=eps_exp, eps_exp_p=eps_exp_p, eps_tanh=eps_tanh, tanh_abs=tanh_abs, g_d=g_d,
                    t_abs=t_abs,
                    scale=problem.scale_value, accumulation=accumulation, lam=lam)
 
@@ -336,7 +367,7 @@ class _RowVariants:
             z = self.softcap * np.tanh(arg)
             slope = 1.0 / np.cosh(np.minimum(np.abs(arg), 350.0)) ** 2
             own = own + np.abs(t) + np.abs(z)  # the quotient (carried by tanh' <= 1) and the product
-            tanh_part = np.abs(z)  # relative error of tanh, times |z|
+            tanh_part = np.abs(z)  # a relative error of tanh, times |z|: the logit's error
         if self.bias is not None:
             z = z + self.bias
             own = own + 2 * np.abs(self.bias) + np.abs(z)  # the product, the addition
@@ -349,10 +380,11 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
 
     Variants: the scores t become logits z (softcap, ALiBi) before the softmax; the scores'
     error reaches z times tanh'(t / c) <= 1, the logits' own roundings (u_s |t| for the
-    quotient, u_s |z| per product or sum, u_s |bias| for the ALiBi product, exp's
-    accuracy for tanh) join the softmax term. A sink is one more term of the row sum only:
-    its weight p_s = e^{sink - LSE} with relative error eps_s moves O by p_s eps_s |O| and
-    the LSE by p_s eps_s (softmax term), and adds one rounding to the sum."""
+    quotient, u_s |z| per product or sum, u_s |bias| for the ALiBi product, tanh's declared
+    accuracy: eps_tanh |z| relative, tanh_abs c absolute) join the softmax term. A sink is one
+    more term of the row sum only: its weight p_s = e^{sink - LSE} with relative error eps_s
+    moves O by p_s eps_s |O| and the LSE by p_s eps_s (softmax term), and adds one rounding to
+    the sum."""
     U = units
     live = np.isfinite(lse)
     allowed = allowed & live[:, None]
@@ -374,7 +406,8 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
     with np.errstate(invalid="ignore"):  # 0 * inf where gamma_D has no finite value
         rel_scores = U.g_d * a + U.t_abs
         w_scores = p * rel_scores
-    rel_softmax = U.u_s * (np.abs(t) + 3 * np.abs(x) + M + own) + U.eps_exp * tanh_part + U.eps_exp_p
+    rel_softmax = (U.u_s * (np.abs(t) + 3 * np.abs(x) + M + own) + U.tanh_error(tanh_part, variants.softcap)
+                   + U.eps_exp_p)
     rel_rescale = R * (U.eps_exp + 4 * U.u_s * M)
     w_scores[np.isnan(w_scores)] = np.inf  # no bound is no bound, even for a masked entry
     # Below the smallest normal an exp result's error is absolute (tiny_s with flush to zero).

@@ -8,9 +8,15 @@ from the others where correct kernels differ: the order of the q·k and P·V sum
 reversed, pairwise; a fused multiply-add or a rounded product), a two-pass softmax with the
 row's max or an online softmax over key tiles with FA2's rescale (tiles of 16 and 64, in
 either order), exp(x) or FA2's exp2(s·c − m·c) with the product s·c rounded, and a row sum of
-P before or after its rounding. `ensemble_errors(problem, precision, reference)` runs them
-and returns each member's max normalised error (`EnsembleErrors`); the verdict's "ensemble"
-rule allows a kernel K times the largest of them plus a floor (see `fa_verify.verdict`).
+P before or after its rounding. tanh (softcap) and exp are computed as the precision model
+declares them (`PrecisionModel.tanh`, `.exp`): correctly rounded when "accurate"; tanh as
+1 − 2/(e^{2x} + 1) with every operation rounded when "absolute"; tanh or exp rounded to the
+significant bits whose rounding error reaches the documented bound of tanh.approx.f32 or
+ex2.approx.f32 when "approx" (11 and 22 bits: up to 2^-11 and 2^-22 relative), so that the
+ensemble's allowance covers a kernel that uses them. `ensemble_errors(problem, precision,
+reference)` runs them and returns each member's max normalised error (`EnsembleErrors`); the
+verdict's "ensemble" rule allows a kernel K times the largest of them plus a floor (see
+`fa_verify.verdict`).
 
 No BLAS decides any bit: every sum is an explicit sequence of numpy elementwise operations,
 each rounded to the stage's dtype. Elementwise + − × ÷ are IEEE correctly rounded on every
@@ -45,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fa_verify.dtypes import numpy_dtype
+from fa_verify.error_model import EX2_APPROX_ERROR, TANH_APPROX_ERROR
 from fa_verify.metrics import OutputErrors
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import AttentionProblem
@@ -216,9 +223,39 @@ def rounded_dot(a: np.ndarray, b: np.ndarray, member: Member, rnd: Stage, init=N
     return total.astype(rnd.work)
 
 
-def exp_kind(exp: str) -> tuple:
-    """(unit, power) of an "exp" or "exp2" kernel: exp2 kernels work in log2 units, as FA2 does."""
-    return (math.log2(math.e), exp2_64) if exp == "exp2" else (1.0, exp64)
+def rounded_significand(x: np.ndarray, bits: int) -> np.ndarray:
+    """x (float64) rounded to nearest (even) with `bits` significant bits: a relative error of up
+    to 2^-bits, as an approximation unit that keeps that many bits would have (exact operations
+    only: frexp, a power-of-two scaling, rint)."""
+    mantissa, exponent = np.frexp(x)
+    return np.ldexp(np.rint(np.ldexp(mantissa, bits)), exponent - bits)
+
+
+def _bits(error: float) -> int:
+    """Significant bits whose rounding errs by at most `error` (relative), and by nearly that."""
+    return math.ceil(-math.log2(error))
+
+
+def exp_kind(exp: str, accuracy: str = "accurate") -> tuple:
+    """(unit, power) of an "exp" or "exp2" kernel: exp2 kernels work in log2 units, as FA2 does.
+    accuracy "approx" (`PrecisionModel.exp`): the power errs by up to EX2_APPROX_ERROR, as
+    ex2.approx.f32 may."""
+    unit, power = (math.log2(math.e), exp2_64) if exp == "exp2" else (1.0, exp64)
+    if accuracy == "approx":
+        return unit, lambda y: rounded_significand(power(y), _bits(EX2_APPROX_ERROR))
+    return unit, power
+
+
+def tanh_kind(accuracy: str, score: Stage):
+    """tanh in the `score` stage as a kernel of the declared accuracy (`PrecisionModel.tanh`)
+    computes it: "accurate" rounded once; "absolute" as 1 - 2 / (e^{2x} + 1), every operation
+    rounded; "approx" with a relative error of up to TANH_APPROX_ERROR, as tanh.approx.f32 may."""
+    if accuracy == "absolute":
+        one, two = score(np.asarray(1.0)), score(np.asarray(2.0))
+        return lambda x: score(one - score(two / score(score(exp64(two * x)) + one)))
+    if accuracy == "approx":
+        return lambda x: score(rounded_significand(tanh64(x), _bits(TANH_APPROX_ERROR)))
+    return lambda x: score(tanh64(x))
 
 
 def gemm(a: np.ndarray, b: np.ndarray, member, rnd: Stage) -> np.ndarray:
@@ -230,23 +267,26 @@ def gemm(a: np.ndarray, b: np.ndarray, member, rnd: Stage) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros((0, b.shape[1]), rnd.work)
 
 
-def logits(s: np.ndarray, exp: str, score: Stage, scale: float, softcap: float = 0.0, bias=None) -> tuple:
+def logits(s: np.ndarray, exp: str, score: Stage, scale: float, softcap: float = 0.0, bias=None,
+           accuracy: tuple = ("accurate", "accurate")) -> tuple:
     """(t, th, unit, power): the logits of scores `s` as a kernel of the `exp` kind computes them
     in the `score` stage (softcap, then ALiBi `bias`), tanh(s·scale / softcap) as rounded (None
     without a softcap: the backward's derivative 1 − th²), the unit of t (1, or log2(e) for exp2
     kernels, which work in log2 units as FA2 does: logits and sinks times log2(e)) and the
-    matching deterministic power function (exp64 or exp2_64)."""
-    unit, power = exp_kind(exp)
+    matching deterministic power function (exp64 or exp2_64). accuracy: the declared accuracy
+    of (tanh, exp), `PrecisionModel.tanh` and `.exp`."""
+    unit, power = exp_kind(exp, accuracy[1])
+    tanh = tanh_kind(accuracy[0], score)
     log2e = math.log2(math.e)
     th = None
     if softcap > 0 and exp == "exp2":
         # FA2: tanh(s * (scale / c)), then c * log2(e) folded into the exp2 argument
         arg = score(s * score(np.asarray(scale / softcap)))
-        th = score(tanh64(arg))
+        th = tanh(arg)
         t = score(th * score(np.asarray(softcap * log2e)))
     elif softcap > 0:
         t = score(s * score(np.asarray(scale)))
-        th = score(tanh64(score(t / score(np.asarray(softcap)))))
+        th = tanh(score(t / score(np.asarray(softcap))))
         t = score(softcap * th)
     elif exp == "exp2":
         t = score(s * score(np.asarray(scale * log2e)))  # FA2 folds scale and log2(e) into one product
@@ -289,7 +329,7 @@ def _member_out_unchecked(member: Member, rows: _Rows, precision: PrecisionModel
     pv = Stage(precision.pv_accumulation, work)
     # S = q·kᵀ, summed over D: products laid out [R, D, Nk] so the sum runs along axis 1
     s = rounded_dot(rows.q[:, :, None], np.swapaxes(rows.k, 1, 2), member, score)
-    t, _, unit, power = logits(s, member.exp, score, scale, rows.softcap, rows.bias)
+    t, _, unit, power = logits(s, member.exp, score, scale, rows.softcap, rows.bias, (precision.tanh, precision.exp))
     t = np.where(rows.mask, t, -np.inf)
     nk, n_rows = t.shape[1], t.shape[0]
     tile = member.tile or nk

@@ -1,15 +1,23 @@
 """Precision models: where an attention implementation rounds, and to what.
 
-A precision model names the dtype of each stage of the forward pass. The error model turns it
-into a per-element error bound; backends declare theirs so a verdict can judge them.
+A precision model names the dtype of each stage of the forward pass, and how accurate its
+transcendental functions are (tanh for softcap, exp). The error model turns it into a
+per-element error bound; backends declare theirs so a verdict can judge them.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from fa_verify.dtypes import dtype_name
 from fa_verify.errors import InvalidArgumentError
+
+#: Declarable accuracy of tanh (softcap): a few ulp (libm tanhf); an absolute error of a few
+#: u_fp32, as 1 - 2 / (e^{2x} + 1) in fp32 has; the relative bound of the hardware tanh.approx.f32.
+#: The bounds are fa_verify.error_model's TANH_ABSOLUTE_UNITS and TANH_APPROX_ERROR.
+TANH_ACCURACIES = ("accurate", "absolute", "approx")
+#: Declarable accuracy of exp: a few ulp (EXP_ULPS), or ex2.approx.f32's bound (EX2_APPROX_ERROR).
+EXP_ACCURACIES = ("accurate", "approx")
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,10 @@ class PrecisionModel:
     lse: str = "fp32"
     #: subnormal inputs and outputs flushed to zero (`fa_verify.conventions` ftz).
     ftz: bool = False
+    #: accuracy of tanh in softcap: one of TANH_ACCURACIES
+    tanh: str = "accurate"
+    #: accuracy of exp (and exp2): one of EXP_ACCURACIES
+    exp: str = "accurate"
 
     def __post_init__(self):
         for field in ("input", "score_accumulation", "p_rounding", "pv_accumulation", "lse"):
@@ -35,6 +47,10 @@ class PrecisionModel:
         object.__setattr__(self, "output", dtype_name(self.output or self.input))
         if self.input == "fp64":
             raise InvalidArgumentError("input='fp64' is not a problem dtype; use fp16, bf16 or fp32")
+        for field, allowed in (("tanh", TANH_ACCURACIES), ("exp", EXP_ACCURACIES)):
+            if getattr(self, field) not in allowed:
+                raise InvalidArgumentError(
+                    f"{field}={getattr(self, field)!r} is not an accuracy of {field}; use one of {', '.join(allowed)}")
 
     @classmethod
     def flash(cls, dtype) -> "PrecisionModel":
@@ -59,27 +75,45 @@ class PrecisionModel:
 
     @classmethod
     def parse(cls, text: str, dtype) -> "PrecisionModel":
-        """From a CLI spelling: a preset name or 'score=fp32,p=bf16,pv=fp32,out=bf16'."""
+        """From a CLI spelling: a preset name, 'score=fp32,p=bf16,pv=fp32,out=bf16', or a preset
+        followed by keys that change it ('flash,tanh=approx'). Keys: score, p, pv, out (dtypes);
+        tanh (accurate, absolute, approx) and exp (accurate, approx), the accuracy of the
+        transcendental functions."""
         presets = {"flash": cls.flash, "fp32-accumulate": cls.fp32_accumulate,
                    "input-scores": cls.input_scores, "same-precision": cls.same_precision}
         if text in presets:
             return presets[text](dtype)
-        keys = {"score": "score_accumulation", "p": "p_rounding", "pv": "pv_accumulation", "out": "output"}
+        keys = {"score": "score_accumulation", "p": "p_rounding", "pv": "pv_accumulation", "out": "output",
+                "tanh": "tanh", "exp": "exp"}
+        items = [item for item in text.split(",") if item]
+        base = cls(input=dtype)
+        if items and items[0] in presets:
+            base = presets[items.pop(0)](dtype)
         fields = {}
-        for item in filter(None, text.split(",")):
+        for item in items:
             key, _, value = item.partition("=")
             if key not in keys or not value:
                 raise InvalidArgumentError(
-                    f"precision={text!r}: use a preset ({', '.join(presets)}) or "
-                    "'score=DT,p=DT,pv=DT,out=DT' with DT in fp16, bf16, fp32"
+                    f"precision={text!r}: use a preset ({', '.join(presets)}), "
+                    "'score=DT,p=DT,pv=DT,out=DT' with DT in fp16, bf16, fp32, or either followed by "
+                    f"tanh=({'|'.join(TANH_ACCURACIES)}) and exp=({'|'.join(EXP_ACCURACIES)}), e.g. 'flash,tanh=approx'"
                 )
             fields[keys[key]] = value
-        return cls(input=dtype, **fields)
+        try:
+            return replace(base, **fields)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"precision={text!r}: {exc}") from None
+
+    def replace(self, **changes) -> "PrecisionModel":
+        """This model with `changes` (field=value), validated as a new one."""
+        return replace(self, **changes)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
         conventions = (f" lse={self.lse}" if self.lse != "fp32" else "") + (" ftz" if self.ftz else "")
+        conventions += "".join(f" {name}={value}" for name, value in (("tanh", self.tanh), ("exp", self.exp))
+                               if value != "accurate")
         return (f"in={self.input} score={self.score_accumulation} p={self.p_rounding} "
                 f"pv={self.pv_accumulation} out={self.output}{conventions}")

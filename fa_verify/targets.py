@@ -107,9 +107,11 @@ def callable_arguments(skip=()) -> dict:
                                       "is_causal is top-left; varlen and paged functions are bottom-right)"),
         "precision": dict(default=None,
                           help="precision model: a preset (flash, fp32-accumulate, input-scores, same-precision) or "
-                               "'score=fp32,p=bf16,pv=fp32,out=bf16'; default: flash (FlashAttention's: fp32 scores "
-                               "and accumulation, P in the input dtype); a failure says which looser preset would "
-                               "pass"),
+                               "'score=fp32,p=bf16,pv=fp32,out=bf16', either followed by the accuracy of tanh "
+                               "(softcap) and exp: ',tanh=accurate|absolute|approx', ',exp=accurate|approx' (e.g. "
+                               "'flash,tanh=approx': the hardware tanh.approx.f32); default: flash (FlashAttention's: "
+                               "fp32 scores and accumulation, P in the input dtype, accurate tanh and exp); a failure "
+                               "says which looser preset would pass"),
         "model-scale": dict(default=None, metavar="SCALE|default",
                             help="a KernelBench file (path/to/problem.py with Model and ModelNew): the scale its Model "
                                  "computes with, a number or 'default' (1/sqrt(D)), where probing cannot tell "

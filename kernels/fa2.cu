@@ -23,6 +23,19 @@
 
 #include "fa_common.cuh"
 
+// softcap's tanh: tanhf (a few ulp), or with FA2_TANH_APPROX the hardware tanh.approx.f32 (sm_75+,
+// relative error up to 2^-10.987), as FlashAttention's softcap uses it; fa2_tanh_approx.cu builds
+// that variant, judged under a precision model that declares it (tanh=approx).
+#ifdef FA2_TANH_APPROX
+__device__ __forceinline__ float fa2_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+__device__ __forceinline__ float fa2_tanh(float x) { return tanhf(x); }
+#endif
+
 // fa2's parameters after the common ABI (FA_PARAMS).
 #define FA2_VARIANT_PARAMS                                                                      \
     int window_left, int window_right, float softcap, const float* __restrict__ alibi_slopes, \
@@ -94,7 +107,7 @@ __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
             for (int i = 0; i < S_PER_THREAD; ++i) {
                 const int r = r0 + i * S_ROWS_STEP, diag = q0 + r + causal_offset, key = n0 + j;
                 float x = s[i] * scale;
-                if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                if (softcap > 0.0f) x = softcap * fa2_tanh(x / softcap);
                 x -= slope * static_cast<float>(abs(diag - key));
                 bool allowed = fa2_first_key(diag, window_left) <= key && key < fa2_key_limit(diag, right, Nk);
                 Ss[r * LDS + j] = allowed ? x : -INFINITY;

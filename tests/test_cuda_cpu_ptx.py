@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from fa_verify.cuda_cpu import CpuKernelModule
+from fa_verify.error_model import TANH_APPROX_ERROR
 from fa_verify.errors import KernelCrashError, KernelRaceError, KernelUnsupportedError
 
 KERNELS = Path(__file__).parent / "cuda_cpu_kernels"
@@ -22,7 +23,7 @@ BF16 = ml_dtypes.bfloat16
 MMA = {f"mma_{t}_k{k}": ["ptr", "ptr"] for t in ("f16", "bf16") for k in (8, 16)}
 LDMATRIX = {f"ldmatrix_x{n}{t}": ["ptr"] * 3 for n in (1, 2, 4) for t in ("", "_trans")}
 ENTRIES = {**MMA, **LDMATRIX, "cp_async_groups": ["ptr"] * 4, "ex2_and_shfl": ["ptr"] * 4,
-           "mma_half_warp": ["ptr"], "cvt_pairs": ["ptr"] * 3}
+           "mma_half_warp": ["ptr"], "cvt_pairs": ["ptr"] * 3, "tanh_approx": ["ptr", "ptr", "int"]}
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,23 @@ def _shfl(mode, lane, b, c, values):
     if ok is None:
         ok = j <= max_lane
     return values[j if ok else lane]
+
+
+def test_tanh_approx_errs_near_but_within_its_documented_bound(ptx):
+    """tanh.approx.f32: relative error up to 2^-10.987 (PTX ISA). The emulation reaches 90% of it
+    over a sweep of arguments (93.7% measured), so a kernel using it is judged on an error of the documented size;
+    subnormal results, ±0, ±inf and NaN come out as tanh gives them."""
+    x = np.concatenate([np.linspace(-12, 12, 20001), [0.0, -0.0, 1e-40, -1e-40, np.inf, -np.inf, np.nan, 3e-8]])
+    x = x.astype(np.float32)
+    y = np.zeros_like(x)
+    ptx.launch("tanh_approx", grid=4, block=64, args=[x, y, len(x)])
+    exact = np.tanh(x.astype(np.float64))
+    normal = np.abs(exact) >= np.finfo(np.float32).tiny
+    relative = np.abs(y[normal] - exact[normal]) / np.abs(exact[normal])
+    assert 0.9 * TANH_APPROX_ERROR <= relative.max() <= TANH_APPROX_ERROR, relative.max() / TANH_APPROX_ERROR
+    special = ~normal | ~np.isfinite(x)
+    np.testing.assert_array_equal(y[special], np.tanh(x[special]))
+    assert np.signbit(y[-7]) and not np.signbit(y[-8])  # -0 and +0 keep their signs
 
 
 def test_ex2_approx_and_shfl_sync(ptx):

@@ -12,6 +12,7 @@ import pytest
 from fa_verify.cli.main import main
 from fa_verify.kernels import FAMILIES
 from fa_verify.kernels.backward import FA2_BWD
+from fa_verify.kernels.catalogue import FA2_TANH_APPROX
 from fa_verify.kernels.mutants import load_mutants
 from fa_verify.kernels.split_kv import SPLIT_KV
 from fa_verify.kernels.nvcc import (
@@ -103,10 +104,10 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
 @pytest.mark.slow
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("kernel", [SPLIT_KV, FA2_BWD], ids=lambda kernel: kernel.name)
+@pytest.mark.parametrize("kernel", [SPLIT_KV, FA2_BWD, FA2_TANH_APPROX], ids=lambda kernel: kernel.name)
 def test_kernels_with_their_own_abi_compile(kernel, arch):
-    """split_kv.cu and fa2_bwd.cu (not catalogue families): every entry, launched with the
-    resources their host sides give them."""
+    """split_kv.cu, fa2_bwd.cu and fa2_tanh_approx.cu (not in FAMILIES): every entry, launched
+    with the resources their host sides give them (fa2_tanh_approx: 30 s for both archs here)."""
     result = compile_file([kernel], arch, NVCC)
     assert result.ok, f"{result.log}\n{result.command}"
     assert [e.entry for e in result.entries] == kernel.entries()

@@ -78,3 +78,17 @@ def test_a_bitwise_failure_is_no_matter_of_precision():
     bitwise = _failed("determinism", (), worst_ratio=None)
     assert run_precision_hint([bitwise]) == ""
     assert "determinism fails under every looser" in run_precision_hint([bitwise, _failed("a", ("input-scores",))])
+
+
+def test_a_cheap_softcap_tanh_is_told_the_tanh_declaration_first():
+    """A softcap computing tanh as 1 - 2 / (e^{2x} + 1) (fixtures/cheap_tanh.py) fails softcap_limit
+    under the default accurate tanh; the hint names its own declaration plus tanh=absolute (before
+    any preset), and declaring it passes."""
+    from cheap_tanh import softcap_attention
+
+    fp32 = Selection(dtypes=("fp32",), max_examples=5, max_long_keys=257, max_edge_cases=5, shrink=False)
+    outcome = check_backend(CallableBackend(softcap_attention), fp32, properties=["softcap_limit"])
+    assert outcome.precision_hint().startswith(
+        "precision: its failing example passes under --precision flash,tanh=absolute (tanh with an absolute error")
+    declared = CallableBackend(softcap_attention, precision="flash,tanh=absolute")
+    assert search_property(declared, "softcap_limit", fp32).passed

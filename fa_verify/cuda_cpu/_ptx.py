@@ -9,7 +9,8 @@ inputs, clobbers), substitutes the operands, and emits C++ for each instruction 
 * ``ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}{.shared{::cta}}.b16``;
 * ``cp.async.{ca,cg}.shared{::cta}.global{.L2::*B}`` with ``commit_group``, ``wait_group N``,
   ``wait_all``;
-* ``ex2.approx{.ftz}.f32``; ``cvt.rn.{f16x2,bf16x2}.f32``; ``shfl.sync.{up,down,bfly,idx}.b32``
+* ``ex2.approx{.ftz}.f32``; ``tanh.approx.f32`` (within, and near, its documented error);
+  ``cvt.rn.{f16x2,bf16x2}.f32``; ``shfl.sync.{up,down,bfly,idx}.b32``
   (without a predicate output).
 
 Every input register is read into a temporary before any output is written, as the hardware's
@@ -221,7 +222,8 @@ def _instructions(template: str, where: str) -> list[tuple[str, list[str]]]:
         if instruction[0] in "{}@." or instruction.split()[0].endswith(":"):
             raise KernelUnsupportedError(
                 f"{where}: inline assembly `{_unmark(instruction)}` cannot run on the CPU: the CUDA-on-CPU runner "
-                "emulates single PTX instructions (mma.sync, ldmatrix, cp.async, ex2.approx, cvt, shfl.sync), "
+                "emulates single PTX instructions (mma.sync, ldmatrix, cp.async, ex2.approx, tanh.approx, cvt, "
+                "shfl.sync), "
                 "not scopes, labels, predicates or directives")
         opcode, _, rest = instruction.partition(" ")
         out.append((opcode, _split_operands(rest)))
@@ -275,6 +277,9 @@ def _emit(statement: _Statement, opcode: str, args: list[str]) -> str:
         ftz = "true" if "ftz" in parts else "false"
         return statement.write32(args[0], f"::fa_cpu::fp::float_bits({_NS}ex2(::fa_cpu::fp::bits_float("
                                            f"{statement.read32(args[1], opcode)}), {ftz}))", opcode)
+    if head == "tanh" and parts[1:] == ["approx", "f32"] and len(args) == 2:
+        return statement.write32(args[0], f"::fa_cpu::fp::float_bits({_NS}tanh_approx(::fa_cpu::fp::bits_float("
+                                           f"{statement.read32(args[1], opcode)})))", opcode)
     if head == "cvt" and parts[1:] in (["rn", "f16x2", "f32"], ["rn", "bf16x2", "f32"]) and len(args) == 3:
         bf16 = "true" if parts[2] == "bf16x2" else "false"
         a, b = (f"::fa_cpu::fp::bits_float({statement.read32(t, opcode)})" for t in args[1:])
@@ -289,8 +294,8 @@ def _emit(statement: _Statement, opcode: str, args: list[str]) -> str:
     raise statement.fail(opcode, "this PTX instruction is not emulated by the CUDA-on-CPU runner (it emulates "
                                  "mma.sync.aligned.m16n8k16/m16n8k8 .row.col.f32 with f16/bf16 inputs, "
                                  "ldmatrix.sync.aligned.m8n8 .b16, cp.async.ca/.cg with commit_group/wait_group/"
-                                 "wait_all, ex2.approx.f32, cvt.rn.f16x2/bf16x2.f32 and shfl.sync .b32); use the "
-                                 "CUDA C intrinsic instead")
+                                 "wait_all, ex2.approx.f32, tanh.approx.f32, cvt.rn.f16x2/bf16x2.f32 and "
+                                 "shfl.sync .b32); use the CUDA C intrinsic instead")
 
 
 def _emit_mma(statement, opcode, parts, args, label) -> str:

@@ -359,6 +359,22 @@ NAIVE16 = KernelFamily(
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (FA2, WMMA, MMA_PTX, NAIVE, NAIVE16)}
 
 
+def _fa2_tanh_approx_precision(dtype) -> PrecisionModel:
+    return PrecisionModel.flash(dtype).replace(tanh="approx")
+
+
+#: fa2's kernel with softcap's tanh as the hardware tanh.approx.f32 (FlashAttention's softcap),
+#: judged under FA2's model with tanh declared "approx". Not in FAMILIES: one variant of fa2 for
+#: the declared-accuracy tests, not a backend every sweep should run.
+FA2_TANH_APPROX = KernelFamily(
+    name="fa2_tanh_approx", label="fa2-tanh-approx", source="fa2_tanh_approx.cu",
+    description="fa2's kernel with softcap's tanh computed by tanh.approx.f32, as FlashAttention's",
+    dtypes=DTYPE_NAMES, configs={d: FA2.config(d) for d in (32, 64, 128)},
+    precision_model=_fa2_tanh_approx_precision, smem_regions=_fa2_smem, features=FA2.features,
+    notes="tanh.approx.f32 errs by up to 2^-10.987 relative; the CPU runner emulates it near that bound",
+    min_arch=75, min_arch_reason="tanh.approx.f32")
+
+
 def _fa2_key_tile(block_n: int) -> KernelFamily:
     return KernelFamily(
         name=f"fa2_k{block_n}", label=f"fa2-k{block_n}", source="fa2_key_tiles.cu",

@@ -5,7 +5,9 @@ the input dtype): a kernel that silently computes its scores in fp16 should be t
 should also be told that this is what it does: the failing example is judged again under the
 looser legitimate models, from the least to the most lenient, and the first that passes is
 named with the exact option that declares it; if none passes, the failure is not a matter of
-declared precision.
+declared precision. A target that implements softcap and declares an accurate tanh is first
+tried with its declaration plus a cheaper tanh (`PrecisionModel.tanh`: tanh=absolute, then
+tanh=approx), the most specific fix for a softcap computed the cheap or the hardware way.
 """
 
 from __future__ import annotations
@@ -16,6 +18,22 @@ from fa_verify.precision import PrecisionModel
 #: The looser legitimate models tried, from the least to the most lenient: preset -> in words.
 LOOSER_PRESETS = {"input-scores": "q·k and the softmax in the input dtype, P·V accumulated in fp32",
                   "same-precision": "every stage in the input dtype"}
+#: Declarations of softcap's tanh tried first, after the target's own declaration: key -> in words.
+TANH_DECLARATIONS = {"tanh=absolute": "tanh with an absolute error of a few u_fp32, as 1 − 2/(e^{2x} + 1) in fp32",
+                     "tanh=approx": "tanh within tanh.approx.f32's relative error, 2^-10.987"}
+
+
+def _tanh_candidates(backend: Backend, current: PrecisionModel) -> list:
+    """'<declared spec>,tanh=...' for a target that implements softcap under an accurate tanh,
+    declared as a spec string (a callable's --precision); else none."""
+    declared = getattr(backend, "_precision", None)
+    if "softcap" not in backend.features or current.tanh != "accurate" or not isinstance(declared, str):
+        return []
+    return [f"{declared},{key}" for key in TANH_DECLARATIONS]
+
+
+def _in_words(candidate: str) -> str:
+    return LOOSER_PRESETS.get(candidate) or TANH_DECLARATIONS[candidate.rsplit(",", 1)[-1]]
 
 
 class _JudgedUnder(Backend):
@@ -49,7 +67,7 @@ def passes_under(backend: Backend, prop, problem, seed: int, result) -> tuple | 
     presets = list(LOOSER_PRESETS)
     tighter = [p for p in presets
                if backend.judged_under.precision(PrecisionModel.parse(p, problem.dtype)) == current]
-    tried = presets[presets.index(tighter[0]) + 1:] if tighter else presets
+    tried = _tanh_candidates(backend, current) + (presets[presets.index(tighter[0]) + 1:] if tighter else presets)
     if not tried:
         return None
     if result.worst_ratio is None:
@@ -75,14 +93,15 @@ def run_precision_hint(outcomes, offer: bool = True) -> str:
     failing = [o for o in outcomes if o.status == "failed" and o.passes_under is not None]
     if not failing or all(o.worst_ratio is None and not o.passes_under for o in failing):
         return ""
-    common = [p for p in LOOSER_PRESETS if all(p in o.passes_under for o in failing)]
+    tried = dict.fromkeys(p for o in failing for p in o.passes_under)  # each in its least-lenient-first order
+    common = [p for p in tried if all(p in o.passes_under for o in failing)]
     names = ", ".join(o.property for o in failing)
     if common and not offer:
         return ""
     if common:
         preset = common[0]
         every = "its failing example" if len(failing) == 1 else f"the failing example of every one of {names}"
-        return (f"precision: {every} passes under --precision {preset} ({LOOSER_PRESETS[preset]}); "
+        return (f"precision: {every} passes under --precision {preset} ({_in_words(preset)}); "
                 f"if the kernel computes so, declare it (precision={preset!r} in the API)")
     unexplained = [o.property for o in failing if not o.passes_under]
     why = (f"{', '.join(unexplained)} fail{'s' if len(unexplained) == 1 else ''} under every looser legitimate "

@@ -102,7 +102,9 @@ def _reference(fn, name: str) -> tuple[str, str | None]:
 
 def precision_spec(model) -> str:
     """The `--precision` spec of a PrecisionModel (its input dtype is the problem's)."""
-    return f"score={model.score_accumulation},p={model.p_rounding},pv={model.pv_accumulation},out={model.output}"
+    spec = f"score={model.score_accumulation},p={model.p_rounding},pv={model.pv_accumulation},out={model.output}"
+    return spec + "".join(f",{name}={value}" for name, value in (("tanh", model.tanh), ("exp", model.exp))
+                          if value != "accurate")
 
 
 def callable_options(backend, dtype: str) -> dict:

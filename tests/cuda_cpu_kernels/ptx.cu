@@ -114,6 +114,15 @@ extern "C" __global__ void ex2_and_shfl(const float* x, float* ex2, float* ex2_f
     for (int i = 0; i < 4; ++i) shuffled[4 * lane + i] = s[i];
 }
 
+// tanh.approx.f32 of n inputs, one per thread of a grid-stride loop.
+extern "C" __global__ void tanh_approx(const float* x, float* y, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        float r;
+        asm("tanh.approx.f32 %0, %1;" : "=f"(r) : "f"(x[i]));
+        y[i] = r;
+    }
+}
+
 // An mma with lanes 16-31 gone: undefined on a GPU, a trap here.
 extern "C" __global__ void mma_half_warp(uint32_t* out) {
     if (threadIdx.x >= 16) return;
