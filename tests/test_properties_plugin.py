@@ -80,7 +80,7 @@ def test_the_property_suite_runs_against_a_callable(pytester):
     other_kinds = sum(len(re.findall(r"^def test_", (ROOT / "properties" / name).read_text(), re.MULTILINE))
                       for name in ("test_varlen_paged.py", "test_backward.py"))
     assert other_kinds >= 8 + 12
-    result.assert_outcomes(passed=15, skipped=7 + other_kinds)
+    result.assert_outcomes(passed=16, skipped=7 + other_kinds)
 
 
 def test_fa_layout_checks_varlen_and_paged_functions(pytester):
@@ -114,7 +114,7 @@ def test_fa_layout_checks_varlen_and_paged_functions(pytester):
 def test_the_example_ci_file_passes(pytester):
     shutil.copy(ROOT / "examples" / "test_my_attention.py", pytester.path)
     result = pytester.runpytest_subprocess("--fa-profile", "ci")
-    result.assert_outcomes(passed=16, skipped=7)  # races, address_sanitizer and the variant properties: not applicable to a callable
+    result.assert_outcomes(passed=17, skipped=7)  # races, address_sanitizer and the variant properties: not applicable to a callable
 
 
 def test_a_known_deviation_is_expected_only_in_the_way_it_is_declared(pytester):
