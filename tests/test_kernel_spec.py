@@ -187,9 +187,8 @@ def test_the_spec_as_a_python_object_and_its_entries():
     spec = KernelSpec(entry="flash_fwd_kernel<{D}, 64, 32, {T}>", params=["q", "k", "v", "o", "lse", "H", "Hkv",
                       "Nq", "Nk", "scale", "causal"], grid=["cdiv(Nq, 64)", "H", "B"], block=64, layout="bshd",
                       limits=_spec(KERNELS / "published_flash.toml").limits)
-    assert [spec.entry_for(t, d) for t, d in spec.entries()] == ["flash_fwd_kernel<64, 64, 32, __half>",
-                                                                 "flash_fwd_kernel<64, 64, 32, float>"]
-    assert spec.signature() == ["ptr"] * 5 + ["int"] * 4 + ["float", "int"]
+    assert list(spec.instantiations()) == ["flash_fwd_kernel<64, 64, 32, __half>", "flash_fwd_kernel<64, 64, 32, float>"]
+    assert spec.signature(spec.launch[0]) == ["ptr"] * 5 + ["int"] * 4 + ["float", "int"]
     assert spec.limits.lse is True
 
 
