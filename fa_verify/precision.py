@@ -6,7 +6,7 @@ into a per-element error bound; backends declare theirs so a verdict can judge t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from fa_verify.dtypes import dtype_name
 from fa_verify.errors import InvalidArgumentError
@@ -28,10 +28,15 @@ class PrecisionModel:
     lse: str = "fp32"
     #: subnormal inputs and outputs flushed to zero (`fa_verify.conventions` ftz).
     ftz: bool = False
+    #: dtype q, k and v are rounded to inside the kernel before any arithmetic (an fp32 API over
+    #: fp16 arithmetic); None: used as given. The error model's input_rounding term.
+    input_rounding: str | None = None
 
     def __post_init__(self):
         for field in ("input", "score_accumulation", "p_rounding", "pv_accumulation", "lse"):
             object.__setattr__(self, field, dtype_name(getattr(self, field)))
+        if self.input_rounding is not None:
+            object.__setattr__(self, "input_rounding", dtype_name(self.input_rounding))
         object.__setattr__(self, "output", dtype_name(self.output or self.input))
         if self.input == "fp64":
             raise InvalidArgumentError("input='fp64' is not a problem dtype; use fp16, bf16 or fp32")
@@ -59,27 +64,34 @@ class PrecisionModel:
 
     @classmethod
     def parse(cls, text: str, dtype) -> "PrecisionModel":
-        """From a CLI spelling: a preset name or 'score=fp32,p=bf16,pv=fp32,out=bf16'."""
+        """From a CLI spelling: a preset name, 'score=fp32,p=bf16,pv=fp32,out=bf16', or a preset
+        followed by such changes ('fp32-accumulate,inputs=fp16': q, k, v rounded to fp16 inside)."""
         presets = {"flash": cls.flash, "fp32-accumulate": cls.fp32_accumulate,
                    "input-scores": cls.input_scores, "same-precision": cls.same_precision}
-        if text in presets:
-            return presets[text](dtype)
-        keys = {"score": "score_accumulation", "p": "p_rounding", "pv": "pv_accumulation", "out": "output"}
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        model = presets[items.pop(0)](dtype) if items and items[0] in presets else cls(input=dtype)
+        keys = {"score": "score_accumulation", "p": "p_rounding", "pv": "pv_accumulation", "out": "output",
+                "inputs": "input_rounding"}
         fields = {}
-        for item in filter(None, text.split(",")):
+        for item in items:
             key, _, value = item.partition("=")
             if key not in keys or not value:
                 raise InvalidArgumentError(
-                    f"precision={text!r}: use a preset ({', '.join(presets)}) or "
-                    "'score=DT,p=DT,pv=DT,out=DT' with DT in fp16, bf16, fp32"
+                    f"precision={text!r}: use a preset ({', '.join(presets)}), "
+                    "'score=DT,p=DT,pv=DT,out=DT,inputs=DT' with DT in fp16, bf16, fp32, or a preset followed by "
+                    "those ('fp32-accumulate,inputs=fp16')"
                 )
             fields[keys[key]] = value
-        return cls(input=dtype, **fields)
+        return replace(model, **fields)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        found = asdict(self)
+        if self.input_rounding is None:  # records of models without it stay as they were
+            del found["input_rounding"]
+        return found
 
     def describe(self) -> str:
-        conventions = (f" lse={self.lse}" if self.lse != "fp32" else "") + (" ftz" if self.ftz else "")
+        conventions = ((f" lse={self.lse}" if self.lse != "fp32" else "") + (" ftz" if self.ftz else "")
+                       + (f" inputs->{self.input_rounding}" if self.input_rounding else ""))
         return (f"in={self.input} score={self.score_accumulation} p={self.p_rounding} "
                 f"pv={self.pv_accumulation} out={self.output}{conventions}")

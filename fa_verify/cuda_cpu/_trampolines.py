@@ -105,7 +105,9 @@ def _one(name: str, signature: tuple) -> str:
 def _struct_asserts(name: str, index: int, param: str, layout: StructLayout) -> list[str]:
     """The compiler's layout of parameter `index` held to `layout`: a spec whose fields are not the
     struct's, in its order and with its types, fails the build naming the field."""
-    fix = "list every field of the struct in declaration order with its C type"
+    fix = f"{layout.origin + ': ' if layout.origin else ''}list every field of the struct in declaration order " \
+          "with its C type"
+    fix = fix.replace("\\", "\\\\").replace('"', '\\"')  # a C string literal
     lines = [f"static_assert(std::is_class<{param}>::value, \"fa_verify: parameter {index} of kernel {name} is not "
              f"a struct, but the spec passes a struct there\");",
              f"static_assert(sizeof({param}) == {layout.size}, \"fa_verify: the struct parameter {index} of kernel "

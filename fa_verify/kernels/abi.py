@@ -58,6 +58,8 @@ class StructLayout:
     fields: tuple
     size: int
     align: int
+    #: where it is declared, for the build's messages (e.g. "kernel.toml: structs.args")
+    origin: str = ""
 
     @classmethod
     def of(cls, fields: list[tuple[str, str]], where: str, align: int | None = None) -> "StructLayout":
@@ -73,7 +75,7 @@ class StructLayout:
             if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
                 raise InvalidArgumentError(f"{where}.align={align!r} must be a power of two (the struct's __align__)")
             largest = max(largest, align)
-        return cls(tuple(laid), -(-offset // largest) * largest, largest)
+        return cls(tuple(laid), -(-offset // largest) * largest, largest, where.removesuffix(".fields"))
 
     def pack(self, values: list) -> bytes:
         """The struct's bytes from one value per field (pointers as integers); padding is zero."""
