@@ -113,7 +113,7 @@ def _struct_asserts(name: str, index: int, param: str, layout: StructLayout) -> 
              f"static_assert(sizeof({param}) == {layout.size}, \"fa_verify: the struct parameter {index} of kernel "
              f"{name} is not {layout.size} bytes, as the spec's fields lay it out: {fix}\");"]
     for field in layout.fields:
-        lines.append(f"static_assert(offsetof({param}, {field.name}) == {field.offset}, \"fa_verify: field "
+        lines.append(f"static_assert(__builtin_offsetof({param}, {field.name}) == {field.offset}, \"fa_verify: field "
                      f"{field.name} of the struct parameter {index} of kernel {name} is not at byte {field.offset}, "
                      f"as the spec's fields lay it out: {fix}\");")
     return lines
