@@ -45,17 +45,18 @@ def cubin_symbols(cubin: bytes) -> list[str]:
 
 
 def entry_names(symbols: list[str], entries: list[str]) -> dict[str, str]:
-    """{spec entry: its symbol} for each entry: a template entry by demangling `symbols`, a plain one as it is."""
+    """{spec entry: its symbol} for each entry, by demangling `symbols`: a C++ kernel (a template
+    instantiation or not) by its demangled name, an extern "C" one (among no symbol) as it is."""
     demangled = subprocess.run(_demangler(), input="\n".join(symbols), capture_output=True, text=True,
                                check=True).stdout.splitlines() if symbols else []
     bare = {symbol: re.sub(r"\s+", "", text).removeprefix("void") for symbol, text in zip(symbols, demangled)}
     names = {}
     for entry in entries:
-        if "<" not in entry:  # a plain or extern "C" entry keeps its own name
-            names[entry] = entry
-            continue
         wanted = re.sub(r"\s+", "", entry) + "("
         found = [symbol for symbol, text in bare.items() if text.startswith(wanted)]
+        if not found and "<" not in entry:  # an extern "C" entry keeps its own name
+            names[entry] = entry
+            continue
         if len(found) != 1:
             raise KernelBuildError(f"the entry {entry!r} is not (or not once) among the kernels "
                                    f"({', '.join(sorted(bare.values())) or 'none'})", log="")

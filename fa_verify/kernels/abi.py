@@ -85,7 +85,9 @@ class StructLayout:
         return bytes(data)
 
     def unpack(self, data: bytes) -> list:
-        return [struct.unpack_from(f.format, data, f.offset)[0] for f in self.fields]
+        """One value per field from the struct's bytes (a bool field as the int the runners pass)."""
+        values = [struct.unpack_from(f.format, data, f.offset)[0] for f in self.fields]
+        return [int(v) if f.kind == "int" else v for f, v in zip(self.fields, values)]
 
 
 def parameter_offsets(kinds: list) -> tuple[list[int], int]:
