@@ -403,6 +403,10 @@ class KernelSpec:
                 if param in parsed and param != NULL:
                     raise InvalidArgumentError(f"{where}[{index}]={param!r} is listed twice")
                 parsed.append(param)
+            elif isinstance(param, str) and param.isidentifier() and param not in NAMES:
+                raise InvalidArgumentError(
+                    f"{where}[{index}]={param!r} is no buffer ({', '.join(self.buffer_names)}), struct or problem "
+                    f"name: if the host allocates it, declare it: [scratch.{param}] size = ..., fill = ...")
             else:
                 parsed.append(expressions.parse(param, f"{where}[{index}]", NAMES))
         return tuple(parsed)
