@@ -417,18 +417,20 @@ class KernelSpec:
             raise InvalidArgumentError(f"{where}={value!r} must be 1 to 3 expressions")
         return tuple(expressions.parse(item, f"{where}[{i}]", NAMES) for i, item in enumerate(items))
 
-    def _name_check(self, table: str, name) -> None:
-        if not isinstance(name, str) or not name.isidentifier() or name in (*BUFFERS, NULL, *NAMES):
-            raise InvalidArgumentError(f"{self.origin}: {table}.{name}: name it with an identifier that is not a "
-                                       f"buffer ({', '.join(BUFFERS)}), 'null' or a problem name")
+    def _tables(self, key: str, what: str):
+        """(name, where, table) of each [KEY.NAME] table, its name checked."""
+        tables = getattr(self, key)
+        if not isinstance(tables, dict):
+            raise InvalidArgumentError(f"{self.origin}: {key} must be tables [{key}.NAME] with {what}")
+        for name, table in tables.items():
+            if not isinstance(name, str) or not name.isidentifier() or name in (*BUFFERS, NULL, *NAMES):
+                raise InvalidArgumentError(f"{self.origin}: {key}.{name}: name it with an identifier that is not a "
+                                           f"buffer ({', '.join(BUFFERS)}), 'null' or a problem name")
+            yield name, f"{self.origin}: {key}.{name}", table
 
     def _scratch(self) -> dict:
-        if not isinstance(self.scratch, dict):
-            raise InvalidArgumentError(f"{self.origin}: scratch must be tables [scratch.NAME] with size, dtype, fill")
         parsed = {}
-        for name, table in self.scratch.items():
-            where = f"{self.origin}: scratch.{name}"
-            self._name_check("scratch", name)
+        for name, where, table in self._tables("scratch", "size, dtype, fill"):
             if isinstance(table, Scratch):
                 table = {"size": table.size, "dtype": table.dtype, "fill": table.fill}
             if not isinstance(table, dict) or "size" not in table or set(table) - {"size", "dtype", "fill"}:
@@ -446,12 +448,8 @@ class KernelSpec:
 
     def _structs(self) -> dict:
         """name -> (StructLayout, one value per field: a buffer name or a parsed expression)."""
-        if not isinstance(self.structs, dict):
-            raise InvalidArgumentError(f"{self.origin}: structs must be tables [structs.NAME] with fields")
         parsed = {}
-        for name, table in self.structs.items():
-            where = f"{self.origin}: structs.{name}"
-            self._name_check("structs", name)
+        for name, where, table in self._tables("structs", "fields"):
             if name in self.scratch:
                 raise InvalidArgumentError(f"{where}: a scratch buffer has that name too")
             if isinstance(table, tuple):  # already laid out
