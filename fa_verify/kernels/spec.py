@@ -34,6 +34,7 @@ one build per value drawn.
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 import tomllib
@@ -44,7 +45,7 @@ import numpy as np
 
 from fa_verify.conventions import Conventions, parse_conventions
 from fa_verify.conventions import of as conventions_of
-from fa_verify.dtypes import DTYPE_NAMES, dtype_name
+from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.kernels import expressions
 from fa_verify.kernels.abi import StructLayout
@@ -88,8 +89,6 @@ class Launch:
 
     def entry_names(self) -> set:
         """The problem's names the entry's placeholders read."""
-        import ast
-
         return {n.id for f in _ENTRY_FIELD.findall(self.entry) if f.strip() not in _ENTRY_TYPES
                 for n in ast.walk(expressions.parse(f, "entry", NAMES)) if isinstance(n, ast.Name)} - set(
             expressions.FUNCTIONS)
@@ -118,22 +117,14 @@ class Scratch:
         """The filled buffer for a problem whose NAMES are `values` (fp16/bf16 as their uint16 bits)."""
         size = expressions.evaluate(self.size, values, f"{where}.size")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise InvalidArgumentError(f"{where}.size={ast_text(self.size)!r} gave {size!r}: an integer >= 1 "
+            raise InvalidArgumentError(f"{where}.size={ast.unparse(self.size)!r} gave {size!r}: an integer >= 1 "
                                        "(elements) is needed")
-        from fa_verify.dtypes import numpy_dtype
-
         buffer = np.full(size, self.fill, dtype=numpy_dtype(self.dtype) if self.dtype in DTYPE_NAMES else self.dtype)
         return buffer.view(np.uint16) if buffer.dtype.itemsize == 2 else buffer
 
 
-def ast_text(tree) -> str:
-    import ast
-
-    return ast.unparse(tree) if isinstance(tree, ast.AST) else str(tree)
-
-
 def fill_value(value, where: str) -> float:
-    """A fill: a number, or 'inf', '-inf', 'nan' (TOML has no bare -inf in arrays of strings)."""
+    """A fill: a number (TOML's inf, -inf and nan too) or one spelled as a string, e.g. '-inf'."""
     if isinstance(value, str):
         try:
             return float(value)
@@ -353,8 +344,6 @@ class KernelSpec:
 
     def uses(self, *names: str) -> bool:
         """Whether some scalar parameter, struct field or template argument reads one of `names`."""
-        import ast
-
         values = [p for launch in self.launch for p in launch.params] + [
             v for _, fields_ in self.structs.values() for v in fields_]
         used = {n.id for p in values if not isinstance(p, str) for n in ast.walk(p) if isinstance(n, ast.Name)}
