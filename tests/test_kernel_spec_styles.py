@@ -131,8 +131,9 @@ def test_a_causal_only_kernel_needs_no_causal_parameter(capsys, tmp_path):
 
 def test_a_kernel_rounding_its_inputs_is_judged_with_the_input_term(capsys, tmp_path):
     options = ("--property", "oracle_agreement", "--property", "lse_agreement", *FEW)
-    code, out = _check(capsys, tmp_path, "fp16_inputs", *options)
+    code, out = _check(capsys, tmp_path, "fp16_inputs", *options, "--property", "constant_v")
     assert code == 0 and "PASS oracle_agreement" in out and "PASS lse_agreement" in out, out
+    assert "PASS constant_v" in out, out  # V rounded to fp16 is still the constant row, within u_fp16
     spec = _changed(tmp_path, "fp16_inputs", "fp32-accumulate,inputs=fp16", "fp32-accumulate")
     code, out = _check(capsys, tmp_path, "fp16_inputs", *options, spec=spec)
     assert code == 1 and "FAIL oracle_agreement" in out, out

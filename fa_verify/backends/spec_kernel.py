@@ -35,6 +35,9 @@ from fa_verify.problem import AttentionProblem
 class SpecKernelBackend(Backend):
     """The kernels of `source` (a .cu file) as `spec` (a KernelSpec, or a TOML path) launches them."""
 
+    #: where the launches run, in messages
+    runs_on = "the CUDA-on-CPU runner"
+
     def __init__(self, source, spec: KernelSpec | str | os.PathLike, sanitize: bool = False):
         self.spec = spec if isinstance(spec, KernelSpec) else KernelSpec.from_toml(spec)
         source = source if source is not None else self.spec.source
@@ -119,7 +122,7 @@ class SpecKernelBackend(Backend):
             raw = [Inside(_bits(buffer), offset) for buffer, offset in zip(padded.buffers, padded.offsets)]
         return self._launch(padded.problem, raw)
 
-    # --- one launch ---------------------------------------------------------------------------------
+    # --- a problem's launches ---------------------------------------------------------------------------
     def _inputs(self, problem: AttentionProblem) -> list:
         arrays = []
         for name, x in zip("qkv", (problem.q, problem.k, problem.v)):
@@ -141,8 +144,6 @@ class SpecKernelBackend(Backend):
         self._run_plan(plan, dict(zip("qkv", inputs)), o, lse, racecheck)
         check_written(f"{self.name} on {self.runs_on}", *(b for b in (o, lse) if b is not None))
         return self.output(o.view), (lse.view if lse is not None else None)
-
-    runs_on = "the CUDA-on-CPU runner"
 
     def _run_plan(self, plan: "SpecPlan", inputs: dict, o: GuardedOutput, lse, racecheck: bool) -> None:
         """Every launch of `plan` in order on the CPU runner, all sharing the same buffers."""
