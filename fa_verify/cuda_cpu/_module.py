@@ -22,7 +22,6 @@ from pathlib import Path
 
 from fa_verify.cuda_cpu import _build, _exec, _host_code, _process, _race, _shared_limits
 from fa_verify.cuda_cpu._trampolines import KINDS, symbol
-from fa_verify.kernels.abi import StructLayout
 from fa_verify.errors import (
     InvalidArgumentError,
     KernelCrashError,
@@ -30,6 +29,7 @@ from fa_verify.errors import (
     KernelRaceError,
     KernelRunError,
 )
+from fa_verify.kernels.abi import StructLayout
 
 ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 DEFAULT_TIMEOUT = 60.0
@@ -45,7 +45,8 @@ class CpuKernelModule:
     or not) or a template instantiation written as in C++, ``"flash_fwd<64, 32, __half>"``
     (the build instantiates it: no alias line in the source is needed). A signature lists
     'ptr' | 'int' | 'float' per parameter, or a `fa_verify.kernels.abi.StructLayout` for a struct
-    passed by value (the build checks it against the kernel's parameter types and the struct's layout). defines: ``"NAME"``/``"NAME=VALUE"``
+    passed by value (the build checks it against the kernel's parameter types and the struct's
+    layout; its argument is one value per field). defines: ``"NAME"``/``"NAME=VALUE"``
     strings or a {name: value} mapping. sanitize: build with AddressSanitizer and report
     out-of-bounds accesses to arrays and shared memory. racecheck: build with the race detector
     and raise KernelRaceError for conflicting accesses to shared or global memory that no barrier

@@ -119,10 +119,5 @@ def _struct_asserts(name: str, index: int, param: str, layout: StructLayout) -> 
     return lines
 
 
-def slot_count(signature) -> int:
-    """Slots a launch of `signature` passes: one per parameter, one per field of a struct."""
-    return sum(len(k.fields) if isinstance(k, StructLayout) else 1 for k in signature)
-
-
 def _noun(kind: str) -> str:
     return {"ptr": "pointer", "int": "integer", "float": "floating-point value"}[kind]
