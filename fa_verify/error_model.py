@@ -36,6 +36,12 @@ Every error source perturbs p, the row sum or the output; each is a named term:
 * accumulation    P.V and the row sum, n_i + R_i + 1 roundings in u_pv each (the rescale
                   multiplies and the final division included): gamma(u_pv)(D_ic + |O_ic|)
                   + u_pv |O_ic|.
+* input_rounding  q, k, v rounded to `precision.input_rounding` inside the kernel (an fp32 API
+                  over fp16 arithmetic): each entry moves by at most u_r |x| + h_r (h_r half the
+                  rounding dtype's smallest subnormal), so a score by
+                  c_ij = scale ((2 u_r + u_r^2) A_ij + h_r (1 + u_r)(|q_i|_1 + |k_j|_1) + D h_r^2),
+                  a relative p perturbation weighted like the scores' (|v_jc| + |O_ic|), and the
+                  values by u_r D_ic + h_r. Zero without the declaration.
 * second_order    the terms above are first order in their relative errors; with the
                   largest relative perturbation eps_i of row i, the exact error is at most
                   the first-order one / (1 - 2 eps_i): this term is that difference. Rows with
@@ -131,10 +137,13 @@ _SLACK = 1 + 1e-9
 #: Entries of an [rows, Nk] temporary per chunk (8 MiB of float64).
 _CHUNK_ENTRIES = 1 << 20
 
-OUT_TERMS = ("scores", "softmax", "online_rescale", "p_rounding", "accumulation",
+OUT_TERMS = ("scores", "softmax", "online_rescale", "p_rounding", "accumulation", "input_rounding",
              "second_order", "output_rounding", "reference", "flush_to_zero")
-LSE_TERMS = ("scores", "softmax", "online_rescale", "p_rounding", "row_sum", "log",
+LSE_TERMS = ("scores", "softmax", "online_rescale", "p_rounding", "row_sum", "log", "input_rounding",
              "second_order", "lse_rounding", "reference")
+#: The first-order terms: the second_order term scales their sum.
+_FIRST_ORDER = OUT_TERMS[:6]
+_LSE_FIRST_ORDER = LSE_TERMS[:7]
 
 
 @dataclass(frozen=True, eq=False)
@@ -235,6 +244,8 @@ class _Units:
     scale: float
     accumulation: str
     lam: float
+    u_r: float = 0.0  # q, k, v rounded inside the kernel: unit roundoff (0: not rounded)
+    h_r: float = 0.0  # and the absolute rounding error below its normal range
 
     def tanh_error(self, tanh_part, softcap: float):
         """The softcapped logit's error from tanh as declared: eps_tanh |z| (tanh_part = |z|, or
@@ -264,6 +275,9 @@ class _Units:
             g_d += 2 * u_s
         tiny_s = float(finfo(precision.score_accumulation).smallest_normal)
         t_abs = (D * problem.scale_value + 1) * tiny_s
+        rounding = precision.input_rounding
+        u_r = unit_roundoff(rounding) if rounding and unit_roundoff(rounding) > u_in else 0.0
+        h_r = float(finfo(rounding).smallest_subnormal) / 2 if u_r else 0.0
         if precision.ftz:
             t_abs += problem.scale_value * flushed_score_error(problem)
         return cls(u_s=u_s, u_p=u_p, u_pv=u_pv, tiny_s=tiny_s,
@@ -271,7 +285,7 @@ class _Units:
                    tiny_p=float(finfo(precision.p_rounding).smallest_normal), p_rounds=p_rounds,
                    eps_exp=eps_exp, eps_exp_p=eps_exp_p, eps_tanh=eps_tanh, tanh_abs=tanh_abs, g_d=g_d,
                    t_abs=t_abs,
-                   scale=problem.scale_value, accumulation=accumulation, lam=lam)
+                   scale=problem.scale_value, accumulation=accumulation, lam=lam, u_r=u_r, h_r=h_r)
 
 
 def error_bound(problem: AttentionProblem, precision: PrecisionModel, reference: Reference,
@@ -310,7 +324,7 @@ def error_bound(problem: AttentionProblem, precision: PrecisionModel, reference:
                        {n: t[b, h, rows] for n, t in lse_terms.items()})
 
     live = np.isfinite(reference.lse)
-    first_order = sum(out_terms[n] for n in OUT_TERMS[:5])
+    first_order = sum(out_terms[n] for n in _FIRST_ORDER)
     out_terms["second_order"] = _scaled(first_order, out_terms["second_order"])  # held the factor
     pre_rounding = first_order + out_terms["second_order"] + reference.out_bound
     out_terms["output_rounding"] = np.where(
@@ -320,8 +334,7 @@ def error_bound(problem: AttentionProblem, precision: PrecisionModel, reference:
         out_terms["flush_to_zero"] = np.where(live[..., None] & np.ones(problem.out_shape, bool),
                                               flushed_output_error(precision), 0.0)
 
-    lse_first = sum(lse_terms[n] for n in ("scores", "softmax", "online_rescale", "p_rounding",
-                                           "row_sum", "log"))
+    lse_first = sum(lse_terms[n] for n in _LSE_FIRST_ORDER)
     lse_terms["second_order"] = _scaled(lse_first, lse_terms["second_order"])
     ref_lse = np.where(live, reference.lse, 0.0)
     lse_terms["lse_rounding"] = np.where(live, unit_roundoff(precision.lse) * (np.abs(ref_lse) + lse_first), 0.0)
@@ -374,6 +387,15 @@ class _RowVariants:
         return z, slope, own, tanh_part
 
 
+def _input_rounding(U: _Units, q, k) -> np.ndarray:
+    """c_ij [r, Nk]: how far rounding q and k to the kernel's input dtype moves each score."""
+    if not U.u_r:
+        return np.zeros((q.shape[0], k.shape[0]))
+    abs_q, abs_k = np.abs(q), np.abs(k)
+    return U.scale * ((2 * U.u_r + U.u_r ** 2) * (abs_q @ abs_k.T) + U.h_r * (1 + U.u_r) * (
+        abs_q.sum(axis=-1)[:, None] + abs_k.sum(axis=-1)[None, :]) + q.shape[1] * U.h_r ** 2)
+
+
 def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs_o, row_scale,
            out_terms, lse_terms):
     """Fill the terms of rows `q` [r, D] of one head (views into the result arrays).
@@ -415,12 +437,14 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
     w_rescale = p * rel_rescale
     w_p = (U.u_p * np.where(allowed, np.maximum(p, U.tiny_p), 0.0) if U.p_rounds
            else np.zeros_like(p))
+    rel_inputs = _input_rounding(U, q, k) * score_factor
+    w_inputs = p * rel_inputs
 
-    weights = np.concatenate([w_scores, w_softmax, w_rescale, w_p], axis=0)
+    weights = np.concatenate([w_scores, w_softmax, w_rescale, w_p, w_inputs], axis=0)
     with np.errstate(invalid="ignore"):  # inf weights (no bound) times zero |v| or |O|
-        through_v = (weights @ abs_v).reshape(4, *abs_o.shape)
-        sums = weights.sum(axis=-1).reshape(4, -1, 1)
-        for idx, name in enumerate(("scores", "softmax", "online_rescale", "p_rounding")):
+        through_v = (weights @ abs_v).reshape(5, *abs_o.shape)
+        sums = weights.sum(axis=-1).reshape(5, -1, 1)
+        for idx, name in enumerate(("scores", "softmax", "online_rescale", "p_rounding", "input_rounding")):
             term = through_v[idx] + abs_o * sums[idx]
             out_terms[name][...] = np.where(np.isnan(term), np.inf, term)
             lse_terms[name][...] = sums[idx, :, 0]
@@ -440,6 +464,8 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
     g_n = gamma(n, U.u_pv, U.accumulation, U.lam)[:, None]
     out_terms["accumulation"][...] = np.where(
         live[:, None], g_n * (row_scale + abs_o) + U.u_pv * abs_o + (n[:, None] + 1) * U.tiny_pv, 0.0)
+    if U.u_r:  # the values' own rounding: sum_j p_ij (u_r |v_jc| + h_r)
+        out_terms["input_rounding"][...] += np.where(live[:, None], U.u_r * row_scale + U.h_r, 0.0)
     # |log(1 + theta)| <= -log(1 - |theta|) for the row sum's relative error theta
     with np.errstate(divide="ignore"):  # gamma >= 1: no bound, inf
         lse_terms["row_sum"][...] = np.where(live, -np.log1p(-np.minimum(g_n[:, 0], 1.0)), 0.0)
@@ -450,7 +476,7 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
     # Largest relative perturbation eps of any p of the row: the first-order expansion's
     # remainder is at most the first-order bound times 2 eps / (1 - 2 eps). (The absolute
     # underflow parts are additive, not relative: they do not enter eps.)
-    rel = np.where(allowed, rel_scores + rel_softmax + rel_rescale, 0.0)
+    rel = np.where(allowed, rel_scores + rel_softmax + rel_rescale + rel_inputs, 0.0)
     eps = np.maximum(rel.max(axis=-1, initial=0.0), eps_sink) + (U.u_p if U.p_rounds else 0.0) + g_n[:, 0]
     with np.errstate(divide="ignore", invalid="ignore"):
         factor = np.where(eps < 0.25, 2 * eps / (1 - 2 * eps), np.inf)

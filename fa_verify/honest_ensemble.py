@@ -3,7 +3,8 @@ several correct implementations that round in different places.
 
 Each `Member` computes the problem exactly as a kernel of the precision model may: q·k
 accumulated in `score_accumulation`, softmax and exp in it, P rounded to `p_rounding`, the row
-sum and P·V accumulated in `pv_accumulation`, the output rounded to `output` — and differs
+sum and P·V accumulated in `pv_accumulation`, the output rounded to `output`, q, k, v rounded to
+`input_rounding` first where the model says so — and differs
 from the others where correct kernels differ: the order of the q·k and P·V sums (forward,
 reversed, pairwise; a fused multiply-add or a rounded product), a two-pass softmax with the
 row's max or an online softmax over key tiles with FA2's rescale (tiles of 16 and 64, in
@@ -401,13 +402,21 @@ def ensemble_outputs(problem: AttentionProblem, precision: PrecisionModel, rows=
     step = max(1, BLOCK // max(1, problem.nk * D))
     for lo in range(0, len(rows), step):
         sl = slice(lo, lo + step)
-        block = _Rows(q=problem.q[b[sl], h[sl], i[sl]].astype(work), k=problem.k[b[sl], kv[sl]].astype(work),
-                      v=problem.v[b[sl], kv[sl]].astype(work), mask=mask[i[sl]], softcap=problem.softcap,
+        block = _Rows(q=_given(problem.q[b[sl], h[sl], i[sl]], precision, work),
+                      k=_given(problem.k[b[sl], kv[sl]], precision, work),
+                      v=_given(problem.v[b[sl], kv[sl]], precision, work), mask=mask[i[sl]], softcap=problem.softcap,
                       bias=None if bias is None else bias[sl],
                       sinks=None if problem.sinks is None else problem.sinks[h[sl]].astype(work))
         for member in members:
             outs[member.name][sl] = _member_out(member, block, precision, problem.scale_value, work)
     return outs
+
+
+def _given(x: np.ndarray, precision: PrecisionModel, work: np.dtype) -> np.ndarray:
+    """Inputs as a member computes with them: rounded first where the kernel rounds its inputs."""
+    if precision.input_rounding:
+        x = x.astype(numpy_dtype(precision.input_rounding))
+    return x.astype(work)
 
 
 def ensemble_errors(problem: AttentionProblem, precision: PrecisionModel, reference, bound=None,

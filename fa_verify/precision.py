@@ -40,10 +40,15 @@ class PrecisionModel:
     tanh: str = "accurate"
     #: accuracy of exp (and exp2): one of EXP_ACCURACIES
     exp: str = "accurate"
+    #: dtype q, k and v are rounded to inside the kernel before any arithmetic (an fp32 API over
+    #: fp16 arithmetic); None: used as given. The error model's input_rounding term.
+    input_rounding: str | None = None
 
     def __post_init__(self):
         for field in ("input", "score_accumulation", "p_rounding", "pv_accumulation", "lse"):
             object.__setattr__(self, field, dtype_name(getattr(self, field)))
+        if self.input_rounding is not None:
+            object.__setattr__(self, "input_rounding", dtype_name(self.input_rounding))
         object.__setattr__(self, "output", dtype_name(self.output or self.input))
         if self.input == "fp64":
             raise InvalidArgumentError("input='fp64' is not a problem dtype; use fp16, bf16 or fp32")
@@ -76,27 +81,24 @@ class PrecisionModel:
     @classmethod
     def parse(cls, text: str, dtype) -> "PrecisionModel":
         """From a CLI spelling: a preset name, 'score=fp32,p=bf16,pv=fp32,out=bf16', or a preset
-        followed by keys that change it ('flash,tanh=approx'). Keys: score, p, pv, out (dtypes);
-        tanh (accurate, absolute, approx) and exp (accurate, approx), the accuracy of the
-        transcendental functions."""
+        followed by keys that change it ('flash,tanh=approx'; 'fp32-accumulate,inputs=fp16': q, k, v
+        rounded to fp16 inside). Keys: score, p, pv, out, inputs (dtypes); tanh (accurate, absolute,
+        approx) and exp (accurate, approx), the accuracy of the transcendental functions."""
         presets = {"flash": cls.flash, "fp32-accumulate": cls.fp32_accumulate,
                    "input-scores": cls.input_scores, "same-precision": cls.same_precision}
-        if text in presets:
-            return presets[text](dtype)
         keys = {"score": "score_accumulation", "p": "p_rounding", "pv": "pv_accumulation", "out": "output",
-                "tanh": "tanh", "exp": "exp"}
-        items = [item for item in text.split(",") if item]
-        base = cls(input=dtype)
-        if items and items[0] in presets:
-            base = presets[items.pop(0)](dtype)
+                "inputs": "input_rounding", "tanh": "tanh", "exp": "exp"}
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        base = presets[items.pop(0)](dtype) if items and items[0] in presets else cls(input=dtype)
         fields = {}
         for item in items:
             key, _, value = item.partition("=")
             if key not in keys or not value:
                 raise InvalidArgumentError(
                     f"precision={text!r}: use a preset ({', '.join(presets)}), "
-                    "'score=DT,p=DT,pv=DT,out=DT' with DT in fp16, bf16, fp32, or either followed by "
-                    f"tanh=({'|'.join(TANH_ACCURACIES)}) and exp=({'|'.join(EXP_ACCURACIES)}), e.g. 'flash,tanh=approx'"
+                    "'score=DT,p=DT,pv=DT,out=DT,inputs=DT' with DT in fp16, bf16, fp32, or either followed by "
+                    f"tanh=({'|'.join(TANH_ACCURACIES)}) and exp=({'|'.join(EXP_ACCURACIES)}), e.g. 'flash,tanh=approx' "
+                    "or 'fp32-accumulate,inputs=fp16'"
                 )
             fields[keys[key]] = value
         try:
@@ -109,10 +111,14 @@ class PrecisionModel:
         return replace(self, **changes)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        found = asdict(self)
+        if self.input_rounding is None:  # records of models without it stay as they were
+            del found["input_rounding"]
+        return found
 
     def describe(self) -> str:
-        conventions = (f" lse={self.lse}" if self.lse != "fp32" else "") + (" ftz" if self.ftz else "")
+        conventions = ((f" lse={self.lse}" if self.lse != "fp32" else "") + (" ftz" if self.ftz else "")
+                       + (f" inputs->{self.input_rounding}" if self.input_rounding else ""))
         conventions += "".join(f" {name}={value}" for name, value in (("tanh", self.tanh), ("exp", self.exp))
                                if value != "accurate")
         return (f"in={self.input} score={self.score_accumulation} p={self.p_rounding} "

@@ -136,12 +136,58 @@ def _check(capsys, source, spec, *options):
     ({"conventions": {"lse-base": 10}}, "conventions.lse-base=10"),
     # issue 25 item 10: checked before g++ runs (it printed 336 lines of errors from generated code)
     ({"entry": "no_such_kernel<{D}, {T}>"}, "entry='no_such_kernel<{D}, {T}>' names no kernel of"),
+    # issue 22 item 1: scratch buffers, o-fill, structs, template entries, launches, causal-only, precision
+    ({"scratch": {"m": {"size": "B * H * Nq", "fill": "minus infinity"}}}, "scratch.m.fill='minus infinity'"),
+    ({"scratch": {"m": {"size": "N * 4"}}}, "scratch.m.size='N * 4' uses 'N'"),
+    ({"scratch": {"m": {"size": 4, "dtype": "fp8"}}}, "scratch.m.dtype='fp8'"),
+    ({"scratch": {"m": {"size": 4, "dtype": "int32", "fill": "-inf"}}}, "scratch.m.fill='-inf' is not an integer"),
+    ({"scratch": {"k": {"size": 4}}}, "scratch.k: name it with an identifier that is not a buffer"),
+    ({"scratch": {"m": {"elements": 4}}}, "scratch.m must be a table of size"),
+    ({"o-fill": "zero"}, "o-fill='zero' must be a number or 'inf', '-inf', 'nan'"),
+    ({"params": ["args"], "structs": {"args": {"fields": [["q", "float4", "q"]]}}}, "structs.args.fields.q='float4'"),
+    ({"params": ["args"], "structs": {"args": {"fields": [["q", "float*", "Nq"]]}}},
+     "structs.args.fields.q='Nq': a pointer field names a buffer"),
+    ({"params": ["args"], "structs": {"args": {"fields": [["n", "int", "rows"]]}}},
+     "structs.args.fields.n='rows' uses 'rows'"),
+    ({"params": ["args"], "structs": {"args": {"fields": [["q", "float*"]]}}}, "fields = [[name, C type, value]"),
+    ({"params": ["args"], "structs": {"args": {"fields": [["n", "int", "Nq"]], "align": 3}}},
+     "structs.args.fields.align=3 must be a power of two"),
+    ({"entry": "attention_fwd<{N}>"}, "placeholder {N}"),
+    ({"launch": [{"entry": "attention_fwd", "params": ["q"], "grid": 1, "block": 1}]},
+     "and [[launch]] tables are both given"),
+    ({"limits": {"dtype": "fp32", "head-dims": [64], "heads": "mha", "causal": "both"}},
+     "no parameter passes causal (params use none of causal, causal_offset), so the kernel cannot be told it: "
+     "pass it in params, or declare [limits] causal = 'no' (never masked) or causal = 'yes' (always causal)"),
+    ({"precision": "fp32-accumulate,inputs=fp9"}, "precision='fp32-accumulate,inputs=fp9'"),
 ])
 def test_spec_errors_exit_2_naming_the_key(tmp_path, capsys, change, named):
     table = tomllib.loads((KERNELS / "raw_pointer_flash.toml").read_text())
     table.update(change)
     spec = tmp_path / "bad.toml"
     spec.write_text(_toml(table))
+    code, out, err = _check(capsys, RAW, spec)
+    assert code == 2, out + err
+    assert named in err and "bad.toml" in err, err
+
+
+@pytest.mark.parametrize("launches, named", [
+    ([{"entry": "attention_fwd", "params": ["q", "k", "v", "o"], "grid": 1}], "launch[0].block missing"),
+    ([{"entry": "attention_fwd", "params": ["q", "k", "v", "o"], "grid": 1, "block": 1, "blocks": 2}],
+     "launch[0].blocks: not a launch key"),
+    ([{"entry": "attention_fwd", "params": ["q", "k", "v", "o", "Nq"], "grid": 1, "block": 1},
+      {"entry": "attention_fwd", "params": ["q"], "grid": "cdiv(N, 2)", "block": 1}],
+     "launch[1].grid[0]='cdiv(N, 2)' uses 'N'"),
+    ([{"entry": "attention_fwd", "params": ["q", "k", "v", "o", "workspace"], "grid": 1, "block": 1}],
+     "launch[0].params[4]='workspace' is no buffer (q, k, v, o, lse, null), struct or problem name: if the host "
+     "allocates it, declare it: [scratch.workspace]"),
+    ([{"entry": "attention_fwd", "params": ["q", "k", "v"], "grid": 1, "block": 1}], "params has no o"),
+    ([], "a [[launch]] table with them per launch"),
+])
+def test_launch_list_errors_exit_2_naming_the_launch(tmp_path, capsys, launches, named):
+    table = {k: v for k, v in tomllib.loads((KERNELS / "raw_pointer_flash.toml").read_text()).items()
+             if k.replace("-", "_") not in ("entry", "params", "grid", "block", "shared_bytes", "shared_opt_in")}
+    spec = tmp_path / "bad.toml"
+    spec.write_text(_toml({"launch": launches, **table}))
     code, out, err = _check(capsys, RAW, spec)
     assert code == 2, out + err
     assert named in err and "bad.toml" in err, err
@@ -160,19 +206,25 @@ def test_spec_conventions_are_what_the_kernel_is_judged_under(tmp_path, capsys):
     assert code == 0 and "PASS lse_agreement" in out, out + err
 
 
-def _toml(table: dict, prefix: str = "") -> str:
-    """A small TOML writer for the tests' flat tables (tomllib only reads)."""
-    import json
-
+def _toml(table: dict) -> str:
+    """A small TOML writer for the tests' tables (tomllib only reads): [limits] as a table, the rest inline."""
     lines, tables = [], []
     for key, value in table.items():
         if isinstance(value, dict) and key == "limits":
             tables.append(f"[{key}]\n" + _toml(value))
-        elif isinstance(value, dict):
-            lines.append(f"{key} = {{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items()) + "}")
         else:
-            lines.append(f"{key} = {json.dumps(value)}")
+            lines.append(f"{key} = {_inline(value)}")
     return "\n".join(lines + tables) + "\n"
+
+
+def _inline(value) -> str:
+    import json
+
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_inline(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_inline(v) for v in value) + "]"
+    return json.dumps(value)
 
 
 def test_expressions_are_a_whitelist_not_eval():
@@ -187,9 +239,8 @@ def test_the_spec_as_a_python_object_and_its_entries():
     spec = KernelSpec(entry="flash_fwd_kernel<{D}, 64, 32, {T}>", params=["q", "k", "v", "o", "lse", "H", "Hkv",
                       "Nq", "Nk", "scale", "causal"], grid=["cdiv(Nq, 64)", "H", "B"], block=64, layout="bshd",
                       limits=_spec(KERNELS / "published_flash.toml").limits)
-    assert [spec.entry_for(t, d) for t, d in spec.entries()] == ["flash_fwd_kernel<64, 64, 32, __half>",
-                                                                 "flash_fwd_kernel<64, 64, 32, float>"]
-    assert spec.signature() == ["ptr"] * 5 + ["int"] * 4 + ["float", "int"]
+    assert list(spec.instantiations()) == ["flash_fwd_kernel<64, 64, 32, __half>", "flash_fwd_kernel<64, 64, 32, float>"]
+    assert spec.signature(spec.launch[0]) == ["ptr"] * 5 + ["int"] * 4 + ["float", "int"]
     assert spec.limits.lse is True
 
 

@@ -435,6 +435,30 @@ def test_a_kernel_spec_drives_pycuda_as_it_drives_the_cpu_runner():
     assert all(name.startswith("_Z16flash_fwd_kernel") for name in answer["names"])
 
 
+@pytest.mark.parametrize("stem, shape, dtype", [
+    ("split_combine", (1, 2, 2, 40, 70, 32), "fp16"),  # two launches sharing two scratch workspaces
+    ("fa1_global_stats", (2, 1, 1, 33, 33, 16), "fp32"),  # scratch filled with -inf and 0, o zeroed
+    ("struct_args", (1, 2, 1, 20, 30, 32), "fp16"),  # a struct by value, packed from the spec's layout
+    ("template_seq", (1, 1, 1, 16, 32, 16), "fp32"),  # an entry over Nk, found by its mangled name
+])
+def test_spec_keys_drive_pycuda_as_they_drive_the_cpu_runner(stem, shape, dtype):
+    """Scratch buffers, o-fill, [[launch]] lists, struct arguments and template entries over a drawn
+    dimension through PyCUDA: bit-identical to the CPU runner, and the oracle passes."""
+    kernels = REPO / "tests" / "cuda_cpu_kernels"
+    source, spec = kernels / f"{stem}.cu", kernels / f"{stem}.toml"
+    answer = on_fake_driver(f"""
+        from fa_verify.backends.spec_kernel import SpecKernelBackend
+        from fa_verify.backends.spec_pycuda import SpecPyCudaBackend
+        from fa_verify.verdict import check_attention
+        gpu, cpu = SpecPyCudaBackend({str(source)!r}, {str(spec)!r}), SpecKernelBackend({str(source)!r}, {str(spec)!r})
+        p = problem(*{shape!r}, {dtype!r}, seed=1)
+        (o, lse), (o2, lse2) = gpu.run(p), cpu.run(p)
+        answer(same=o.tobytes() == o2.tobytes() and (lse is None or lse.tobytes() == lse2.tobytes()),
+               passed=check_attention(o, p, lse=lse, precision=gpu.precision({dtype!r})).passed)
+    """, spec=f"{source}{os.pathsep}{spec}")
+    assert answer == {"same": True, "passed": True}
+
+
 def test_check_runs_a_spec_on_pycuda_with_its_shared_memory_opt_in():
     """`check kernel.cu --spec kernel.toml --runner pycuda`: raw_pointer_flash asks for 64 KiB of dynamic shared
     memory, which launches only after the spec's opt-in (cuFuncSetAttribute) as on a GPU."""

@@ -20,7 +20,7 @@ import numpy as np
 from fa_verify.backends import watch
 from fa_verify.backends.buffers import InputSnapshot
 from fa_verify.conventions import Conventions
-from fa_verify.dtypes import DTYPE_NAMES
+from fa_verify.dtypes import DTYPE_NAMES, round_to
 from fa_verify.errors import BackendUnavailableError, InvalidArgumentError
 from fa_verify.limits import Limits
 from fa_verify.outputs import check_outputs
@@ -121,6 +121,10 @@ class Backend(ABC):
             return f"{self.name} runs {' and '.join(self.kinds)} problems, not {problem.kind} ones"
         if problem.dtype not in self.dtypes:
             return f"{self.name} does not run dtype={problem.dtype} (it runs {', '.join(self.dtypes)})"
+        rounding = self.precision(problem.dtype).input_rounding
+        if rounding and not all(np.isfinite(round_to(x, rounding)).all() for x in (problem.q, problem.k, problem.v)):
+            return (f"{self.name} rounds q, k, v to {rounding} (precision inputs={rounding}): this problem's inputs "
+                    f"exceed {rounding}'s range")
         return problem.unsupported_by(self)
 
     def run(self, problem) -> tuple:

@@ -4,8 +4,11 @@
 fa_verify.cuda_cpu._host_code) with one launcher per instantiation the spec's limits allow,
 and runs each problem the way the spec describes: q, k, v in the spec's layout and element
 types, o and lse in NaN-filled guarded buffers (an element left unwritten or written out of
-bounds is reported), grid, block and dynamic shared memory evaluated from the problem, the 48 KiB
-default and the arch's maximum held to the spec's opt-in as a GPU would.
+bounds is reported; o filled as `o-fill` says when the host fills it), the scratch buffers
+allocated and filled, then each launch in order — grid, block and dynamic shared memory evaluated
+from the problem, the 48 KiB default and the arch's maximum held to the spec's opt-in as a GPU
+would, struct arguments field by field — all sharing those buffers. `plan` is what both runners
+launch; only `_run_plan` differs (fa_verify.backends.spec_pycuda).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from fa_verify.problem import AttentionProblem
 class SpecKernelBackend(Backend):
     """The kernels of `source` (a .cu file) as `spec` (a KernelSpec, or a TOML path) launches them."""
 
+    #: where the launches run, in messages
+    runs_on = "the CUDA-on-CPU runner"
+
     def __init__(self, source, spec: KernelSpec | str | os.PathLike, sanitize: bool = False):
         self.spec = spec if isinstance(spec, KernelSpec) else KernelSpec.from_toml(spec)
         source = source if source is not None else self.spec.source
@@ -45,7 +51,7 @@ class SpecKernelBackend(Backend):
         self.judged_under = self.spec.conventions
         self.dtypes = self.limits.dtypes
         self.notes = f"{self.source.name} launched by its kernel spec on the CUDA-on-CPU runner ({self.spec.arch})"
-        self._modules: dict = {}
+        self._modules: dict = {}  # (racecheck, entry or None) -> CpuKernelModule
         self._sanitized = None
         self._lock = threading.Lock()
 
@@ -75,24 +81,29 @@ class SpecKernelBackend(Backend):
                 self._sanitized = self if self.sanitize else SpecKernelBackend(self.source, self.spec, sanitize=True)
             return self._sanitized
 
-    def module(self, racecheck: bool = False):
-        """The kernel module with a launcher per instantiation, or its race detector build (each
-        built once; the runner caches builds)."""
+    def module(self, racecheck: bool = False, launch: "SpecLaunch | None" = None):
+        """The kernel module that runs `launch` (default: the module of the instantiations known
+        before any problem is drawn, built together), or its race detector build. Each is built
+        once; an entry over a drawn dimension gets a module of its own, one build per value (the
+        runner caches builds across runs too)."""
         from fa_verify.cuda_cpu import CpuKernelModule
 
+        static = self.spec.instantiations()
+        key = (racecheck, None if launch is None or launch.entry in static else launch.entry)
         with self._lock:
-            if racecheck not in self._modules:
-                signature = self.spec.signature()
-                entries = {self.spec.entry_for(dtype, d or 0): signature for dtype, d in self.spec.entries()}
-                self._modules[racecheck] = CpuKernelModule(
+            if key not in self._modules:
+                entries = ({launch.entry: launch.signature} if key[1] else
+                           {entry: self.spec.signature(of) for entry, of in static.items()})
+                self._modules[key] = CpuKernelModule(
                     self.source, entries, include_dirs=self.spec.include_dirs, defines=self.spec.defines,
                     sanitize=self.sanitize and not racecheck, racecheck=racecheck, arch=self.spec.arch_number,
                     set_aside_host_code=True)
-            return self._modules[racecheck]
+            return self._modules[key]
 
     def build(self):
-        """Build (or fetch) the kernel module this backend launches."""
-        return self.module()
+        """Build (or fetch) the kernel module of the instantiations known before a problem is drawn
+        (None when every entry is over a drawn dimension: those build at their first run)."""
+        return self.module() if self.spec.instantiations() else None
 
     def run_racecheck(self, problem: AttentionProblem) -> None:
         """`races`' hook: run `problem` on the race detector's build; raises KernelRaceError."""
@@ -111,7 +122,7 @@ class SpecKernelBackend(Backend):
             raw = [Inside(_bits(buffer), offset) for buffer, offset in zip(padded.buffers, padded.offsets)]
         return self._launch(padded.problem, raw)
 
-    # --- one launch ---------------------------------------------------------------------------------
+    # --- a problem's launches ---------------------------------------------------------------------------
     def _inputs(self, problem: AttentionProblem) -> list:
         arrays = []
         for name, x in zip("qkv", (problem.q, problem.k, problem.v)):
@@ -125,45 +136,72 @@ class SpecKernelBackend(Backend):
         return arrays
 
     def _launch(self, problem: AttentionProblem, inputs: list, racecheck: bool = False):
-        from fa_verify.cuda_cpu import Inside
-
         plan = self.plan(problem)
         o = GuardedOutput.allocate("o", plan.o_shape, plan.o_dtype)
+        if self.spec.o_fill is not None:  # the host fills o before the first launch
+            o.view[...] = self.spec.o_fill
         lse = GuardedOutput.allocate("lse", plan.lse_shape, np.float32) if plan.lse_shape else None
-        args = plan.arguments({"q": inputs[0], "k": inputs[1], "v": inputs[2], "o": Inside(_bits(o.buffer), o.offset),
-                               "lse": lse and Inside(lse.buffer, lse.offset), NULL: None})
-        self.module(racecheck).launch(plan.entry, plan.grid, plan.block, plan.shared, args, shared_opt_in=plan.opt_in)
-        check_written(f"{self.name} on the CUDA-on-CPU runner", *(b for b in (o, lse) if b is not None))
+        self._run_plan(plan, dict(zip("qkv", inputs)), o, lse, racecheck)
+        check_written(f"{self.name} on {self.runs_on}", *(b for b in (o, lse) if b is not None))
         return self.output(o.view), (lse.view if lse is not None else None)
+
+    def _run_plan(self, plan: "SpecPlan", inputs: dict, o: GuardedOutput, lse, racecheck: bool) -> None:
+        """Every launch of `plan` in order on the CPU runner, all sharing the same buffers."""
+        from fa_verify.cuda_cpu import Inside
+
+        buffers = {**inputs, "o": Inside(_bits(o.buffer), o.offset), "lse": lse and Inside(lse.buffer, lse.offset),
+                   NULL: None, **plan.scratch}
+        for launch in plan.launches:
+            self.module(racecheck, launch).launch(launch.entry, launch.grid, launch.block, launch.shared_bytes,
+                                                  launch.arguments(buffers), shared_opt_in=launch.opt_in)
 
     def output(self, o: np.ndarray) -> np.ndarray:
         """The kernel's o as [B, H, Nq, D]."""
         return o if self.spec.layout == "bhsd" else np.ascontiguousarray(o.transpose(0, 2, 1, 3))
 
-    def plan(self, problem: AttentionProblem) -> "SpecLaunch":
-        """The launch the spec describes for `problem`: entry, grid, block, shared memory, scalars, output shapes."""
+    def plan(self, problem: AttentionProblem) -> "SpecPlan":
+        """What the spec does for `problem`: its scratch buffers, filled, and each launch's entry, grid,
+        block, shared memory and arguments; the outputs' shapes."""
         spec = self.spec
         B, H, Nq, D = problem.out_shape
         values = spec.names((B, H, problem.kv_heads, Nq, problem.nk, D), problem.dtype, causal=problem.causal,
                             scale=problem.scale_value)
-        shared = self._dimension(spec.shared_bytes, values, "shared-bytes", minimum=0)
-        return SpecLaunch(
-            entry=spec.entry_for(problem.dtype, D if "{D}" in spec.entry else 0),
-            grid=[self._dimension(e, values, "grid") for e in spec.grid],
-            block=[self._dimension(e, values, "block") for e in spec.block],
-            shared=shared,
-            opt_in=(shared if spec.shared_opt_in is True else None if spec.shared_opt_in is False
-                    else self._dimension(spec.shared_opt_in, values, "shared-opt-in", minimum=0)),
-            params=[p if isinstance(p, str) else expressions.evaluate(p, values, f"{spec.origin}: params")
-                    for p in spec.params],
+        return SpecPlan(
+            launches=[self._planned(launch, values, problem.dtype) for launch in spec.launch],
+            scratch={name: s.allocate(values, f"{spec.origin}: scratch.{name}") for name, s in spec.scratch.items()},
             o_shape=(B, Nq, H, D) if spec.layout == "bshd" else (B, H, Nq, D),
             o_dtype=numpy_dtype(self.precision(problem.dtype).output),
             lse_shape=(B, H, Nq) if spec.has_lse else None)
 
+    def _planned(self, launch, values: dict, dtype: str) -> "SpecLaunch":
+        spec = self.spec
+        where = f"{spec.origin}: " + (f"launch[{spec.launch.index(launch)}]." if len(spec.launch) > 1 else "")
+
+        def scalar(tree, key):
+            return expressions.evaluate(tree, values, f"{where}{key}")
+
+        def argument(param):
+            if param in spec.structs:
+                layout, fields = spec.structs[param]
+                return [v if isinstance(v, str) else scalar(v, f"structs.{param}.fields.{f.name}")
+                        for f, v in zip(layout.fields, fields)]
+            return param if isinstance(param, str) else scalar(param, "params")
+
+        shared = self._dimension(launch.shared_bytes, values, f"{where}shared-bytes", minimum=0)
+        return SpecLaunch(
+            entry=launch.entry_for(values, dtype),
+            grid=[self._dimension(e, values, f"{where}grid") for e in launch.grid],
+            block=[self._dimension(e, values, f"{where}block") for e in launch.block],
+            shared_bytes=shared,
+            opt_in=(shared if launch.shared_opt_in is True else None if launch.shared_opt_in is False
+                    else self._dimension(launch.shared_opt_in, values, f"{where}shared-opt-in", minimum=0)),
+            signature=spec.signature(launch),
+            args=[argument(p) for p in launch.params])
+
     def _dimension(self, tree, values, key: str, minimum: int = 1) -> int:
-        value = expressions.evaluate(tree, values, f"{self.spec.origin}: {key}")
+        value = expressions.evaluate(tree, values, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise InvalidArgumentError(f"{self.spec.origin}: {key}={ast.unparse(tree)!r} gave {value!r} "
+            raise InvalidArgumentError(f"{key}={ast.unparse(tree)!r} gave {value!r} "
                                        f"(an integer >= {minimum} is needed) for "
                                        f"B={values['B']}, H={values['H']}, Nq={values['Nq']}, Nk={values['Nk']}, "
                                        f"D={values['D']}")
@@ -172,21 +210,34 @@ class SpecKernelBackend(Backend):
 
 @dataclass
 class SpecLaunch:
-    """One launch as the spec describes it; `params` holds buffer names (str) and evaluated scalars."""
+    """One launch as the spec describes it; `args` holds buffer names (str), evaluated scalars and,
+    for a struct, a list of its fields' values (the shape pycuda_runner.run_launches takes)."""
 
     entry: str
     grid: list
     block: list
-    shared: int
+    shared_bytes: int
     opt_in: int | None
-    params: list
+    signature: list
+    args: list
+
+    def arguments(self, buffers: dict) -> list:
+        """The kernel's arguments, each buffer name replaced by `buffers[name]` (in structs too)."""
+        def one(value):
+            return buffers[value] if isinstance(value, str) else value
+
+        return [[one(v) for v in a] if isinstance(a, list) else one(a) for a in self.args]
+
+
+@dataclass
+class SpecPlan:
+    """A problem's launches in order, the scratch buffers they share, and the outputs' shapes."""
+
+    launches: list
+    scratch: dict
     o_shape: tuple
     o_dtype: np.dtype
     lse_shape: tuple | None
-
-    def arguments(self, buffers: dict) -> list:
-        """The kernel's arguments, each buffer name replaced by `buffers[name]`."""
-        return [buffers[p] if isinstance(p, str) else p for p in self.params]
 
 
 def _layout(x: np.ndarray, layout: str) -> np.ndarray:

@@ -149,7 +149,7 @@ def build(
     inputs_key = _sha256(
         json.dumps(
             [_BUILDER_VERSION, str(source), entries, flags, macro_flags, include_flags, identity, _shim_digest()],
-            sort_keys=True,
+            sort_keys=True, default=repr,  # a struct parameter's layout by its dataclass repr
         )
     )
     manifest = cache / "manifests" / f"{inputs_key}.json"

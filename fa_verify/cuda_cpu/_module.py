@@ -29,6 +29,7 @@ from fa_verify.errors import (
     KernelRaceError,
     KernelRunError,
 )
+from fa_verify.kernels.abi import StructLayout
 
 ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 DEFAULT_TIMEOUT = 60.0
@@ -43,8 +44,9 @@ class CpuKernelModule:
     entries: {entry: signature}. An entry is a kernel's name (``extern "C"`` or not, qualified
     or not) or a template instantiation written as in C++, ``"flash_fwd<64, 32, __half>"``
     (the build instantiates it: no alias line in the source is needed). A signature lists
-    'ptr' | 'int' | 'float' per parameter (the build checks it against the kernel's parameter
-    types). defines: ``"NAME"``/``"NAME=VALUE"``
+    'ptr' | 'int' | 'float' per parameter, or a `fa_verify.kernels.abi.StructLayout` for a struct
+    passed by value (the build checks it against the kernel's parameter types and the struct's
+    layout; its argument is one value per field). defines: ``"NAME"``/``"NAME=VALUE"``
     strings or a {name: value} mapping. sanitize: build with AddressSanitizer and report
     out-of-bounds accesses to arrays and shared memory. racecheck: build with the race detector
     and raise KernelRaceError for conflicting accesses to shared or global memory that no barrier
@@ -223,22 +225,24 @@ class Inside:
 
 def _flatten(name, signature, args):
     """Slots (int64 / double bits / a pointer's byte offset into its array), element sizes,
-    distinct arrays, pointers."""
+    distinct arrays, pointers. A struct argument (a StructLayout in the signature) is a sequence
+    of its fields' values, one slot each."""
     slots: list[int] = []
     itemsizes: list[int] = []
     arrays: list[tuple[np.ndarray, list[int]]] = []
     pointers: dict[int, int | None] = {}
     seen: dict[int, int] = {}
-    for position, (kind, value) in enumerate(zip(signature, args)):
+
+    def one(kind, value, position):
         if kind == "ptr":
             offset = 0
             if isinstance(value, Inside):
                 value, offset = value.array, value.offset * value.array.dtype.itemsize
             slots.append(offset)
             if value is None:
-                pointers[position] = None
+                pointers[len(slots) - 1] = None
                 itemsizes.append(0)
-                continue
+                return
             if not isinstance(value, np.ndarray):
                 raise InvalidArgumentError(
                     f"argument {position} of {name} is a pointer: pass a numpy array or None, not {type(value).__name__}"
@@ -248,7 +252,7 @@ def _flatten(name, signature, args):
                 index = seen[id(value)] = len(arrays)
                 arrays.append((value, []))
             arrays[index][1].append(position)
-            pointers[position] = index
+            pointers[len(slots) - 1] = index
             itemsizes.append(value.dtype.itemsize)
         elif kind == "int":
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
@@ -263,6 +267,16 @@ def _flatten(name, signature, args):
                 raise InvalidArgumentError(f"argument {position} of {name} is a 'float', got {value!r}")
             slots.append(struct.unpack("<Q", struct.pack("<d", float(value)))[0])
             itemsizes.append(0)
+
+    for position, (kind, value) in enumerate(zip(signature, args)):
+        if isinstance(kind, StructLayout):
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != len(kind.fields):
+                raise InvalidArgumentError(f"argument {position} of {name} is a struct: pass one value per field "
+                                           f"({', '.join(f.name for f in kind.fields)})")
+            for field, item in zip(kind.fields, value):
+                one(field.kind, item, f"{position}.{field.name}")
+        else:
+            one(kind, value, position)
     return slots, itemsizes, arrays, pointers
 
 
@@ -271,7 +285,7 @@ def _raise_for_status(status: int, message: str, name: str, args) -> None:
         return
     if status == _exec.STATUS_BAD_ARGUMENT:
         found = re.match(r"argument (\d+)", message)
-        if found and isinstance(args[int(found.group(1))], np.ndarray):
+        if found and int(found.group(1)) < len(args) and isinstance(args[int(found.group(1))], np.ndarray):
             message += f" (dtype {args[int(found.group(1))].dtype})"
         raise InvalidArgumentError(f"kernel {name}: {message}")
     if status == _exec.STATUS_BAD_LAUNCH:
@@ -301,7 +315,7 @@ def _check_entries(entries) -> dict[str, tuple[str, ...]]:
         if isinstance(signature, str):
             raise InvalidArgumentError(f"signature of {name}={signature!r} must be a sequence such as ['ptr', 'int']")
         signature = tuple(signature)
-        bad = [k for k in signature if k not in KINDS]
+        bad = [k for k in signature if not isinstance(k, StructLayout) and k not in KINDS]
         if bad:
             raise InvalidArgumentError(f"signature of {name} has {bad!r}; each parameter is one of {sorted(KINDS)}")
         checked[name] = signature

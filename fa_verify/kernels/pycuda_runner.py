@@ -179,28 +179,38 @@ def load_in_primary_context(load):
 
 def run_launches(context, module, launches, buffers: dict, outputs, offsets=None, what: str = "kernel") -> None:
     """Copy `buffers` ({name: host array; None: a null pointer}) to the device in `context`, run
-    `launches` (split_kv.KernelLaunch: a str argument names a buffer, passed `offsets[name]` bytes
-    into it) from `module` in order, synchronised after each so that a fault is reported at the
-    launch that caused it, and copy the buffers named in `outputs` back into their host arrays.
-    A CUDA error is a KernelRunError naming `what`."""
+    `launches` (each with entry, grid, block, shared_bytes, opt_in, signature and args, as
+    split_kv.KernelLaunch: a str argument names a buffer, passed `offsets[name]` bytes into it; a
+    list is a struct's fields) from `module` (anything with get_function(entry)) in order,
+    synchronised after each so that a fault is reported at the launch that caused it, and copy the
+    buffers named in `outputs` back into their host arrays. The parameters go as one buffer laid
+    out by fa_verify.kernels.abi. A CUDA error is a KernelRunError naming `what`."""
     import pycuda.driver as cuda
+
+    from fa_verify.kernels.abi import pack_parameters
 
     offsets = offsets or {}
     context.push()
     device = {}
+
+    def value(a):
+        if isinstance(a, list):
+            return [value(v) for v in a]
+        if isinstance(a, str):
+            return int(device[a]) + offsets.get(a, 0) if a in device else 0
+        return a
+
     try:
         for name, array in buffers.items():
             if array is not None:
                 device[name] = cuda.mem_alloc(max(1, array.nbytes))
                 cuda.memcpy_htod(device[name], np.ascontiguousarray(array))
         for launch in launches:
-            args = [(np.uintp(int(device[a]) + offsets.get(a, 0)) if a in device else np.uintp(0)) if isinstance(a, str)
-                    else np.float32(a) if kind == "float" else np.int32(a)
-                    for a, kind in zip(launch.args, launch.signature)]
+            packed = pack_parameters(list(launch.signature), [value(a) for a in launch.args])
             func = module.get_function(launch.entry)
-            if launch.shared_bytes > DEFAULT_SHARED_LIMIT:
-                func.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.shared_bytes)
-            func(*args, grid=launch.grid, block=launch.block, shared=launch.shared_bytes)
+            if launch.opt_in is not None and launch.opt_in > DEFAULT_SHARED_LIMIT:  # the host's opt-in
+                func.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.opt_in)
+            func(np.void(packed), grid=_three(launch.grid), block=_three(launch.block), shared=launch.shared_bytes)
             cuda.Context.synchronize()
         for name in outputs:
             if name in device:
@@ -211,6 +221,11 @@ def run_launches(context, module, launches, buffers: dict, outputs, offsets=None
         for buf in device.values():
             buf.free()
         cuda.Context.pop()
+
+
+def _three(dims) -> tuple:
+    """grid or block as the three dimensions PyCUDA takes."""
+    return tuple(int(n) for n in dims) + (1,) * (3 - len(dims))
 
 
 def arch_problem(family: KernelFamily, arch: str) -> str | None:

@@ -20,25 +20,35 @@ form; `KernelSpec(...)` / `KernelSpec.from_dict(...)` is the same spec in Python
     [conventions]                          # fa_verify.conventions' options, e.g. a base-2 LSE
     lse-base = 2
 
-`params` lists every kernel parameter in order: a buffer name (q, k, v, o, lse), "null" (a null
-pointer) or an expression of NAMES (fa_verify.kernels.expressions) whose value is passed as an
-`int` or, when it is a float, a `float`.
+`params` lists every kernel parameter in order: a buffer name (q, k, v, o, lse, or a scratch
+buffer's), a struct's name, "null" (a null pointer) or an expression of NAMES
+(fa_verify.kernels.expressions) whose value is passed as an `int` or, when it is a float, a `float`.
+
+What a host does around the kernel is said too: `[scratch.NAME]` buffers it allocates and fills
+(size an expression, dtype, fill), `o-fill` (the output zeroed before the launch), `[structs.NAME]`
+arguments passed by value (fields with their C types; laid out by fa_verify.kernels.abi), and
+`[[launch]]` tables for a host that launches several kernels in order, sharing the buffers. An
+`entry` may name a template instantiation over any problem dimension (`attn<{Nk}, {D}, {T}>`):
+one build per value drawn.
 """
 
 from __future__ import annotations
 
+import ast
 import math
 import re
-import string
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import InitVar, dataclass, field, fields, replace
 from pathlib import Path
+
+import numpy as np
 
 from fa_verify.conventions import Conventions, parse_conventions
 from fa_verify.conventions import of as conventions_of
-from fa_verify.dtypes import DTYPE_NAMES, dtype_name
+from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.kernels import expressions
+from fa_verify.kernels.abi import StructLayout
 from fa_verify.limits import Limits, parse_limits
 from fa_verify.precision import PrecisionModel
 
@@ -55,22 +65,98 @@ NAMES = (
     *(f"{t}_stride_{axis}" for t in ("q", "k", "v", "o") for axis in ("b", "h", "n")),
     "lse_stride_b", "lse_stride_h",
 )  # fmt: skip
-_ENTRY_FIELDS = ("D", "T", "dtype")
+#: Entry placeholders that are not expressions: the C element type and the dtype's name.
+_ENTRY_TYPES = ("T", "dtype")
+_ENTRY_FIELD = re.compile(r"\{([^{}]*)\}")
 _CAUSAL_ALIGNMENTS = ("bottom-right", "top-left")
+#: The single-launch keys; `[[launch]]` tables take the same ones.
+LAUNCH_KEYS = ("entry", "params", "grid", "block", "shared_bytes", "shared_opt_in")
+#: Element types of scratch buffers.
+SCRATCH_DTYPES = ("fp32", "fp16", "bf16", "int32", "int64", "uint32")
 
 
 @dataclass(frozen=True)
-class KernelSpec:
-    """How to launch one kernel of a CUDA file; the module docstring and the README give the format."""
+class Launch:
+    """One kernel launch: entry (placeholders `{T}`, `{dtype}` or an expression such as `{Nk}`),
+    params, grid and block (expressions), dynamic shared memory and the host's opt-in."""
 
     entry: str
     params: tuple
     grid: tuple
     block: tuple
     shared_bytes: object = 0
-    #: False: no opt-in (48 KiB at most); True: the host opts in to what the launch asks; or the
-    #: bytes (an expression) it passes to cudaFuncAttributeMaxDynamicSharedMemorySize
     shared_opt_in: object = False
+
+    def entry_names(self) -> set:
+        """The problem's names the entry's placeholders read."""
+        return {n.id for f in _ENTRY_FIELD.findall(self.entry) if f.strip() not in _ENTRY_TYPES
+                for n in ast.walk(expressions.parse(f, "entry", NAMES)) if isinstance(n, ast.Name)} - set(
+            expressions.FUNCTIONS)
+
+    def entry_for(self, values: dict, dtype: str) -> str:
+        """The instantiation for a problem whose NAMES are `values` (only the names the entry reads are needed)."""
+
+        def field(match):
+            text = match.group(1).strip()
+            if text in _ENTRY_TYPES:
+                return C_TYPES[dtype] if text == "T" else dtype
+            return str(expressions.evaluate(expressions.parse(text, "entry", NAMES), values, "entry"))
+
+        return _ENTRY_FIELD.sub(field, self.entry)
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A buffer the host allocates and fills before the first launch: `size` elements (an expression)."""
+
+    size: object
+    dtype: str
+    fill: float | int
+
+    def allocate(self, values: dict, where: str) -> np.ndarray:
+        """The filled buffer for a problem whose NAMES are `values` (fp16/bf16 as their uint16 bits)."""
+        size = expressions.evaluate(self.size, values, f"{where}.size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise InvalidArgumentError(f"{where}.size={ast.unparse(self.size)!r} gave {size!r}: an integer >= 1 "
+                                       "(elements) is needed")
+        buffer = np.full(size, self.fill, dtype=numpy_dtype(self.dtype) if self.dtype in DTYPE_NAMES else self.dtype)
+        return buffer.view(np.uint16) if buffer.dtype.itemsize == 2 else buffer
+
+
+def fill_value(value, where: str) -> float:
+    """A fill: a number (TOML's inf, -inf and nan too) or one spelled as a string, e.g. '-inf'."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    raise InvalidArgumentError(f"{where}={value!r} must be a number or 'inf', '-inf', 'nan'")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """How to launch one kernel of a CUDA file; the module docstring and the README give the format."""
+
+    #: a single launch: its entry, params, grid, block, shared memory and opt-in (False: no opt-in,
+    #: 48 KiB at most; True: the host opts in to what the launch asks; or the bytes, an expression,
+    #: it passes to cudaFuncAttributeMaxDynamicSharedMemorySize). Or `launch` instead.
+    entry: InitVar[str | None] = None
+    params: InitVar[tuple | None] = None
+    grid: InitVar[tuple | None] = None
+    block: InitVar[tuple | None] = None
+    shared_bytes: InitVar[object] = None
+    shared_opt_in: InitVar[object] = None
+    #: the launches in order (Launch objects or tables of the keys above); a single launch's keys fill it
+    launch: tuple = ()
+    #: name -> {size = expression (elements), dtype = "fp32", fill = 0 | "-inf" | "nan" | number}
+    scratch: dict = field(default_factory=dict)
+    #: name -> {fields = [[C name, C type, value], ...], align = n}: a struct passed by value
+    structs: dict = field(default_factory=dict)
+    #: what o holds before the first launch (the host zeroes it: 0); None: NaN, so an unwritten
+    #: element is seen
+    o_fill: object = None
     layout: str = "bhsd"
     #: element type per buffer: "input" (the problem's dtype) or a dtype; q, k, v may only widen
     types: dict = field(default_factory=dict)
@@ -90,15 +176,28 @@ class KernelSpec:
     #: a table's own name in messages, e.g. "kernel.toml"
     origin: str = field(default="spec", compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self, entry, params, grid, block, shared_bytes, shared_opt_in):
         where = self.origin
-        if not isinstance(self.entry, str) or not self.entry.strip():
-            raise InvalidArgumentError(f"{where}: entry={self.entry!r} must name the kernel, e.g. "
-                                       "'flash_fwd' or 'flash_fwd<{D}, 64, {T}>'")
-        fields_used = {f for _, f, _, _ in string.Formatter().parse(self.entry) if f is not None}
-        if not fields_used <= set(_ENTRY_FIELDS):
-            raise InvalidArgumentError(f"{where}: entry={self.entry!r} uses {sorted(fields_used - set(_ENTRY_FIELDS))}; "
-                                       f"placeholders: {{D}}, {{T}}, {{dtype}}")
+        single = {k: v for k, v in zip(LAUNCH_KEYS, (entry, params, grid, block, shared_bytes, shared_opt_in))
+                  if v is not None}
+        if single and self.launch:
+            raise InvalidArgumentError(f"{where}: {', '.join(k.replace('_', '-') for k in single)} and [[launch]] "
+                                       "tables are both given: give one launch's keys, or a [[launch]] table per launch")
+        launches = [single] if single else self.launch
+        if isinstance(launches, (str, dict)) or not isinstance(launches, (list, tuple)) or not launches:
+            raise InvalidArgumentError(f"{where}: entry, params, grid and block missing; a spec needs them, or a "
+                                       "[[launch]] table with them per launch")
+        object.__setattr__(self, "scratch", self._scratch())
+        object.__setattr__(self, "structs", self._structs())
+        object.__setattr__(self, "launch", tuple(self._launch(item, f"{where}: launch[{i}]." if len(launches) > 1
+                                                                   or not single else f"{where}: ")
+                                                 for i, item in enumerate(launches)))
+        if self.o_fill is not None:
+            object.__setattr__(self, "o_fill", fill_value(self.o_fill, f"{where}: o-fill"))
+        missing = [b for b in ("q", "k", "v", "o") if not self._passes(b)]
+        if missing:
+            raise InvalidArgumentError(f"{where}: params has no {', '.join(missing)}: a kernel reads q, k, v and "
+                                       "writes o")
         if self.layout not in LAYOUTS:
             raise InvalidArgumentError(f"{where}: layout={self.layout!r}; use one of {', '.join(LAYOUTS)}")
         if self.causal_alignment not in _CAUSAL_ALIGNMENTS:
@@ -113,13 +212,6 @@ class KernelSpec:
             arch_maximum(int(arch))
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{where}: {exc}") from None
-        object.__setattr__(self, "params", self._parsed_params())
-        object.__setattr__(self, "grid", self._dims("grid", self.grid))
-        object.__setattr__(self, "block", self._dims("block", self.block))
-        object.__setattr__(self, "shared_bytes", expressions.parse(self.shared_bytes, f"{where}: shared-bytes", NAMES))
-        if not isinstance(self.shared_opt_in, bool):
-            object.__setattr__(self, "shared_opt_in",
-                               expressions.parse(self.shared_opt_in, f"{where}: shared-opt-in", NAMES))
         object.__setattr__(self, "types", self._types())
         if not isinstance(self.defines, dict) or not all(isinstance(k, str) for k in self.defines):
             raise InvalidArgumentError(f"{where}: defines={self.defines!r} must be a table NAME = value")
@@ -138,7 +230,7 @@ class KernelSpec:
     @classmethod
     def from_dict(cls, table: dict, origin: str = "spec") -> "KernelSpec":
         """A spec from a TOML-shaped table (keys with '-' or '_'); unknown keys are errors."""
-        known = {f.name for f in fields(cls)} - {"origin"}
+        known = ({f.name for f in fields(cls)} | set(LAUNCH_KEYS)) - {"origin"}
         values = {}
         for key, value in table.items():
             name = str(key).replace("-", "_")
@@ -147,9 +239,9 @@ class KernelSpec:
                                            f"{', '.join(sorted(k.replace('_', '-') for k in known))}")
             values[name] = value
         missing = [k for k in ("entry", "params", "grid", "block") if k not in values]
-        if missing:
+        if missing and "launch" not in values:
             raise InvalidArgumentError(f"{origin}: {', '.join(missing)} missing; a spec needs entry, params, "
-                                       "grid and block")
+                                       "grid and block, or a [[launch]] table with them per launch")
         if "limits" in values:
             if not isinstance(values["limits"], dict):
                 raise InvalidArgumentError(f"{origin}: limits must be a table ([limits])")
@@ -182,37 +274,55 @@ class KernelSpec:
 
     @property
     def has_lse(self) -> bool:
-        return "lse" in self.params
+        return self._passes("lse")
+
+    def _passes(self, buffer: str) -> bool:
+        """Whether some launch passes `buffer`, as a parameter or a struct's field."""
+        return any(buffer in launch.params for launch in self.launch) or any(
+            buffer in values for _, values in self.structs.values())
+
+    @property
+    def buffer_names(self) -> tuple:
+        """What a pointer parameter may name: the problem's buffers, the scratch buffers, null."""
+        return (*BUFFERS, *self.scratch, NULL)
 
     def missing_entry(self, source_path) -> str | None:
-        """Why `entry` names no kernel of the CUDA file at `source_path` (None: it does, or the file
-        cannot be read here: building it will say why). Checked before anything is compiled, so a
-        wrong name is a spec error, not hundreds of lines of compiler output."""
+        """Why some launch's entry names no kernel of the CUDA file at `source_path` (None: each does,
+        or the file cannot be read here: building it will say why). Checked before anything is
+        compiled, so a wrong name is a spec error, not hundreds of lines of compiler output."""
         try:
             source = Path(source_path).read_text(errors="replace")
         except OSError:
             return None
-        name = re.split(r"[<(\s]", self.entry.strip(), maxsplit=1)[0]
-        if re.search(rf"\b{re.escape(name)}\s*[(<]", source):
-            return None
-        kernels = sorted(set(re.findall(r"__global__[^;{(]*?\b(\w+)\s*\(", source)) - {"__launch_bounds__"})
-        return (f"{self.origin}: entry={self.entry!r} names no kernel of {source_path} (no {name}( or {name}< in it)"
-                + (f"; its __global__ functions: {', '.join(kernels)}" if kernels else ""))
+        for launch in self.launch:
+            name = re.split(r"[<(\s]", launch.entry.strip(), maxsplit=1)[0]
+            if re.search(rf"\b{re.escape(name)}\s*[(<]", source):
+                continue
+            kernels = sorted(set(re.findall(r"__global__[^;{(]*?\b(\w+)\s*\(", source)) - {"__launch_bounds__"})
+            return (f"{self.origin}: entry={launch.entry!r} names no kernel of {source_path} (no {name}( or {name}< "
+                    "in it)" + (f"; its __global__ functions: {', '.join(kernels)}" if kernels else ""))
+        return None
 
-    def entry_for(self, dtype: str, head_dim: int) -> str:
-        return self.entry.format(D=head_dim, T=C_TYPES[dtype], dtype=dtype)
+    def instantiations(self) -> dict:
+        """{entry: its Launch} of the entries known before any problem is drawn: those whose
+        placeholders read only the head dim, for every dtype and head dim the limits allow (built
+        together, once). An entry over another dimension is instantiated per drawn value
+        (`Launch.entry_for`)."""
+        found = {}
+        for launch in self.launch:
+            if launch.entry_names() <= {"D"}:
+                dims = self.limits.head_dims if "D" in launch.entry_names() else (0,)
+                found.update({launch.entry_for({"D": d}, dtype): launch for dtype in self.limits.dtypes for d in dims})
+        return found
 
-    def entries(self) -> list[tuple[str, int]]:
-        """(dtype, D) of every instantiation the limits allow (D None when entry has no {D})."""
-        dims = self.limits.head_dims if "{D}" in self.entry else (None,)
-        return [(dtype, d) for dtype in self.limits.dtypes for d in dims]
-
-    def signature(self) -> list[str]:
-        """The parameter kinds, as CpuKernelModule takes them."""
+    def signature(self, launch: Launch) -> list:
+        """The parameter kinds of `launch`, as CpuKernelModule takes them (a StructLayout for a struct)."""
         sample = self.names(_SAMPLE_SHAPE, "fp16")
         kinds = []
-        for param in self.params:
-            if param in BUFFERS or param == NULL:
+        for param in launch.params:
+            if param in self.structs:
+                kinds.append(self.structs[param][0])
+            elif isinstance(param, str):
                 kinds.append("ptr")
             else:
                 value = expressions.evaluate(param, sample, f"{self.origin}: params")
@@ -233,36 +343,126 @@ class KernelSpec:
         return values
 
     def uses(self, *names: str) -> bool:
-        """Whether some scalar parameter's expression reads one of `names`."""
-        import ast
-
-        used = {n.id for p in self.params if not isinstance(p, str) for n in ast.walk(p) if isinstance(n, ast.Name)}
+        """Whether some scalar parameter, struct field or template argument reads one of `names`."""
+        values = [p for launch in self.launch for p in launch.params] + [
+            v for _, fields_ in self.structs.values() for v in fields_]
+        used = {n.id for p in values if not isinstance(p, str) for n in ast.walk(p) if isinstance(n, ast.Name)}
+        used |= {n for launch in self.launch for n in launch.entry_names()}
         return bool(used & set(names))
 
     # --- checks ---------------------------------------------------------------------------------
-    def _parsed_params(self) -> tuple:
-        where = f"{self.origin}: params"
-        if isinstance(self.params, (str, bytes)) or not isinstance(self.params, (list, tuple)) or not self.params:
-            raise InvalidArgumentError(f"{where}={self.params!r} must list every kernel parameter in order, "
+    def _launch(self, item, where: str) -> Launch:
+        """One launch from a [[launch]] table (keys with '-' or '_') or a Launch, its expressions parsed."""
+        if isinstance(item, Launch):
+            item = {k: getattr(item, k) for k in LAUNCH_KEYS}
+        if not isinstance(item, dict):
+            raise InvalidArgumentError(f"{where.rstrip('. ')} must be a table of {', '.join(LAUNCH_KEYS)}")
+        table = {str(k).replace("-", "_"): v for k, v in item.items()}
+        unknown = sorted(set(table) - set(LAUNCH_KEYS))
+        if unknown:
+            raise InvalidArgumentError(f"{where}{unknown[0].replace('_', '-')}: not a launch key; keys: "
+                                       f"{', '.join(k.replace('_', '-') for k in LAUNCH_KEYS)}")
+        missing = [k for k in LAUNCH_KEYS[:4] if k not in table]
+        if missing:
+            raise InvalidArgumentError(f"{where}{', '.join(missing)} missing: each launch needs entry, params, grid "
+                                       "and block")
+        entry = table["entry"]
+        if not isinstance(entry, str) or not entry.strip():
+            raise InvalidArgumentError(f"{where}entry={entry!r} must name the kernel, e.g. "
+                                       "'flash_fwd' or 'flash_fwd<{D}, 64, {T}>'")
+        for text in _ENTRY_FIELD.findall(entry):
+            if text.strip() not in _ENTRY_TYPES:
+                expressions.parse(text, f"{where}entry={entry!r}: placeholder {{{text}}}", NAMES)
+        opt_in = table.get("shared_opt_in", False)
+        launch = Launch(entry=entry, params=self._parsed_params(table["params"], f"{where}params"),
+                        grid=self._dims(f"{where}grid", table["grid"]),
+                        block=self._dims(f"{where}block", table["block"]),
+                        shared_bytes=expressions.parse(table.get("shared_bytes", 0), f"{where}shared-bytes", NAMES),
+                        shared_opt_in=opt_in if isinstance(opt_in, bool)
+                        else expressions.parse(opt_in, f"{where}shared-opt-in", NAMES))
+        return launch
+
+    def _parsed_params(self, params, where: str) -> tuple:
+        if isinstance(params, (str, bytes)) or not isinstance(params, (list, tuple)) or not params:
+            raise InvalidArgumentError(f"{where}={params!r} must list every kernel parameter in order, "
                                        "e.g. ['q', 'k', 'v', 'o', 'Nq', 'Nk', 'scale']")
         parsed = []
-        for index, param in enumerate(self.params):
-            if param in BUFFERS or param == NULL:
-                if param in parsed:
+        for index, param in enumerate(params):
+            if param in self.buffer_names or param in self.structs:
+                if param in parsed and param != NULL:
                     raise InvalidArgumentError(f"{where}[{index}]={param!r} is listed twice")
                 parsed.append(param)
+            elif isinstance(param, str) and param.isidentifier() and param not in NAMES:
+                raise InvalidArgumentError(
+                    f"{where}[{index}]={param!r} is no buffer ({', '.join(self.buffer_names)}), struct or problem "
+                    f"name: if the host allocates it, declare it: [scratch.{param}] size = ..., fill = ...")
             else:
                 parsed.append(expressions.parse(param, f"{where}[{index}]", NAMES))
-        missing = [b for b in ("q", "k", "v", "o") if b not in parsed]
-        if missing:
-            raise InvalidArgumentError(f"{where} has no {', '.join(missing)}: a kernel reads q, k, v and writes o")
         return tuple(parsed)
 
-    def _dims(self, key: str, value) -> tuple:
+    def _dims(self, where: str, value) -> tuple:
         items = list(value) if isinstance(value, (list, tuple)) else [value]
         if not 1 <= len(items) <= 3:
-            raise InvalidArgumentError(f"{self.origin}: {key}={value!r} must be 1 to 3 expressions")
-        return tuple(expressions.parse(item, f"{self.origin}: {key}[{i}]", NAMES) for i, item in enumerate(items))
+            raise InvalidArgumentError(f"{where}={value!r} must be 1 to 3 expressions")
+        return tuple(expressions.parse(item, f"{where}[{i}]", NAMES) for i, item in enumerate(items))
+
+    def _tables(self, key: str, what: str):
+        """(name, where, table) of each [KEY.NAME] table, its name checked."""
+        tables = getattr(self, key)
+        if not isinstance(tables, dict):
+            raise InvalidArgumentError(f"{self.origin}: {key} must be tables [{key}.NAME] with {what}")
+        for name, table in tables.items():
+            if not isinstance(name, str) or not name.isidentifier() or name in (*BUFFERS, NULL, *NAMES):
+                raise InvalidArgumentError(f"{self.origin}: {key}.{name}: name it with an identifier that is not a "
+                                           f"buffer ({', '.join(BUFFERS)}), 'null' or a problem name")
+            yield name, f"{self.origin}: {key}.{name}", table
+
+    def _scratch(self) -> dict:
+        parsed = {}
+        for name, where, table in self._tables("scratch", "size, dtype, fill"):
+            if isinstance(table, Scratch):
+                table = {"size": table.size, "dtype": table.dtype, "fill": table.fill}
+            if not isinstance(table, dict) or "size" not in table or set(table) - {"size", "dtype", "fill"}:
+                raise InvalidArgumentError(f"{where} must be a table of size (elements, an expression), dtype and "
+                                           "fill, e.g. {size = 'B * H * Nq', dtype = 'fp32', fill = '-inf'}")
+            dtype = table.get("dtype", "fp32")
+            if dtype not in SCRATCH_DTYPES:
+                raise InvalidArgumentError(f"{where}.dtype={dtype!r}; use one of {', '.join(SCRATCH_DTYPES)}")
+            fill = fill_value(table.get("fill", 0), f"{where}.fill")
+            if dtype.startswith(("int", "uint")) and not float(fill).is_integer():
+                raise InvalidArgumentError(f"{where}.fill={table.get('fill')!r} is not an integer, and dtype={dtype!r}")
+            parsed[name] = Scratch(expressions.parse(table["size"], f"{where}.size", NAMES), dtype,
+                                   int(fill) if dtype.startswith(("int", "uint")) else fill)
+        return parsed
+
+    def _structs(self) -> dict:
+        """name -> (StructLayout, one value per field: a buffer name or a parsed expression)."""
+        parsed = {}
+        for name, where, table in self._tables("structs", "fields"):
+            if name in self.scratch:
+                raise InvalidArgumentError(f"{where}: a scratch buffer has that name too")
+            if isinstance(table, tuple):  # already laid out
+                parsed[name] = table
+                continue
+            rows = table.get("fields") if isinstance(table, dict) else None
+            if not isinstance(rows, list) or not rows or set(table) - {"fields", "align"} or not all(
+                    isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and isinstance(r[1], str)
+                    for r in rows):
+                raise InvalidArgumentError(f"{where} must be a table with fields = [[name, C type, value], ...] in "
+                                           "declaration order, e.g. [['q', 'const half*', 'q'], ['n', 'int', 'Nq']]")
+            layout = StructLayout.of([(r[0], r[1]) for r in rows], f"{where}.fields", table.get("align"))
+            values = []
+            for f, (field_name, _, value) in zip(layout.fields, rows):
+                at = f"{where}.fields.{field_name}"
+                if f.kind == "ptr":
+                    if value not in self.buffer_names:
+                        raise InvalidArgumentError(f"{at}={value!r}: a pointer field names a buffer "
+                                                   f"({', '.join(self.buffer_names)})")
+                    values.append(value)
+                else:
+                    values.append(expressions.parse(value, at, NAMES))
+            parsed[name] = (layout, tuple(values))
+        return parsed
 
     def _types(self) -> dict:
         where = f"{self.origin}: types"
@@ -292,7 +492,7 @@ class KernelSpec:
         if limits.dtypes is None:
             raise InvalidArgumentError(f"{where}: limits.dtype missing: declare the dtypes the kernel runs, "
                                        "e.g. [limits] dtype = ['fp16']")
-        if "{D}" in self.entry and limits.head_dims is None:
+        if any("D" in launch.entry_names() for launch in self.launch) and limits.head_dims is None:
             raise InvalidArgumentError(f"{where}: entry uses {{D}} but limits.head-dims is missing; declare the "
                                        "head dims it is instantiated for, e.g. head-dims = [64, 128]")
         if not self.has_lse:
@@ -303,7 +503,9 @@ class KernelSpec:
             raise InvalidArgumentError(f"{where}: params passes 'lse' but limits.lse = false")
         else:
             limits = replace(limits, lse=True)
-        told = [(("causal", "causal_offset"), limits.causal != (False,), "causal", "causal = 'no'"),
+        # a kernel that is always causal needs no causal parameter: `causal = "yes"` declares it
+        told = [(("causal", "causal_offset"), limits.causal == (False, True), "causal",
+                 "causal = 'no' (never masked) or causal = 'yes' (always causal)"),
                 (("Hkv", "group", "k_stride_b", "k_stride_h", "v_stride_b", "v_stride_h"),
                  limits.heads != ("mha",), "Hkv", "heads = 'mha'"),
                 (("Nk", "k_stride_b", "k_stride_h", "v_stride_b", "v_stride_h", "causal_offset"),

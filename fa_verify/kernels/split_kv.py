@@ -109,6 +109,11 @@ class KernelLaunch:
     signature: tuple
     args: tuple
 
+    @property
+    def opt_in(self) -> int:
+        """The dynamic shared memory the host opts in to: what the launch asks."""
+        return self.shared_bytes
+
 
 @dataclass(frozen=True)
 class SplitKvPlan:

@@ -8,6 +8,7 @@ far sharper than the error model where scores are large. What a correct kernel m
     division's roundings;
   * P.V accumulated with n keys plus at most n rescales: gamma_{2n+2}(u_pv) of sum pi |v|;
   * products below the normal range of the P.V dtype: (2n+3) tiny_pv absolute;
+  * V rounded inside the kernel (`precision.input_rounding`): u_r of max |v|, plus a subnormal;
   * the output rounded to its dtype: half an ulp — and so infinity, where the tolerance band
     reaches the dtype's overflow threshold (weights summing to 1 + u_P times V's largest fp16
     value round to inf).
@@ -42,10 +43,13 @@ def weight_slack(problem, precision) -> tuple[np.ndarray, np.ndarray]:
     u_p, u_pv = unit_roundoff(precision.p_rounding), unit_roundoff(precision.pv_accumulation)
     tiny_p = float(finfo(precision.p_rounding).smallest_normal)
     g = gamma(2 * n + 2, u_pv)
-    x = u_p * (1 + n * tiny_p) + g + u_pv
+    # values rounded inside the kernel move by u_r |v| <= u_r max |v| (+ half a subnormal)
+    u_r = unit_roundoff(precision.input_rounding) if precision.input_rounding else 0.0
+    x = u_p * (1 + n * tiny_p) + g + u_pv + u_r
     with np.errstate(divide="ignore", invalid="ignore"):
         eta = np.where(g < 1, (x + g) / (1 - g), np.inf)
-    absolute = (2 * n + 3) * float(finfo(precision.pv_accumulation).smallest_normal)
+    absolute = (2 * n + 3) * float(finfo(precision.pv_accumulation).smallest_normal) + (
+        float(finfo(precision.input_rounding).smallest_subnormal) if u_r else 0.0)
     shape = problem.out_shape[:3]
     return np.broadcast_to(eta, shape), np.broadcast_to(absolute, shape)
 

@@ -17,7 +17,6 @@ import functools
 import ctypes
 import io
 import os
-import struct
 import sys
 
 import numpy as np
@@ -29,10 +28,6 @@ CUDA_ERROR_ILLEGAL_ADDRESS = 700
 CUDA_ERROR_LAUNCH_TIMEOUT = 702
 CUDA_ERROR_MISALIGNED_ADDRESS = 716
 CUDA_ERROR_LAUNCH_FAILED = 719
-
-#: (struct code, size) of each parameter kind of the catalogue's signatures; native alignment.
-_KINDS = {"ptr": "P", "int": "i", "float": "f"}
-
 
 def _allocation(address: int) -> tuple[int, int] | None:
     driver = ctypes.CDLL("libcuda.so.1")  # already loaded: the fake driver itself
@@ -112,36 +107,55 @@ def _backward_entry(entry: str):
 def _spec_entry(symbol: str):
     """(CPU module, entry, signature, pointer dtypes) of an entry of $FA_FAKE_CUDA_SPEC's kernel, or None.
 
-    A template entry arrives by its mangled name, as a cubin names it; pointers are passed as bytes."""
+    A template entry arrives by its mangled name, as a cubin names it; it is built for the CPU as the
+    demangled name spells it (an entry over a drawn dimension has no spelling known in advance).
+    Pointers are passed as bytes."""
     if not os.environ.get(SPEC_ENV):
         return None
-    from fa_verify.backends.spec_pycuda import entry_names
-    from fa_verify.errors import KernelBuildError
+    import re
+    import subprocess
+    from types import SimpleNamespace
+
+    from fa_verify.backends.spec_pycuda import _demangler
 
     backend = _spec_backend(os.environ[SPEC_ENV])
-    for dtype, d in backend.spec.entries():
-        entry = backend.spec.entry_for(dtype, d or 0)
-        try:
-            if entry_names([symbol], [entry])[entry] == symbol:
-                return backend.module(), entry, backend.spec.signature(), _spec_pointer_dtypes(backend, dtype)
-        except KernelBuildError:  # the symbol is another instantiation
-            continue
+    demangled = subprocess.run(_demangler(), input=symbol, capture_output=True, text=True, check=True).stdout.strip()
+    entry = re.sub(r"^void\s+", "", demangled.split("(")[0]).strip()
+    for launch in backend.spec.launch:
+        if re.split(r"[<(\s]", launch.entry.strip(), maxsplit=1)[0] == re.split(r"[<\s]", entry, maxsplit=1)[0]:
+            signature = backend.spec.signature(launch)
+            dtype = next((d for d in backend.spec.limits.dtypes if _dtype_in(entry, d)), backend.spec.limits.dtypes[0])
+            module = backend.module(launch=SimpleNamespace(entry=entry, signature=signature))
+            return module, entry, signature, _spec_pointer_dtypes(backend, launch, dtype)
     return None
 
 
-def _spec_pointer_dtypes(backend, dtype: str) -> list:
-    """The element type of each pointer parameter of the spec's `dtype` instantiation (None: its null)."""
+def _dtype_in(entry: str, dtype: str) -> bool:
+    """Whether a demangled instantiation is the `dtype` one (its C element type among its arguments)."""
+    from fa_verify.kernels.spec import C_TYPES
+
+    return C_TYPES[dtype] in entry or not any(t in entry for t in C_TYPES.values())
+
+
+def _spec_pointer_dtypes(backend, launch, dtype: str) -> list:
+    """The element type of each pointer of `launch`'s `dtype` instantiation, struct fields included
+    (None: a null pointer)."""
     from fa_verify.dtypes import numpy_dtype
     from fa_verify.kernels.spec import NULL
 
     kinds = {"o": backend.precision(dtype).output, "lse": "fp32"}
     kinds.update({name: backend.spec.types.get(name, "input") for name in "qkv"})
+    kinds.update({name: scratch.dtype for name, scratch in backend.spec.scratch.items()})
     found = []
-    for param in backend.spec.params:
-        if param == NULL:
-            found.append(None)
-        elif isinstance(param, str):
-            element = numpy_dtype(dtype if kinds[param] == "input" else kinds[param])
+    for param in launch.params:
+        names = ([v for v in backend.spec.structs[param][1] if isinstance(v, str)] if param in backend.spec.structs
+                 else [param] if isinstance(param, str) else [])
+        for name in names:
+            if name == NULL:
+                found.append(None)
+                continue
+            element = numpy_dtype(dtype if kinds[name] == "input" else kinds[name]) if kinds[name] in (
+                "input", "fp16", "bf16", "fp32") else np.dtype(kinds[name])
             found.append(np.uint16 if element.itemsize == 2 else element)
     return found
 
@@ -152,6 +166,10 @@ def _spec_backend(setting: str):
 
     source, spec = setting.split(os.pathsep)
     return SpecKernelBackend(source, spec)
+
+
+class _Fault(Exception):
+    """A parameter that is no device pointer: its CUresult."""
 
 
 def run(entry: str, grid, block, shared: int, params: bytes, device: int) -> int:
@@ -168,20 +186,34 @@ def run(entry: str, grid, block, shared: int, params: bytes, device: int) -> int
              "the fake driver runs only those")
         return CUDA_ERROR_NOT_SUPPORTED
     module, name, signature, pointer_dtypes = target
-    layout = "".join(_KINDS[kind] for kind in signature)
-    if struct.calcsize(layout) != len(params):
-        _say(f"{entry} takes {struct.calcsize(layout)} bytes of parameters ({layout}); the launch packed {len(params)}")
+    from fa_verify.errors import InvalidArgumentError as BadParameters
+    from fa_verify.kernels.abi import unpack_parameters
+
+    try:
+        values = unpack_parameters(list(signature), params)
+    except BadParameters as exc:
+        _say(f"{entry}: {exc}")
         return CUDA_ERROR_INVALID_VALUE
-    values = list(struct.unpack(layout, params))
-    pointers = [i for i, kind in enumerate(signature) if kind == "ptr"]
-    for index, dtype_of in zip(pointers, pointer_dtypes):
-        if values[index] == 0:  # a null pointer reaches the kernel as null, as on a GPU
-            values[index] = None
-            continue
-        view = _view(values[index], dtype_of or np.uint8)
+    dtypes = iter(pointer_dtypes)
+
+    def pointer(address):
+        """The allocation `address` points into, as an array of the parameter's element type."""
+        dtype_of = next(dtypes, None)
+        if address == 0:  # a null pointer reaches the kernel as null, as on a GPU
+            return None
+        view = _view(address, dtype_of or np.uint8)
         if isinstance(view, int):
-            return view
-        values[index] = view
+            raise _Fault(view)
+        return view
+
+    try:
+        for index, kind in enumerate(signature):
+            if kind == "ptr":
+                values[index] = pointer(values[index])
+            elif not isinstance(kind, str):  # a struct: its pointer fields
+                values[index] = [pointer(v) if f.kind == "ptr" else v for f, v in zip(kind.fields, values[index])]
+    except _Fault as fault:
+        return fault.args[0]
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             # fake_driver.c has held the launch to the function's MAX_DYNAMIC_SHARED_SIZE_BYTES already

@@ -368,15 +368,6 @@ inline P unpack(std::uint64_t slot) {
     else return P(static_cast<float>(bit_cast<double>(slot)));
 }
 
-template <class... P, std::size_t... I>
-inline void invoke(void (*f)(P...), const std::uint64_t* slots, std::index_sequence<I...>) {
-    f(unpack<typename std::decay<P>::type>(slots[I])...);
-}
-template <class... P>
-inline void invoke(void (*f)(P...), const std::uint64_t* slots) {
-    invoke(f, slots, std::index_sequence_for<P...>{});
-}
-
 // Checked once per launch: element sizes and alignment of the arrays, ranges of the integers.
 template <class P>
 inline bool check_one(std::size_t index, std::uint64_t slot, std::int64_t itemsize, char* message, int size) {
@@ -405,15 +396,5 @@ inline bool check_one(std::size_t index, std::uint64_t slot, std::int64_t itemsi
         }
     }
     return true;
-}
-template <class... P, std::size_t... I>
-inline bool check_args(void (*)(P...), const std::uint64_t* slots, const std::int64_t* itemsizes, char* message,
-                       int size, std::index_sequence<I...>) {
-    return (check_one<typename std::decay<P>::type>(I, slots[I], itemsizes[I], message, size) && ...);
-}
-template <class... P>
-inline bool check_args(void (*f)(P...), const std::uint64_t* slots, const std::int64_t* itemsizes, char* message,
-                       int size) {
-    return check_args(f, slots, itemsizes, message, size, std::index_sequence_for<P...>{});
 }
 }  // namespace fa_cpu
