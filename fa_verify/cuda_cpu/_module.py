@@ -88,14 +88,14 @@ class CpuKernelModule:
         _shared_limits.arch_maximum(arch)  # an unknown arch is refused before the build
         self.arch = arch
         self.last_output = ""  # what the last launch printed (device printf)
-        built = source_path
-        if set_aside_host_code:
+        built, include_dirs = source_path, tuple(include_dirs)
+        if set_aside_host_code:  # the copies of the file and its headers, found before the originals
             folder = Path(cache_dir) if cache_dir is not None else _build.default_cache_dir()
-            built = _host_code.device_only_copy(Path(source_path), folder / "device_only", include_dirs)
+            built, include_dirs = _host_code.device_only_copy(Path(source_path), folder / "device_only", include_dirs)
         self.build = _build.build(
             built,
             self.entries,
-            include_dirs=tuple(include_dirs),
+            include_dirs=include_dirs,
             defines=_normalise_defines(defines),
             sanitize=self.sanitize,
             racecheck=self.racecheck,

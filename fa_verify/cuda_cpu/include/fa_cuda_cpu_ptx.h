@@ -55,7 +55,8 @@ namespace ptx {
 // outside shared memory is not detected here; the AddressSanitizer build reports the access.
 template <bool Shared, class T>
 inline unsigned char* address(const T& operand) {
-    if constexpr (std::is_pointer<T>::value) {
+    // Not std::is_pointer: it is false for a `__restrict__` pointer, which kernels pass often.
+    if constexpr (std::is_convertible<T, const volatile void*>::value && !std::is_integral<T>::value) {
         return static_cast<unsigned char*>(const_cast<void*>(static_cast<const volatile void*>(operand)));
     } else {
         static_assert(std::is_integral<T>::value, "fa_verify CUDA-on-CPU: an address operand must be an integer or a pointer");
