@@ -44,6 +44,8 @@ _DEVICE_WORDS = re.compile(r"\b(__global__|__device__|constexpr)\b")
 _SCOPE = re.compile(r"^\s*(namespace\b[\w\s:]*|extern\s+\"C\"\s*)$", re.S)
 _DEFINE = re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)(?:\([^)]*\))?[ \t]*((?:[^\n\\]|\\.)*)", re.M)
 _ANY_INCLUDE = re.compile(r'^\s*#\s*include\s*(?:(")([^"]+)"|<([^>]+)>)', re.M)
+#: The root of a copied tree, up to the original's absolute path (`device_only_copy`).
+_COPY_ROOT = re.compile(r"[^\s'\"]*/device_only/[0-9a-f]{24}(?=/)")
 _TYPE_DEFINITION = re.compile(r"^\s*(template\s*<.*?>\s*)?(typedef\s+)?(struct|class|union|enum)\b", re.S)
 
 
@@ -123,6 +125,12 @@ def device_only_copy(source: Path, folder: Path, include_dirs=()) -> tuple[Path,
     originals = [source.resolve().parent, *(Path(d).resolve() for d in include_dirs)]
     mirrored = tuple(root / d.relative_to(d.anchor) for d in originals)
     return root / files[0].relative_to(files[0].anchor), mirrored + tuple(originals)
+
+
+def originals(text: str) -> str:
+    """`text` (a message, a report) with the paths of `device_only_copy`'s copies turned back into
+    the originals' (debug info may name the copy where a ``#line`` directive did not reach)."""
+    return _COPY_ROOT.sub("", text)
 
 
 def _blank(chars: list[str], start: int, end: int) -> None:

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from fa_verify import isolation
+from fa_verify.cuda_cpu._host_code import originals
 from fa_verify.errors import (
     BackendUnavailableError,
     KernelCrashError,
@@ -112,6 +113,7 @@ class WorkerProcess:
 
 
 def _death_error(status: int, output: str, buffers, what: str, buffer_names: list[str]) -> KernelRunError:
+    output = originals(output)
     report, before = _asan_report(output)
     if report is not None:
         kind = re.search(r"AddressSanitizer: ([\w-]+)", report)

@@ -455,6 +455,7 @@ void run_block(const LaunchConfig& cfg, std::uint64_t block_linear) {
 
     Fiber* first = &g_fibers[order[0]];
     switch_context(&g_main, &first->ctx, first, false);
+    FA_CPU_RACE(end_block());
 }
 
 }  // namespace
