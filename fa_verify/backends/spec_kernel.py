@@ -10,7 +10,6 @@ default and the arch's maximum held to the spec's opt-in as a GPU would.
 
 from __future__ import annotations
 
-import ast
 import os
 import threading
 from dataclasses import dataclass, replace
@@ -23,7 +22,7 @@ from fa_verify.backends.buffers import GuardedOutput, check_written
 from fa_verify.backends.cuda_kernels import _bits, cpu_runner_availability
 from fa_verify.dtypes import numpy_dtype
 from fa_verify.errors import InvalidArgumentError
-from fa_verify.kernels import expressions
+from fa_verify.kernels import expressions, geometry
 from fa_verify.kernels.spec import NULL, KernelSpec
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import AttentionProblem
@@ -146,28 +145,25 @@ class SpecKernelBackend(Backend):
         B, H, Nq, D = problem.out_shape
         values = spec.names((B, H, problem.kv_heads, Nq, problem.nk, D), problem.dtype, causal=problem.causal,
                             scale=problem.scale_value)
-        shared = self._dimension(spec.shared_bytes, values, "shared-bytes", minimum=0)
+        shared = self._dimension(spec.shared_bytes, values, "shared-bytes")
+        block = [self._dimension(e, values, "block", i) for i, e in enumerate(spec.block)]
+        geometry.check_threads(block, values)
         return SpecLaunch(
             entry=spec.entry_for(problem.dtype, D if "{D}" in spec.entry else 0),
-            grid=[self._dimension(e, values, "grid") for e in spec.grid],
-            block=[self._dimension(e, values, "block") for e in spec.block],
+            grid=[self._dimension(e, values, "grid", i) for i, e in enumerate(spec.grid)],
+            block=block,
             shared=shared,
             opt_in=(shared if spec.shared_opt_in is True else None if spec.shared_opt_in is False
-                    else self._dimension(spec.shared_opt_in, values, "shared-opt-in", minimum=0)),
+                    else self._dimension(spec.shared_opt_in, values, "shared-opt-in")),
             params=[p if isinstance(p, str) else expressions.evaluate(p, values, f"{spec.origin}: params")
                     for p in spec.params],
             o_shape=(B, Nq, H, D) if spec.layout == "bshd" else (B, H, Nq, D),
             o_dtype=numpy_dtype(self.precision(problem.dtype).output),
             lse_shape=(B, H, Nq) if spec.has_lse else None)
 
-    def _dimension(self, tree, values, key: str, minimum: int = 1) -> int:
+    def _dimension(self, tree, values, key: str, index: int = 0) -> int:
         value = expressions.evaluate(tree, values, f"{self.spec.origin}: {key}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise InvalidArgumentError(f"{self.spec.origin}: {key}={ast.unparse(tree)!r} gave {value!r} "
-                                       f"(an integer >= {minimum} is needed) for "
-                                       f"B={values['B']}, H={values['H']}, Nq={values['Nq']}, Nk={values['Nk']}, "
-                                       f"D={values['D']}")
-        return value
+        return geometry.dimension(tree, value, key, index, values, self.spec.origin)
 
 
 @dataclass
