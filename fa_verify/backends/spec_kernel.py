@@ -131,7 +131,8 @@ class SpecKernelBackend(Backend):
         lse = GuardedOutput.allocate("lse", plan.lse_shape, np.float32) if plan.lse_shape else None
         args = plan.arguments({"q": inputs[0], "k": inputs[1], "v": inputs[2], "o": Inside(_bits(o.buffer), o.offset),
                                "lse": lse and Inside(lse.buffer, lse.offset), NULL: None})
-        self.module(racecheck).launch(plan.entry, plan.grid, plan.block, plan.shared, args, shared_opt_in=plan.opt_in)
+        self.module(racecheck).launch(plan.entry, plan.grid, plan.block, plan.shared, args, shared_opt_in=plan.opt_in,
+                                      arg_names=[str(p) for p in plan.params])
         check_written(f"{self.name} on the CUDA-on-CPU runner", *(b for b in (o, lse) if b is not None))
         return self.output(o.view), (lse.view if lse is not None else None)
 

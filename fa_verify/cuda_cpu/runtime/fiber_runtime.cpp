@@ -45,9 +45,8 @@ std::uint64_t g_block_serial = 0;
 }  // namespace fa_cpu
 
 // Every `extern __shared__` array of the kernel refers to this buffer, so all of them alias the
-// block's dynamic shared memory, as on the GPU. 227 KiB is the H100 maximum.
-static constexpr std::size_t kMaxDynamicShared = 227 * 1024;
-alignas(128) unsigned char fa_cpu_dynamic_smem[kMaxDynamicShared];
+// block's dynamic shared memory, as on the GPU.
+alignas(128) unsigned char fa_cpu_dynamic_smem[kDynamicSharedCapacity];
 
 // Static __shared__ variables, as the kernel registers them (register_shared), so that each block
 // can start with them filled with a NaN pattern: reading shared memory that the block has not
@@ -553,10 +552,10 @@ extern "C" int fa_cpu_run_grid(KernelBody body, const std::uint64_t* slots, cons
         g_status = kBadLaunch;
         set_message("invalid grid (%lld,%lld,%lld): each dimension >= 1, x <= 2^31-1, y,z <= 65535", (long long)gr[0],
                     (long long)gr[1], (long long)gr[2]);
-    } else if (cfg->shared_bytes < 0 || static_cast<std::size_t>(cfg->shared_bytes) > kMaxDynamicShared) {
+    } else if (cfg->shared_bytes < 0 || static_cast<std::size_t>(cfg->shared_bytes) > kDynamicSharedCapacity) {
         g_status = kBadLaunch;
         set_message("invalid dynamic shared memory size %lld bytes: at most %zu", (long long)cfg->shared_bytes,
-                    kMaxDynamicShared);
+                    kDynamicSharedCapacity);
     } else if (cfg->stack_bytes < 16384) {
         g_status = kBadLaunch;
         set_message("stack of %lld bytes per thread is too small (at least 16 KiB)", (long long)cfg->stack_bytes);
@@ -574,7 +573,7 @@ extern "C" int fa_cpu_run_grid(KernelBody body, const std::uint64_t* slots, cons
         // Exactly shared_bytes of dynamic shared memory are addressable during this launch.
         ASAN_UNPOISON_MEMORY_REGION(fa_cpu_dynamic_smem, static_cast<std::size_t>(cfg->shared_bytes));
         ASAN_POISON_MEMORY_REGION(fa_cpu_dynamic_smem + cfg->shared_bytes,
-                                  kMaxDynamicShared - static_cast<std::size_t>(cfg->shared_bytes));
+                                  kDynamicSharedCapacity - static_cast<std::size_t>(cfg->shared_bytes));
         g_learn_main_stack = true;
 #endif
         FA_CPU_RACE(begin_launch(*cfg, fa_cpu_dynamic_smem));
@@ -592,3 +591,50 @@ extern "C" int fa_cpu_run_grid(KernelBody body, const std::uint64_t* slots, cons
     if (message && message_size > 0) std::snprintf(message, static_cast<std::size_t>(message_size), "%s", g_message);
     return g_status;
 }
+
+// ---- the address of a fatal memory access -----------------------------------------------------------
+//
+// A kernel that dereferences a null or wild pointer kills the worker with SIGSEGV, and the parent
+// learns only the signal. Before dying, the process writes the faulting address to stderr
+// ("fa_cpu: SIGSEGV at address 0x10"), so that the parent can say which argument the address
+// belongs to (or that it is a null pointer's). ASan builds report the address themselves.
+#if !FA_CPU_ASAN
+#include <csignal>
+
+namespace {
+
+alignas(16) char g_fault_stack[64 * 1024];  // a fiber's stack may be the one that overflowed
+
+void write_fault(int signal, siginfo_t* info, void*) {
+    const char* head = signal == SIGBUS ? "fa_cpu: SIGBUS at address 0x" : "fa_cpu: SIGSEGV at address 0x";
+    char line[64];
+    std::size_t n = std::strlen(head);
+    std::memcpy(line, head, n);
+    const auto address = reinterpret_cast<std::uintptr_t>(info->si_addr);
+    bool leading = true;
+    for (int shift = 60; shift >= 0; shift -= 4) {  // async-signal-safe: no printf
+        const unsigned digit = (address >> shift) & 0xF;
+        leading = leading && digit == 0 && shift > 0;
+        if (!leading) line[n++] = "0123456789abcdef"[digit];
+    }
+    line[n++] = '\n';
+    if (::write(2, line, n) < 0) {
+        // nothing left to do: the signal below ends the process either way
+    }
+    ::raise(signal);  // SA_RESETHAND: the default action, so the parent sees the signal
+}
+
+__attribute__((constructor)) void report_faults() {
+    stack_t stack{};
+    stack.ss_sp = g_fault_stack;
+    stack.ss_size = sizeof g_fault_stack;
+    sigaltstack(&stack, nullptr);
+    struct sigaction action {};
+    action.sa_sigaction = write_fault;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESETHAND;
+    sigaction(SIGSEGV, &action, nullptr);
+    sigaction(SIGBUS, &action, nullptr);
+}
+
+}  // namespace
+#endif
