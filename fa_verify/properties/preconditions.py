@@ -38,7 +38,10 @@ class Seen:
     failed: bool
 
     @classmethod
-    def of(cls, problem, failed: bool) -> "Seen":
+    def of(cls, problem, failed: bool) -> "Seen | None":
+        """None for a problem of several sequences (varlen, paged): no one Nq and Nk to reason on."""
+        if getattr(problem, "nq", None) is None:
+            return None
         return cls(problem.nq, problem.nk, problem.head_dim, problem.dtype, bool(problem.causal),
                    problem.heads == problem.kv_heads, bool(failed))
 

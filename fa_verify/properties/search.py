@@ -341,7 +341,9 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
             reasons[result.detail] += 1
             return False
         outcome.examples += 1
-        outcome.seen.append(Seen.of(problem, result.failed))
+        seen = Seen.of(problem, result.failed)
+        if seen is not None:
+            outcome.seen.append(seen)
         for name in result.null_rejected if result.informative else ():
             outcome.null_rejected[name] = outcome.null_rejected.get(name, 0) + 1
         if result.informative is not None:
