@@ -65,7 +65,8 @@ SUPPORTED = (
 UNSUPPORTED = (
     "any other inline assembly (the build error names the instruction), asm labels, __managed__ memory",
     "cooperative_groups' grid, multi-grid, cluster and coalesced groups and dynamic tiled_partition; "
-    "cuda_pipeline (use cp.async PTX), cuda_awbarrier, cuda_fp8",
+    "the use of cuda_pipeline (use cp.async PTX), cuda_awbarrier, cg::memcpy_async and cuda_fp8's types "
+    "(their headers may be included unused)",
     "wmma with integer or sub-byte types; atomics on __half/__nv_bfloat16",
     "texture and surface objects, dynamic parallelism, host runtime API calls inside the source",
 )
