@@ -15,13 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fa_verify.cli.main import main
 from fa_verify.cuda_cpu import CpuKernelModule
 from fa_verify.cuda_cpu._faults import owner
 from fa_verify.cuda_cpu._host_code import device_only_copy
-from fa_verify.errors import KernelBuildError
+from fa_verify.errors import KernelBuildError, KernelCrashError
 
 KERNELS = Path(__file__).parent / "cuda_cpu_kernels" / "as_published"
 
@@ -115,6 +116,17 @@ def test_an_out_of_bounds_cp_async_is_reported_at_the_kernel_line(tmp_path, caps
                 if "CP_ASYNC_CG(" in text and "k + at" in text)
     assert f"cp.async.cg.shared.global ({(KERNELS / 'ptx_header_attention.cu').resolve()}:{line})" in out, out
     assert "bytes past the end of argument 1 `k`" in out and "perform" not in out
+
+
+def test_an_out_of_bounds_ld_global_is_reported_at_its_line(tmp_path):
+    kernel = tmp_path / "load_past.cu"
+    kernel.write_text('__global__ void load_past(const float* x, float* y) {\n    float v;\n'
+                      '    asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(x + threadIdx.x));\n'
+                      '    y[threadIdx.x] = v;\n}\n')
+    module = CpuKernelModule(kernel, {"load_past": ["ptr", "ptr"]}, sanitize=True, cache_dir=tmp_path / "cache")
+    with pytest.raises(KernelCrashError, match=r"ld.global.f32 \(.*load_past.cu:3\): reads 4 bytes .* is 0 bytes "
+                                               r"past the end of argument 0 \(float32\[32\]"):
+        module.launch("load_past", grid=1, block=64, args=[np.zeros(32, np.float32), np.zeros(64, np.float32)])
 
 
 def test_spec_targets_write_reproducers(tmp_path, capsys):

@@ -342,6 +342,17 @@ __attribute__((always_inline)) inline void cp_async_wait_all() {
     cp_async_wait_group(0);
 }
 
+// ---- ld.global{.v2,.v4}.{b32,u32,s32,f32} ------------------------------------------------------------
+
+// `count` 32-bit elements from global memory; the address must be aligned to the whole access.
+inline void ld_global(int count, const unsigned char* p, std::uint32_t* out, const char* instruction) {
+    const std::size_t bytes = 4 * static_cast<std::size_t>(count);
+    if (reinterpret_cast<std::uintptr_t>(p) % bytes != 0) fail(instruction, "the address is not aligned to the access");
+    check_access(instruction, "reads", p, bytes);
+    race_read(p, bytes);
+    std::memcpy(out, p, bytes);
+}
+
 // ---- ex2.approx.f32 -----------------------------------------------------------------------------------
 
 // The GPU's ex2.approx is within 2 ulp of 2^x; exp2f is the model (as for __expf). .ftz flushes

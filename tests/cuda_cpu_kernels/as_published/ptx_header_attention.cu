@@ -1,7 +1,8 @@
 // fp32 attention, [B, H, N, D] with D = 64, one warp per block and one query row per lane. K and V
-// tiles of 32 keys reach shared memory by cp.async (the macros of ptx_macros.cuh); the softmax
-// runs in base 2 with ex2.approx. Non-causal, MHA. Built with -DTAIL_GUARD=0, the last tile's
-// copies read past the end of K and V (the tests' out-of-bounds cp.async).
+// tiles of 32 keys reach shared memory by cp.async (the macros of ptx_macros.cuh), q rows come by
+// ld.global.nc; the softmax runs in base 2 with ex2.approx. Non-causal, MHA. Built with
+// -DTAIL_GUARD=0, the last tile's copies read past the end of K and V (the tests' out-of-bounds
+// cp.async).
 #include "ptx_macros.cuh"
 
 #ifndef TAIL_GUARD
@@ -35,7 +36,10 @@ __global__ void ptx_header_attention(const float* __restrict__ q, const float* _
         __syncthreads();
         for (int j = 0; j < kTile && start + j < n_k && row < n_q; ++j) {
             float s = 0.f;
-            for (int d = 0; d < kDim; ++d) s += q[(head * n_q + row) * kDim + d] * k_tile[j][d];
+            for (int d = 0; d < kDim; d += 4) {
+                const float4 x = load_nc_f4(q + (head * n_q + row) * kDim + d);
+                s += x.x * k_tile[j][d] + x.y * k_tile[j][d + 1] + x.z * k_tile[j][d + 2] + x.w * k_tile[j][d + 3];
+            }
             s *= scale_log2;
             const float m_new = fmaxf(m, s), correction = fast_exp2(m - m_new), p = fast_exp2(s - m_new);
             l = l * correction + p;
