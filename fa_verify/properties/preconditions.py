@@ -78,12 +78,12 @@ def candidates(seen: list[Seen]) -> list[Limit]:
     """The limits worth trying on these examples, the most specific first."""
     passes = [s for s in seen if not s.failed]
     limits = []
-    for name, length in (("Nk", lambda s: s.nk), ("Nq", lambda s: s.nq),
-                         ("Nq or Nk", lambda s: gcd(s.nq, s.nk))):
+    for length, failing in ((lambda s: s.nk, "Nk with Nk % {m} ≠ 0"), (lambda s: s.nq, "Nq with Nq % {m} ≠ 0"),
+                            (lambda s: gcd(s.nq, s.nk), "shape with Nq or Nk not a multiple of {m}")):
         # The largest power of two that every passing length is a multiple of: the tightest region.
         m = next((m for m in _MULTIPLES if passes and all(length(s) % m == 0 for s in passes)), None)
         if m is not None:
-            limits.append(Limit(lambda s, m=m, length=length: length(s) % m == 0, f"{name} with {name} % {m} ≠ 0",
+            limits.append(Limit(lambda s, m=m, length=length: length(s) % m == 0, failing.format(m=m),
                                 f"multiples of {m}", f"seq-multiple = {m}", f"--seq-multiple {m}"))
     dims = sorted({s.head_dim for s in passes})
     limits.append(Limit(lambda s: s.head_dim in dims, "D outside {" + ", ".join(map(str, dims)) + "}",
