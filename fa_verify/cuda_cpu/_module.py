@@ -165,7 +165,7 @@ class CpuKernelModule:
         nulls = [f"argument {slot}{label(slot)}" for slot, index in pointers.items() if index is None]
         if self.isolated:
             result, self.last_output = self._run_in_worker(
-                symbol(name), config, slots, itemsizes, arrays, pointers, timeout, what, (names, nulls)
+                symbol(name), config, slots, itemsizes, arrays, pointers, timeout, what, names, nulls
             )
         else:
             result, self.last_output = self._run_here(symbol(name), config, slots, itemsizes, arrays, pointers), ""
@@ -181,7 +181,7 @@ class CpuKernelModule:
                                 [(n, a.dtype.itemsize) for n, (a, _) in zip(names, arrays)])
             raise KernelRaceError(_race.describe(found, races["total"], what), races=found, detail=races["report"])
 
-    def _run_in_worker(self, name, config, slots, itemsizes, arrays, pointers, timeout, what, names):
+    def _run_in_worker(self, name, config, slots, itemsizes, arrays, pointers, timeout, what, names, nulls):
         buffers = [np.ascontiguousarray(a).tobytes() for a, _ in arrays]
         request = {
             "library": self.library_path,
@@ -194,8 +194,7 @@ class CpuKernelModule:
             "guard": not self.sanitize,  # NaN-filled guard regions; ASan needs exact-size buffers
         }
         worker = _process.worker(self.sanitize)
-        result, output = worker.run(request, timeout, what, *names)
-        names = names[0]
+        result, output = worker.run(request, timeout, what, names, nulls)
         for index, data in result["changed"].items():
             array, positions = arrays[index]
             if not array.flags.writeable:
