@@ -156,6 +156,6 @@ def test_an_undeclared_precondition_is_found_and_its_limits_line_printed(tmp_pat
     assert "fail for every drawn Nk with Nk % 32 ≠ 0" in out, out
     assert "[limits]: seq-multiple = 32 (--seq-multiple 32)" in out
     spec = _spec_with(tmp_path, "tiled_attention", limits="seq-multiple = 32")  # declared: it passes
-    code, out = _check(capsys, tmp_path, "tiled_attention", "--property", "oracle_agreement", "--max-examples", "4",
+    code, out = _check(capsys, tmp_path, "tiled_attention", "--property", "convex_hull", "--max-examples", "5",
                        spec=spec)
     assert code == 0, out
