@@ -138,6 +138,15 @@ def test_spec_targets_write_reproducers(tmp_path, capsys):
     assert "argument 4 `null` is passed as a null pointer" in replay.stdout + replay.stderr
 
 
+def test_a_stack_overflow_is_told_from_a_bad_pointer(tmp_path):
+    kernel = tmp_path / "deep.cu"  # 256 KiB of locals on a 64 KiB stack: the frame skips the guard page
+    kernel.write_text("__global__ void deep(float* o) {\n    volatile float big[65536];\n"
+                      "    for (int i = 0; i < 65536; ++i) big[i] = i;\n    o[threadIdx.x] = big[threadIdx.x];\n}\n")
+    module = CpuKernelModule(kernel, {"deep": ["ptr"]}, stack_kib=64, cache_dir=tmp_path / "cache")
+    with pytest.raises(KernelCrashError, match="an emulated thread's stack overflowed .* larger stack_kib"):
+        module.launch("deep", grid=1, block=2, args=[np.zeros(2, np.float32)])
+
+
 def test_owner_names_the_argument_an_address_belongs_to():
     buffers, names = [(0x10000, 256), (0x20000, 256)], ["argument 0 `q`", "argument 1 `k`"]
     assert "256 bytes past the end of argument 0 `q`" in owner("at address 0x10200", buffers, names, [])

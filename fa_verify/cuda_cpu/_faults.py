@@ -29,6 +29,8 @@ def owner(output: str, buffers, buffer_names, null_names) -> str:
     """"; address 0x10 is 16 bytes past a null pointer: argument 5 `l` is passed as one; ..." for
     the faulting address in `output`, or "" when none is there. `buffers`: (address, size) of
     each argument buffer; `buffer_names` their descriptions; `null_names` the null arguments'."""
+    if "fa_cpu: stack overflow" in output:  # the runtime saw the address in a stack's guard page
+        return "; an emulated thread's stack overflowed (large per-thread arrays need a larger stack_kib)"
     found = _ADDRESS.search(output)
     if found is None:
         return ""

@@ -597,20 +597,43 @@ extern "C" int fa_cpu_run_grid(KernelBody body, const std::uint64_t* slots, cons
 // A kernel that dereferences a null or wild pointer kills the worker with SIGSEGV, and the parent
 // learns only the signal. Before dying, the process writes the faulting address to stderr
 // ("fa_cpu: SIGSEGV at address 0x10"), so that the parent can say which argument the address
-// belongs to (or that it is a null pointer's). ASan builds report the address themselves.
+// belongs to (or that it is a null pointer's). The handler that was there before (Python's
+// faulthandler, in a process that loads a module itself) is put back and runs next: returning
+// re-executes the faulting access. ASan builds report the address themselves.
 #if !FA_CPU_ASAN
 #include <csignal>
 
 namespace {
 
 alignas(16) char g_fault_stack[64 * 1024];  // a fiber's stack may be the one that overflowed
+struct sigaction g_previous_segv, g_previous_bus;
 
-void write_fault(int signal, siginfo_t* info, void*) {
-    const char* head = signal == SIGBUS ? "fa_cpu: SIGBUS at address 0x" : "fa_cpu: SIGSEGV at address 0x";
+// Whether the fault is the running emulated thread's stack overflow: the address is in the guard
+// page below its stack, or its stack pointer went below the stack (a frame larger than the guard
+// page skips it, and its access faults anywhere).
+bool stack_overflow(std::uintptr_t address, const void* context) {
+    if (fa_cpu::g_current == nullptr) return false;  // not in a kernel's thread
+    const auto& ctx = static_cast<const fa_cpu::Fiber*>(fa_cpu::g_current)->ctx;
+    const auto lo = reinterpret_cast<std::uintptr_t>(ctx.stack_lo);
+    const std::uintptr_t page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+    std::uintptr_t sp = lo;
+#if defined(__x86_64__)
+    sp = static_cast<std::uintptr_t>(static_cast<const ucontext_t*>(context)->uc_mcontext.gregs[REG_RSP]);
+#elif defined(__aarch64__)
+    sp = static_cast<std::uintptr_t>(static_cast<const ucontext_t*>(context)->uc_mcontext.sp);
+#endif
+    constexpr std::uintptr_t kReach = std::uintptr_t{1} << 26;  // the largest frame believed to be one
+    return (address < lo && address + page >= lo) || (sp < lo && lo - sp < kReach);
+}
+
+void write_fault(int signal, siginfo_t* info, void* context) {
+    const auto address = reinterpret_cast<std::uintptr_t>(info->si_addr);
+    const char* head = stack_overflow(address, context) ? "fa_cpu: stack overflow at address 0x"
+                       : signal == SIGBUS      ? "fa_cpu: SIGBUS at address 0x"
+                                               : "fa_cpu: SIGSEGV at address 0x";
     char line[64];
     std::size_t n = std::strlen(head);
     std::memcpy(line, head, n);
-    const auto address = reinterpret_cast<std::uintptr_t>(info->si_addr);
     bool leading = true;
     for (int shift = 60; shift >= 0; shift -= 4) {  // async-signal-safe: no printf
         const unsigned digit = (address >> shift) & 0xF;
@@ -619,9 +642,9 @@ void write_fault(int signal, siginfo_t* info, void*) {
     }
     line[n++] = '\n';
     if (::write(2, line, n) < 0) {
-        // nothing left to do: the signal below ends the process either way
+        // nothing left to do: the previous handler or the default action ends the process
     }
-    ::raise(signal);  // SA_RESETHAND: the default action, so the parent sees the signal
+    sigaction(signal, signal == SIGBUS ? &g_previous_bus : &g_previous_segv, nullptr);
 }
 
 __attribute__((constructor)) void report_faults() {
@@ -631,9 +654,9 @@ __attribute__((constructor)) void report_faults() {
     sigaltstack(&stack, nullptr);
     struct sigaction action {};
     action.sa_sigaction = write_fault;
-    action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESETHAND;
-    sigaction(SIGSEGV, &action, nullptr);
-    sigaction(SIGBUS, &action, nullptr);
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigaction(SIGSEGV, &action, &g_previous_segv);
+    sigaction(SIGBUS, &action, &g_previous_bus);
 }
 
 }  // namespace
