@@ -19,6 +19,7 @@ from fa_verify.backends import Backend
 from fa_verify.problem import AttentionProblem
 from fa_verify.properties import FAILED, NOT_APPLICABLE, PASSED, Selection, get_property, properties_for
 from fa_verify.properties.precision_hint import run_precision_hint
+from fa_verify.properties.preconditions import run_preconditions
 from fa_verify.properties.reproduce import NotReproducible, Target
 from fa_verify.properties.search import search_property
 
@@ -51,9 +52,14 @@ class CheckOutcome:
         """Whether the run's failures are a matter of declared precision (`run_precision_hint`)."""
         return run_precision_hint(self.properties)
 
+    def preconditions(self) -> list:
+        """The limits that would explain failures found only on part of the shape space."""
+        return run_preconditions(self.properties)
+
     def as_dict(self) -> dict:
         return {"backend": self.backend, "passed": self.passed, "checked": self.checked,
                 "examples": self.examples, "precision_hint": self.precision_hint() or None,
+                "preconditions": [p.message() for p in self.preconditions()],
                 "seconds": round(self.seconds, 3), "counts": self.counts(),
                 "properties": [p.as_dict() for p in self.properties]}
 

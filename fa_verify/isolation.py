@@ -20,6 +20,7 @@ privileges a CI job rarely has.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import resource
@@ -126,7 +127,10 @@ class WorkerProcess:
         to_worker_r, to_worker_w = os.pipe()
         from_worker_r, from_worker_w = os.pipe()
         # O_APPEND: the worker appends while the parent reads with pread and truncates between requests.
-        self._log = self._log or tempfile.TemporaryFile(mode="a+b", prefix="fa_verify_worker_")
+        if self._log is None:
+            self._log = tempfile.TemporaryFile(mode="a+b", prefix="fa_verify_worker_")
+            # mode "a" seeks once; without the flag the worker's writes after a truncation leave a hole of NULs
+            fcntl.fcntl(self._log.fileno(), fcntl.F_SETFL, fcntl.fcntl(self._log.fileno(), fcntl.F_GETFL) | os.O_APPEND)
         os.ftruncate(self._log.fileno(), 0)
         try:
             self._proc = subprocess.Popen(

@@ -146,6 +146,7 @@ def fa_search(request, fa_profile):
     from fa_verify.check import results_recorder
     from fa_verify.properties import FAILED, NOT_APPLICABLE, Selection, as_backend, search_property
     from fa_verify.properties.precision_hint import run_precision_hint
+    from fa_verify.properties.preconditions import run_preconditions
     from fa_verify.properties.reproduce import default_folder
 
     results = request.config.getoption("fa_results")
@@ -171,8 +172,8 @@ def fa_search(request, fa_profile):
         if outcome.status == FAILED:
             # Only the negative hint: the other tests' failures are unknown here (fa_verify check
             # offers a preset when every failing property passes under it).
-            hint = run_precision_hint([outcome], offer=False)
-            unexplained = outcome.message(verbose) + (f"\n{hint}" if hint else "") if known is None else known.unexplained(
+            hints = [run_precision_hint([outcome], offer=False), *(p.message() for p in run_preconditions([outcome]))]
+            unexplained = outcome.message(verbose) + "".join(f"\n{h}" for h in hints if h) if known is None else known.unexplained(
                 as_backend(target), outcome, lambda other: search_property(other, prop, selection))
             if unexplained:
                 pytest.fail(unexplained, pytrace=False)

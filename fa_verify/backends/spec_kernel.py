@@ -13,7 +13,6 @@ launch; only `_run_plan` differs (fa_verify.backends.spec_pycuda).
 
 from __future__ import annotations
 
-import ast
 import os
 import threading
 from dataclasses import dataclass, replace
@@ -26,7 +25,7 @@ from fa_verify.backends.buffers import GuardedOutput, check_written
 from fa_verify.backends.cuda_kernels import _bits, cpu_runner_availability
 from fa_verify.dtypes import numpy_dtype
 from fa_verify.errors import InvalidArgumentError
-from fa_verify.kernels import expressions
+from fa_verify.kernels import expressions, geometry
 from fa_verify.kernels.spec import NULL, KernelSpec
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import AttentionProblem
@@ -153,7 +152,8 @@ class SpecKernelBackend(Backend):
                    NULL: None, **plan.scratch}
         for launch in plan.launches:
             self.module(racecheck, launch).launch(launch.entry, launch.grid, launch.block, launch.shared_bytes,
-                                                  launch.arguments(buffers), shared_opt_in=launch.opt_in)
+                                                  launch.arguments(buffers), shared_opt_in=launch.opt_in,
+                                                  arg_names=launch.names)
 
     def output(self, o: np.ndarray) -> np.ndarray:
         """The kernel's o as [B, H, Nq, D]."""
@@ -175,10 +175,10 @@ class SpecKernelBackend(Backend):
 
     def _planned(self, launch, values: dict, dtype: str) -> "SpecLaunch":
         spec = self.spec
-        where = f"{spec.origin}: " + (f"launch[{spec.launch.index(launch)}]." if len(spec.launch) > 1 else "")
+        origin = spec.origin + (f": launch[{spec.launch.index(launch)}]" if len(spec.launch) > 1 else "")
 
         def scalar(tree, key):
-            return expressions.evaluate(tree, values, f"{where}{key}")
+            return expressions.evaluate(tree, values, f"{origin}: {key}")
 
         def argument(param):
             if param in spec.structs:
@@ -187,25 +187,24 @@ class SpecKernelBackend(Backend):
                         for f, v in zip(layout.fields, fields)]
             return param if isinstance(param, str) else scalar(param, "params")
 
-        shared = self._dimension(launch.shared_bytes, values, f"{where}shared-bytes", minimum=0)
+        shared = self._dimension(launch.shared_bytes, values, origin, "shared-bytes")
+        block = [self._dimension(e, values, origin, "block", i) for i, e in enumerate(launch.block)]
+        geometry.check_threads(block, values)
         return SpecLaunch(
             entry=launch.entry_for(values, dtype),
-            grid=[self._dimension(e, values, f"{where}grid") for e in launch.grid],
-            block=[self._dimension(e, values, f"{where}block") for e in launch.block],
+            grid=[self._dimension(e, values, origin, "grid", i) for i, e in enumerate(launch.grid)],
+            block=block,
             shared_bytes=shared,
             opt_in=(shared if launch.shared_opt_in is True else None if launch.shared_opt_in is False
-                    else self._dimension(launch.shared_opt_in, values, f"{where}shared-opt-in", minimum=0)),
+                    else self._dimension(launch.shared_opt_in, values, origin, "shared-opt-in")),
             signature=spec.signature(launch),
-            args=[argument(p) for p in launch.params])
+            args=[argument(p) for p in launch.params],
+            names=[str(p) for p in launch.params])
 
-    def _dimension(self, tree, values, key: str, minimum: int = 1) -> int:
-        value = expressions.evaluate(tree, values, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise InvalidArgumentError(f"{key}={ast.unparse(tree)!r} gave {value!r} "
-                                       f"(an integer >= {minimum} is needed) for "
-                                       f"B={values['B']}, H={values['H']}, Nq={values['Nq']}, Nk={values['Nk']}, "
-                                       f"D={values['D']}")
-        return value
+    @staticmethod
+    def _dimension(tree, values, origin: str, key: str, index: int = 0) -> int:
+        value = expressions.evaluate(tree, values, f"{origin}: {key}")
+        return geometry.dimension(tree, value, key, index, values, origin)
 
 
 @dataclass
@@ -220,6 +219,8 @@ class SpecLaunch:
     opt_in: int | None
     signature: list
     args: list
+    #: what each parameter is in the spec ("q", "l", "null", a struct's name), for messages
+    names: list
 
     def arguments(self, buffers: dict) -> list:
         """The kernel's arguments, each buffer name replaced by `buffers[name]` (in structs too)."""

@@ -122,14 +122,14 @@ class SpecPyCudaBackend(SpecKernelBackend):
             return self._functions[entry]
 
     def _cubin(self, arch: str, entries: list[str]) -> bytes:
-        from fa_verify.cuda_cpu._host_code import device_macros, set_aside
+        from fa_verify.cuda_cpu._build import default_cache_dir
+        from fa_verify.cuda_cpu._host_code import device_only_copy
         from fa_verify.kernels.pycuda_runner import cached_cubin
 
-        include_dirs = [str(self.source.resolve().parent), *self.spec.include_dirs]
-        text = self.source.read_text(errors="replace")
-        source = instantiating_source(f'#line 1 "{self.source.resolve()}"\n'
-                                      + set_aside(text, device_macros(self.source, include_dirs)), entries)
-        return cached_cubin(source, f"spec-{self.source.stem}", arch, include_dirs,
+        # the file and its project headers with their host code set aside, the copies found first
+        copy, include_dirs = device_only_copy(self.source, default_cache_dir() / "device_only", self.spec.include_dirs)
+        source = instantiating_source(copy.read_text(), entries)
+        return cached_cubin(source, f"spec-{self.source.stem}", arch, [str(d) for d in include_dirs],
                             options=[f"-D{k}={v}" for k, v in self.spec.defines.items()])
 
     def _run_plan(self, plan, inputs: dict, o, lse, racecheck: bool) -> None:

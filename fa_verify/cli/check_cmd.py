@@ -182,9 +182,9 @@ def _run(args) -> int:
             print(f"{_verdict(outcome)} {backend.name}: {counts['passed']} passed, "
                   f"{counts['failed']} failed, {counts['not applicable']} not applicable; "
                   f"{outcome.examples} examples in {outcome.seconds:.1f}s")
-            hint = outcome.precision_hint()
-            if hint:
-                print(f"  {hint}")
+            for line in [outcome.precision_hint(), *(p.message() for p in outcome.preconditions())]:
+                if line:
+                    print(f"  {line}")
     # Nothing judged is no pass: say why and exit 2 (a usage error: the selection is empty).
     error = None if any(o.checked for o in outcomes) else _nothing_checked(outcomes, skipped)
     for reason in skipped if error is None else ():

@@ -53,8 +53,8 @@ SUPPORTED = (
     "inline PTX (asm statements): mma.sync.aligned.m16n8k16/m16n8k8.row.col.f32.{f16,bf16}.{f16,bf16}.f32, "
     "ldmatrix.sync.aligned.m8n8.x1/.x2/.x4{.trans}{.shared}.b16 (the ISA's fragment layouts, exchanged between "
     "the lanes of a warp), cp.async.ca/.cg.shared.global (src-size zero fill) with commit_group/wait_group/"
-    "wait_all (copies land at the wait), ex2.approx{.ftz}.f32, tanh.approx.f32, cvt.rn.f16x2/bf16x2.f32, "
-    "shfl.sync.up/down/bfly/idx.b32; "
+    "wait_all (copies land at the wait), ld.global{.nc}{.v2,.v4}.{b32,u32,s32,f32}, ex2.approx{.ftz}.f32, "
+    "tanh.approx.f32, cvt.rn.f16x2/bf16x2.f32, shfl.sync.up/down/bfly/idx.b32; "
     "__cvta_generic_to_shared",
     "cooperative_groups: this_thread_block() (sync, thread_rank, size, ...), tiled_partition<N> for N a power of two "
     "up to 32 (sync, thread_rank, meta_group_rank/size, shfl, shfl_xor/up/down, ballot/any/all), cg::reduce with "
@@ -65,7 +65,8 @@ SUPPORTED = (
 UNSUPPORTED = (
     "any other inline assembly (the build error names the instruction), asm labels, __managed__ memory",
     "cooperative_groups' grid, multi-grid, cluster and coalesced groups and dynamic tiled_partition; "
-    "cuda_pipeline (use cp.async PTX), cuda_awbarrier, cuda_fp8",
+    "the use of cuda_pipeline (use cp.async PTX), cuda_awbarrier, cg::memcpy_async and cuda_fp8's types "
+    "(their headers may be included unused)",
     "wmma with integer or sub-byte types; atomics on __half/__nv_bfloat16",
     "texture and surface objects, dynamic parallelism, host runtime API calls inside the source",
 )

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fa_verify.cuda_cpu import _diagnostics, _ptx, _rewrite, _trampolines
+from fa_verify.cuda_cpu import _diagnostics, _host_code, _ptx, _rewrite, _trampolines
 from fa_verify.errors import BackendUnavailableError, InvalidArgumentError, KernelBuildError
 
 SHIM_DIR = Path(__file__).resolve().parent / "include"
@@ -220,10 +220,10 @@ def _preprocess(cxx, source, flags, macro_flags, include_flags, work, entries):
 
 def _run(command: tuple[str, ...], source: Path, stage: str, entries) -> str:
     proc = subprocess.run(command, capture_output=True, text=True, errors="replace")
-    output = (proc.stdout + proc.stderr).strip()
+    output = _host_code.originals((proc.stdout + proc.stderr).strip())
     if proc.returncode != 0:
         notes = _diagnostics.hints(output, entries)
-        message = f"building {source} for the CUDA-on-CPU runner failed ({stage})"
+        message = f"building {_host_code.originals(str(source))} for the CUDA-on-CPU runner failed ({stage})"
         if notes:
             message += ":\n" + "\n".join(f"  hint: {note}" for note in notes)
         compiler = os.path.basename(command[0])

@@ -163,7 +163,7 @@ def launch_with_copies(request: dict, announce=None) -> dict:
             if guard and not found:
                 intact.add(index)
         return {"status": status, "message": message, "changed": changed, "guard_writes": guard_writes,
-                "races": race_report(request["library"])}
+                "races": race_report(request["library"]), "buffers": table}
     finally:
         for index, (block, data) in enumerate(zip(blocks, buffers)):
             _release(block, len(data), guard, index in intact)

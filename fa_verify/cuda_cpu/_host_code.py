@@ -25,6 +25,7 @@ Known limit: braces that only balance across ``#if``/``#else`` branches confuse 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -42,7 +43,9 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]')
 _DEVICE_WORDS = re.compile(r"\b(__global__|__device__|constexpr)\b")
 _SCOPE = re.compile(r"^\s*(namespace\b[\w\s:]*|extern\s+\"C\"\s*)$", re.S)
 _DEFINE = re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)(?:\([^)]*\))?[ \t]*((?:[^\n\\]|\\.)*)", re.M)
-_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+_ANY_INCLUDE = re.compile(r'^\s*#\s*include\s*(?:(")([^"]+)"|<([^>]+)>)', re.M)
+#: The root of a copied tree, up to the original's absolute path (`device_only_copy`).
+_COPY_ROOT = re.compile(r"[^\s'\"]*/device_only/[0-9a-f]{24}(?=/)")
 _TYPE_DEFINITION = re.compile(r"^\s*(template\s*<.*?>\s*)?(typedef\s+)?(struct|class|union|enum)\b", re.S)
 
 
@@ -58,22 +61,37 @@ def set_aside(text: str, device_macros=()) -> str:
     return "".join(chars)
 
 
-def device_macros(source: Path, include_dirs=()) -> tuple[str, ...]:
-    """Macros of `source` and of the headers it includes with quotes (found beside it or in
-    `include_dirs`, recursively) whose replacement names __device__, __global__ or such a macro:
-    ``#define DEVICE_INLINE __device__ __forceinline__`` makes ``DEVICE_INLINE float f()`` device code."""
-    found: dict[str, str] = {}
-    seen: set[Path] = set()
-    pending = [source.resolve()]
+def project_headers(source: Path, include_dirs=()) -> list[Path]:
+    """`source` and the project's own headers it reaches, recursively: each ``#include "..."``
+    found beside its includer or in `include_dirs`, each ``#include <...>`` found in `include_dirs`
+    or beside `source` (the runner puts that folder on the include path)."""
+    source = source.resolve()
+    dirs = [source.parent, *(Path(d).resolve() for d in include_dirs)]
+    found: list[Path] = []
+    pending = [source]
     while pending:
         path = pending.pop()
-        if path in seen or not path.is_file():
+        if path in found or not path.is_file():
             continue
-        seen.add(path)
-        text = path.read_text(errors="replace")
-        found.update((m.group(1), m.group(2)) for m in _DEFINE.finditer(text))
-        for name in _QUOTED_INCLUDE.findall(text):
-            pending += [Path(folder) / name for folder in (path.parent, *include_dirs)]
+        found.append(path)
+        for include in _ANY_INCLUDE.finditer(path.read_text(errors="replace")):
+            quoted, name = include.group(1), include.group(2) or include.group(3)
+            if name.startswith(HOST_ONLY_HEADERS):
+                continue
+            folders = [path.parent, *dirs] if quoted else dirs
+            first = next((f / name for f in folders if (f / name).is_file()), None)
+            if first is not None:
+                pending.append(first.resolve())
+    return found
+
+
+def device_macros(source: Path, include_dirs=()) -> tuple[str, ...]:
+    """Macros of `source` and of the project's headers it includes (`project_headers`) whose
+    replacement names __device__, __global__ or such a macro: ``#define DEVICE_INLINE __device__
+    __forceinline__`` makes ``DEVICE_INLINE float f()`` device code."""
+    found: dict[str, str] = {}
+    for path in project_headers(source, include_dirs):
+        found.update((m.group(1), m.group(2)) for m in _DEFINE.finditer(path.read_text(errors="replace")))
     device: set[str] = set()
     while True:  # macros naming macros that name __device__, to a fixed point
         pattern = re.compile(r"\b(__global__|__device__" + "".join(f"|{re.escape(d)}" for d in device) + r")\b")
@@ -83,18 +101,36 @@ def device_macros(source: Path, include_dirs=()) -> tuple[str, ...]:
         device |= more
 
 
-def device_only_copy(source: Path, folder: Path, include_dirs=()) -> Path:
-    """A copy of `source` with its host code set aside, in `folder` (named by its content)."""
-    text = source.read_text(errors="replace")
-    kept = f'#line 1 "{source.resolve()}"\n' + set_aside(text, device_macros(source, include_dirs))
-    digest = hashlib.sha256((str(source.resolve()) + "\0" + kept).encode()).hexdigest()[:24]
-    folder.mkdir(parents=True, exist_ok=True)
-    copy = folder / f"{source.stem}-{digest}{source.suffix or '.cu'}"
-    if not copy.exists():
-        partial = copy.with_suffix(copy.suffix + ".tmp")
-        partial.write_text(kept)
-        partial.replace(copy)
-    return copy
+def device_only_copy(source: Path, folder: Path, include_dirs=()) -> tuple[Path, tuple[Path, ...]]:
+    """A copy of `source` and of the project's headers it reaches with their host code set aside,
+    under `folder`, and the include dirs that find the copies first.
+
+    Each file is copied to its own absolute path below one root (named by the content of them
+    all), so a relative ``#include "../common/utils.h"`` finds the copy where it found the
+    original; a ``#line`` directive on top of each keeps diagnostics at the original file and line.
+    The original folders follow the copies on the include path, for headers the scan did not reach
+    (an include spelled through a macro)."""
+    macros = device_macros(source, include_dirs)
+    files = project_headers(source, include_dirs)
+    kept = {path: f'#line 1 "{path}"\n' + set_aside(path.read_text(errors="replace"), macros) for path in files}
+    digest = hashlib.sha256("".join(f"{path}\0{text}\0" for path, text in kept.items()).encode()).hexdigest()[:24]
+    root = folder / digest
+    for path, text in kept.items():
+        copy = root / path.relative_to(path.anchor)
+        if not copy.exists():
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            partial = copy.with_name(copy.name + f".{os.getpid()}.tmp")
+            partial.write_text(text)
+            partial.replace(copy)
+    originals = [source.resolve().parent, *(Path(d).resolve() for d in include_dirs)]
+    mirrored = tuple(root / d.relative_to(d.anchor) for d in originals)
+    return root / files[0].relative_to(files[0].anchor), mirrored + tuple(originals)
+
+
+def originals(text: str) -> str:
+    """`text` (a message, a report) with the paths of `device_only_copy`'s copies turned back into
+    the originals' (debug info may name the copy where a ``#line`` directive did not reach)."""
+    return _COPY_ROOT.sub("", text)
 
 
 def _blank(chars: list[str], start: int, end: int) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from pathlib import Path
 
-from fa_verify.cuda_cpu import _build, _exec, _host_code, _process, _race, _shared_limits
+from fa_verify.cuda_cpu import _build, _exec, _faults, _host_code, _process, _race, _shared_limits
 from fa_verify.cuda_cpu._trampolines import KINDS, symbol
 from fa_verify.errors import (
     InvalidArgumentError,
@@ -90,14 +90,14 @@ class CpuKernelModule:
         _shared_limits.arch_maximum(arch)  # an unknown arch is refused before the build
         self.arch = arch
         self.last_output = ""  # what the last launch printed (device printf)
-        built = source_path
-        if set_aside_host_code:
+        built, include_dirs = source_path, tuple(include_dirs)
+        if set_aside_host_code:  # the copies of the file and its headers, found before the originals
             folder = Path(cache_dir) if cache_dir is not None else _build.default_cache_dir()
-            built = _host_code.device_only_copy(Path(source_path), folder / "device_only", include_dirs)
+            built, include_dirs = _host_code.device_only_copy(Path(source_path), folder / "device_only", include_dirs)
         self.build = _build.build(
             built,
             self.entries,
-            include_dirs=tuple(include_dirs),
+            include_dirs=include_dirs,
             defines=_normalise_defines(defines),
             sanitize=self.sanitize,
             racecheck=self.racecheck,
@@ -121,6 +121,7 @@ class CpuKernelModule:
         order: str = "forward",
         seed: int = 0,
         shared_opt_in: int | None = None,
+        arg_names: Sequence[str] | None = None,
     ) -> None:
         """Run kernel `name` over `grid` x `block` with `shared_bytes` of dynamic shared memory.
 
@@ -131,6 +132,7 @@ class CpuKernelModule:
         threads of a block run between synchronisation points; a race that one order hides,
         another shows. shared_opt_in: the bytes the host gives cudaFuncAttributeMaxDynamicSharedMemorySize
         (None: no opt-in, 48 KiB at most), held to the arch's maximum like a GPU (KernelLaunchError).
+        arg_names: what each parameter is to the caller (a spec's "q", "l", "null"), for messages.
         Raises KernelLaunchError, KernelCrashError, KernelTimeoutError, KernelSanitizerError,
         KernelDeadlockError, KernelRaceError (a racecheck build), InvalidArgumentError.
         """
@@ -159,23 +161,29 @@ class CpuKernelModule:
         }
         slots, itemsizes, arrays, pointers = _flatten(name, signature, args)
         what = f"{name} in {os.path.basename(self.source_path)}, grid {config['grid']}, block {config['block']}"
-        names = [f"argument {positions[0]} ({a.dtype}{list(a.shape)}, {a.nbytes} bytes)" for a, positions in arrays]
+        label = (lambda i: f" `{arg_names[i]}`") if arg_names is not None else (lambda i: "")
+        names = [f"argument {positions[0]}{label(positions[0])} ({a.dtype}{list(a.shape)}, {a.nbytes} bytes)"
+                 for a, positions in arrays]
+        nulls = [f"argument {slot}{label(slot)}" for slot, index in pointers.items() if index is None]
         if self.isolated:
             result, self.last_output = self._run_in_worker(
-                symbol(name), config, slots, itemsizes, arrays, pointers, timeout, what, names
+                symbol(name), config, slots, itemsizes, arrays, pointers, timeout, what, names, nulls
             )
         else:
             result, self.last_output = self._run_here(symbol(name), config, slots, itemsizes, arrays, pointers), ""
         if self.last_output:
             sys.stdout.write(self.last_output)
-        _raise_for_status(result["status"], result["message"], name, args)
+        message = result["message"]
+        if result["status"] == _exec.STATUS_TRAP:  # an emulated instruction's bad address: whose memory
+            message += _faults.owner(message, result["buffers"], names, nulls)
+        _raise_for_status(result["status"], message, name, args)
         races = result.get("races")
         if races and races["total"]:
             found = _race.parse(races["report"], self.library_path,
                                 [(n, a.dtype.itemsize) for n, (a, _) in zip(names, arrays)])
             raise KernelRaceError(_race.describe(found, races["total"], what), races=found, detail=races["report"])
 
-    def _run_in_worker(self, name, config, slots, itemsizes, arrays, pointers, timeout, what, names):
+    def _run_in_worker(self, name, config, slots, itemsizes, arrays, pointers, timeout, what, names, nulls):
         buffers = [np.ascontiguousarray(a).tobytes() for a, _ in arrays]
         request = {
             "library": self.library_path,
@@ -188,7 +196,7 @@ class CpuKernelModule:
             "guard": not self.sanitize,  # NaN-filled guard regions; ASan needs exact-size buffers
         }
         worker = _process.worker(self.sanitize)
-        result, output = worker.run(request, timeout, what, names)
+        result, output = worker.run(request, timeout, what, names, nulls)
         for index, data in result["changed"].items():
             array, positions = arrays[index]
             if not array.flags.writeable:
@@ -206,12 +214,13 @@ class CpuKernelModule:
         slots = list(slots)
         for slot, index in pointers.items():  # a pointer slot holds its byte offset into the array
             slots[slot] = 0 if index is None else contiguous[index].ctypes.data + slots[slot]
-        _exec.register_buffers(self.library_path, [(b.ctypes.data, b.nbytes) for b in contiguous])
+        table = [(b.ctypes.data, b.nbytes) for b in contiguous]
+        _exec.register_buffers(self.library_path, table)
         status, message = _exec.launch(self.library_path, name, config, slots, itemsizes)
         for (array, _), buffer in zip(arrays, contiguous):
             if buffer is not array and array.flags.writeable:
                 np.copyto(array, buffer)
-        return {"status": status, "message": message, "races": _exec.race_report(self.library_path)}
+        return {"status": status, "message": message, "races": _exec.race_report(self.library_path), "buffers": table}
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,6 +20,8 @@ import threading
 from pathlib import Path
 
 from fa_verify import isolation
+from fa_verify.cuda_cpu import _faults
+from fa_verify.cuda_cpu._host_code import originals
 from fa_verify.errors import (
     BackendUnavailableError,
     KernelCrashError,
@@ -85,10 +87,12 @@ class WorkerProcess:
     def close(self) -> None:
         self._process.close()
 
-    def run(self, request: dict, timeout: float, what: str, buffer_names: list[str]) -> tuple[dict, str]:
+    def run(self, request: dict, timeout: float, what: str, buffer_names: list[str],
+            null_names: list[str] = ()) -> tuple[dict, str]:
         """Send one launch; return (result, the kernel's printed output) or raise a KernelRunError.
 
-        `what` names the launch and `buffer_names` the request's buffers, for the messages.
+        `what` names the launch, `buffer_names` the request's buffers and `null_names` the
+        arguments passed as null pointers, for the messages.
         """
         buffers: list[tuple[int, int]] = []
 
@@ -104,15 +108,18 @@ class WorkerProcess:
             except isolation.WorkerTimedOut:
                 raise KernelTimeoutError(f"kernel timed out after {timeout:g} s ({what})") from None
             except isolation.WorkerDied as died:
-                raise _death_error(died.status, died.output, buffers, what, buffer_names) from None
+                raise _death_error(died.status, died.output, buffers, what, buffer_names, null_names) from None
             output = self._process.output()
             if kind == "error":
                 raise KernelRunError(f"the CUDA-on-CPU worker could not run {what}: {payload}", detail=output)
             return payload, output
 
 
-def _death_error(status: int, output: str, buffers, what: str, buffer_names: list[str]) -> KernelRunError:
+def _death_error(status: int, output: str, buffers, what: str, buffer_names: list[str],
+                 null_names=()) -> KernelRunError:
+    output = originals(output)
     report, before = _asan_report(output)
+    owner = _faults.owner(output, buffers, buffer_names, null_names)
     if report is not None:
         kind = re.search(r"AddressSanitizer: ([\w-]+)", report)
         kind = kind.group(1) if kind else "error"
@@ -121,13 +128,13 @@ def _death_error(status: int, output: str, buffers, what: str, buffer_names: lis
             signame = signame.get(kind, "SIG" + kind)
             printed = "\n".join(before.strip().splitlines()[-10:])  # e.g. a failed assert's message
             text = (printed + "\n" if printed else "") + report
-            return KernelCrashError(f"kernel crashed: {signame} ({what})\n{text}", detail=output)
+            return KernelCrashError(f"kernel crashed: {signame} ({what}){owner}\n{text}", detail=output)
         where = _locate(kind, report, buffers, buffer_names)
         return KernelSanitizerError(f"AddressSanitizer: {kind}{where} ({what})\n{report}", detail=report)
     if status < 0:
         name = isolation.describe_status(status)
-        message = f"kernel crashed: {name} ({what})"
-        if name == "SIGSEGV":
+        message = f"kernel crashed: {name} ({what}){owner}"
+        if name == "SIGSEGV" and not owner:
             message += ("\n(an invalid address: sanitize=True reports the access; or a fiber stack overflow: "
                         "large per-thread arrays may need a larger stack_kib)")
     else:

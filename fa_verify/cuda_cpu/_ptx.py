@@ -9,6 +9,7 @@ inputs, clobbers), substitutes the operands, and emits C++ for each instruction 
 * ``ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}{.shared{::cta}}.b16``;
 * ``cp.async.{ca,cg}.shared{::cta}.global{.L2::*B}`` with ``commit_group``, ``wait_group N``,
   ``wait_all``;
+* ``ld.global{.nc}{.v2,.v4}.{b32,u32,s32,f32}`` (caching hints ignored);
 * ``ex2.approx{.ftz}.f32``; ``tanh.approx.f32`` (within, and near, its documented error);
   ``cvt.rn.{f16x2,bf16x2}.f32``; ``shfl.sync.{up,down,bfly,idx}.b32``
   (without a predicate output).
@@ -273,6 +274,8 @@ def _emit(statement: _Statement, opcode: str, args: list[str]) -> str:
         return _emit_ldmatrix(statement, opcode, parts, args, label)
     if head == "cp" and parts[1:2] == ["async"]:
         return _emit_cp_async(statement, opcode, parts, args, label)
+    if head == "ld" and parts[1:2] == ["global"]:
+        return _emit_ld_global(statement, opcode, parts, args, label)
     if head == "ex2" and parts[1:] in (["approx", "f32"], ["approx", "ftz", "f32"]) and len(args) == 2:
         ftz = "true" if "ftz" in parts else "false"
         return statement.write32(args[0], f"::fa_cpu::fp::float_bits({_NS}ex2(::fa_cpu::fp::bits_float("
@@ -294,8 +297,8 @@ def _emit(statement: _Statement, opcode: str, args: list[str]) -> str:
     raise statement.fail(opcode, "this PTX instruction is not emulated by the CUDA-on-CPU runner (it emulates "
                                  "mma.sync.aligned.m16n8k16/m16n8k8 .row.col.f32 with f16/bf16 inputs, "
                                  "ldmatrix.sync.aligned.m8n8 .b16, cp.async.ca/.cg with commit_group/wait_group/"
-                                 "wait_all, ex2.approx.f32, tanh.approx.f32, cvt.rn.f16x2/bf16x2.f32 and "
-                                 "shfl.sync .b32); use the CUDA C intrinsic instead")
+                                 "wait_all, ld.global{.v2,.v4} of 32-bit elements, ex2.approx.f32, tanh.approx.f32, "
+                                 "cvt.rn.f16x2/bf16x2.f32 and shfl.sync .b32); use the CUDA C intrinsic instead")
 
 
 def _emit_mma(statement, opcode, parts, args, label) -> str:
@@ -351,3 +354,19 @@ def _emit_cp_async(statement, opcode, parts, args, label) -> str:
                 f"{size}, {src_size}, {label});")
     raise statement.fail(opcode, "only cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size}, "
                                  "cp.async.commit_group, cp.async.wait_group N and cp.async.wait_all are emulated")
+
+
+#: ld.global's qualifiers that change only caching or ordering hints, not the value loaded.
+_LOAD_HINTS = re.compile(r"^(?:nc|ca|cg|cs|lu|cv|weak|relaxed|L1::\w+|L2::\w+)$")
+
+
+def _emit_ld_global(statement, opcode, parts, args, label) -> str:
+    quals = [q for q in parts[2:] if not _LOAD_HINTS.match(q)]
+    count = {"v2": 2, "v4": 4}.get(quals[0], 1) if quals else 1
+    element = quals[-1] if quals else ""
+    if len(quals) != (1 if count == 1 else 2) or element not in ("b32", "u32", "s32", "f32") or len(args) != 2:
+        raise statement.fail(opcode, "only ld.global{.nc}{.v2,.v4}.{b32,u32,s32,f32} [%N{+imm}] is emulated")
+    regs = _vector(args[0], count, statement, opcode) if count > 1 else [args[0]]
+    writes = " ".join(statement.write32(t, f"__fa_ptx_r[{i}]", opcode) for i, t in enumerate(regs))
+    return (f"{{ ::std::uint32_t __fa_ptx_r[{count}]; {_NS}ld_global({count}, {_NS}address<false>("
+            f"{statement.address(args[1], opcode)}), __fa_ptx_r, {label}); {writes} }}")

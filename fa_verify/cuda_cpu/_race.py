@@ -17,9 +17,13 @@ import subprocess
 from dataclasses import dataclass
 
 from fa_verify.cuda_cpu._build import SHIM_DIR
+from fa_verify.cuda_cpu._host_code import originals
 
 #: Region ids of the report (race_runtime.cpp); argument buffers are numbered from 0.
 DYNAMIC_SHARED, STATIC_SHARED = -1, -2
+#: The grades of a race, the one to fix first first.
+CHANGES_RESULTS = "changes results"
+UNDEFINED = "benign on today's hardware, but undefined"
 #: Races listed in a message; the others are counted.
 LISTED = 6
 
@@ -57,6 +61,8 @@ class Race:
     same_warp: bool
     #: how often this pair of instructions conflicted in the launch
     count: int
+    #: every conflict of the pair was a write of the value the memory already held
+    same_value: bool = False
 
     @property
     def why(self) -> str:
@@ -67,9 +73,34 @@ class Race:
                     "need not run in lockstep")
         return "one block, no __syncthreads between them"
 
+    @property
+    def grade(self) -> str:
+        """CHANGES_RESULTS (threads of different warps or blocks, values that differ) or UNDEFINED
+        (every write stored the value already there, or lanes of one warp: warp-synchronous code,
+        which today's GPUs mostly run in step)."""
+        return UNDEFINED if self.same_value or self.same_warp else CHANGES_RESULTS
+
+    @property
+    def rule(self) -> str:
+        """The CUDA rule the pair breaks."""
+        if self.same_value:
+            return ("conflicting accesses that nothing orders are a data race, undefined under the PTX memory "
+                    "consistency model even when every write stores the same value (make one thread write, "
+                    "then __syncthreads)")
+        if self.first.block != self.second.block:
+            return ("blocks are not ordered: one block's writes reach another only through atomics, or a "
+                    "__threadfence and a flag (CUDA C++ Programming Guide, memory fence functions)")
+        if self.same_warp:
+            return ("since Volta's independent thread scheduling the lanes of a warp are not implicitly "
+                    "synchronous: __syncwarp() must separate a write from another lane's access (CUDA C++ "
+                    "Programming Guide, warp synchronous programming)")
+        return ("a __syncthreads() must separate a write from another thread's access to the same address "
+                "(CUDA C++ Programming Guide, synchronization functions)")
+
     def describe(self) -> str:
-        return (f"{self.first.kind}/{self.second.kind} race on {self.memory} ({self.why}):\n"
-                f"    {self.first.describe()}\n    {self.second.describe()}"
+        same = ", every write storing the value already there" if self.same_value else ""
+        return (f"[{self.grade}] {self.first.kind}/{self.second.kind} race on {self.memory} ({self.why}{same}):\n"
+                f"    {self.first.describe()}\n    {self.second.describe()}\n    rule: {self.rule}"
                 + (f"\n    (this pair of instructions conflicted {self.count} times)" if self.count > 1 else ""))
 
 
@@ -85,14 +116,16 @@ def parse(report: str, library: str, buffers) -> list[Race]:
         first, second = (RaceAccess(row[i], frames.get(int(row[i + 1], 16), ()), _ints(row[i + 2]),
                                     _ints(row[i + 3]), int(row[i + 4])) for i in (3, 8))
         races.append(Race(_memory(region, offset, image_offset, library, buffers), first, second,
-                          row[13] == "1", int(row[14])))
-    return races
+                          row[13] == "1", int(row[14]), row[15] == "1"))
+    return sorted(races, key=lambda race: race.grade != CHANGES_RESULTS)  # the ones to fix first, first
 
 
 def describe(races: list[Race], total: int, what: str) -> str:
     """The message of a KernelRaceError."""
     pairs = f"{len(races)} distinct pair{'s' if len(races) != 1 else ''} of instructions"
-    head = f"data race: {total} conflicting access{'es' if total != 1 else ''} ({pairs}) in {what}"
+    grades = ", ".join(f"{n} {grade}" for grade in (CHANGES_RESULTS, UNDEFINED)
+                       if (n := sum(race.grade == grade for race in races)))
+    head = f"data race: {total} conflicting access{'es' if total != 1 else ''} ({pairs}: {grades}) in {what}"
     body = "\n".join(f"  {race.describe()}" for race in races[:LISTED])
     more = f"\n  ... and {len(races) - LISTED} more pairs" if len(races) > LISTED else ""
     return f"{head}\n{body}{more}"
@@ -135,7 +168,7 @@ def _symbolise(library: str, pcs: list[int]) -> dict:
         else:
             lines.append(line)
     # Function names are left out: with inlining, addr2line's pairing of names and lines misleads.
-    return {pc: tuple(where.split(" (discriminator")[0] for where in lines[1::2] if _in_kernel_source(where))
+    return {pc: tuple(originals(where.split(" (discriminator")[0]) for where in lines[1::2] if _in_kernel_source(where))
             for pc, lines in groups.items()}
 
 

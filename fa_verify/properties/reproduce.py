@@ -129,6 +129,18 @@ def ragged_callable_options(backend, dtype: str) -> dict:
             "conventions": backend.judged_under.as_dict(), "forbid": list(backend.forbid)}
 
 
+def spec_options(backend) -> dict:
+    """How a reproducer rebuilds a CUDA file's target: its spec file, runner and arch."""
+    spec = Path(backend.spec.origin)
+    if not spec.is_file():
+        raise NotReproducible(f"{backend.name!r} runs a kernel spec given as a Python object: write it as a TOML "
+                              "file (fa_verify check kernel.cu --spec kernel.toml) for a reproducer")
+    from fa_verify.backends.spec_pycuda import SpecPyCudaBackend
+
+    runner = "pycuda" if isinstance(backend, SpecPyCudaBackend) else "cpu"
+    return {"spec": str(spec.resolve()), "runner": runner, "arch": backend.spec.arch}
+
+
 @dataclass(frozen=True)
 class Target:
     """What a reproducer rebuilds: a built-in backend (`reference` None), or the function
@@ -136,7 +148,8 @@ class Target:
     protocol, CallableBackend with `options`; "run": a run(problem) function, RunFunctionBackend;
     "ragged": a varlen or paged function, RaggedCallableBackend; "backward": a backward function,
     BackwardCallableBackend; "kernelbench": a KernelBench-format file, `reference` its path and
-    `options` its check options)."""
+    `options` its check options; "spec": a CUDA file, `reference` its path, run as the kernel
+    spec `options["spec"]` (a TOML file) says, on `options["runner"]`)."""
 
     name: str
     kind: str = "builtin"
@@ -153,9 +166,12 @@ class Target:
         from fa_verify.properties._subject import RunFunctionBackend
 
         from fa_verify.adapters.kernelbench import KernelBenchBackend
+        from fa_verify.backends.spec_kernel import SpecKernelBackend
 
         if isinstance(backend, KernelBenchBackend):  # its file again, what was inferred declared
             return cls(backend.name, "kernelbench", backend.fn.path, None, backend.declarations())
+        if isinstance(backend, SpecKernelBackend):
+            return cls(backend.name, "spec", str(backend.source.resolve()), None, spec_options(backend))
         if isinstance(backend, BackwardCallableBackend):
             reference, folder = _reference(backend.fn, backend.name)
             options = {**callable_options(backend, dtype), "deterministic_dq": backend.deterministic_dq}
@@ -191,7 +207,8 @@ class Target:
                           "    from fa_verify.backends.ragged_callable import RaggedCallableBackend",
                 "backward": "from fa_verify.backends import load_callable\n"
                             "    from fa_verify.backends.backward_callable import BackwardCallableBackend",
-                "kernelbench": "from fa_verify.targets import build_targets"}[self.kind]
+                "kernelbench": "from fa_verify.targets import build_targets",
+                "spec": "from fa_verify.targets import build_targets"}[self.kind]
 
     def expression(self) -> str:
         """Python that rebuilds the target (after `imports()`), one keyword argument a line."""
@@ -199,6 +216,10 @@ class Target:
             return f"get_backend({self.name!r})"
         if self.kind == "kernelbench":  # in this process, as every reproducer runs its target
             return f"build_targets([{self.reference!r}], {{**{self.options!r}, 'isolate': False}})[0]"
+        if self.kind == "spec":
+            options = self.options
+            return (f"build_targets([{self.reference!r}], {{}}, spec={options['spec']!r}, runner={options['runner']!r}, "
+                    f"arch={options['arch']!r})[0]")
         make = {"run": "as_backend", "callable": "CallableBackend", "ragged": "RaggedCallableBackend",
                 "backward": "BackwardCallableBackend"}[self.kind]
         arguments = [f"load_callable({self.reference!r})", f"name={self.name!r}",

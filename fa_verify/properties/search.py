@@ -32,6 +32,7 @@ from fa_verify.properties._result import FAILED, NOT_APPLICABLE, PASSED, Propert
 from fa_verify.properties._subject import as_backend
 from fa_verify.properties.kinds import edge_problems, kind_reason, problem_strategy
 from fa_verify.properties.precision_hint import passes_under
+from fa_verify.properties.preconditions import Seen
 from fa_verify.properties.registry import NON_FINITE, Property, get_property
 from fa_verify.properties.reproduce import NotReproducible, Target, write_reproducer
 from fa_verify.properties.selection import Selection
@@ -85,6 +86,8 @@ class PropertyOutcome:
     null_rejected: dict = field(default_factory=dict)
     #: the search stopped drawing because Selection.stop_at (`check --budget`) was reached
     budget_spent: bool = False
+    #: the shape of every judged example and whether it failed (`preconditions`)
+    seen: list = field(default_factory=list, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -338,6 +341,9 @@ def search_property(backend, prop, selection: Selection = Selection(), on_result
             reasons[result.detail] += 1
             return False
         outcome.examples += 1
+        seen = Seen.of(problem, result.failed)
+        if seen is not None:
+            outcome.seen.append(seen)
         for name in result.null_rejected if result.informative else ():
             outcome.null_rejected[name] = outcome.null_rejected.get(name, 0) + 1
         if result.informative is not None:

@@ -1,3 +1,4 @@
-// cuda_pipeline.h for the CUDA-on-CPU runner: not emulated. The runner stops the build here so that a
-// kernel never runs on the CPU with a construct whose GPU semantics it does not reproduce.
-#error "fa_verify CUDA-on-CPU: <cuda_pipeline.h> is not supported by the CPU runner"
+// cuda_pipeline.h for the CUDA-on-CPU runner: not emulated, and declares nothing. Published kernels often
+// include it without using it, so the include is accepted; a kernel that calls what it declares
+// stops at that call ("not declared"), with a hint that the runner does not emulate it.
+#pragma once

@@ -26,6 +26,10 @@
 #include "fa_cuda_cpu_round.h"
 #include "fa_cuda_cpu_runtime.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
+
 // ---- shared-memory addresses ----------------------------------------------------------------------
 
 // A shared-window address is the 32-bit offset of a byte from the block's dynamic shared memory
@@ -50,12 +54,35 @@ namespace ptx {
     trap(message);
 }
 
+// In the AddressSanitizer build, an instruction's memory operand is checked where the kernel issues
+// it: ASan itself would see cp.async's copy only at the wait that performs it, and ldmatrix's reads
+// inside this header, and name those places instead of the kernel's line. The message gives the
+// address; the parent says which argument it belongs to (fa_verify/cuda_cpu/_faults.py).
+inline void check_access(const char* instruction, const char* verb, const void* p, std::size_t bytes) {
+#if defined(__SANITIZE_ADDRESS__)
+    const void* bad = bytes ? __asan_region_is_poisoned(const_cast<void*>(p), bytes) : nullptr;
+    if (bad == nullptr) return;
+    char why[256];
+    const auto* byte = static_cast<const unsigned char*>(bad);
+    if (byte >= fa_cpu_dynamic_smem && byte < fa_cpu_dynamic_smem + kDynamicSharedCapacity)
+        std::snprintf(why, sizeof why, "%s %zu bytes at byte %td of the dynamic shared memory, past the launch's "
+                      "shared_bytes", verb, bytes, byte - fa_cpu_dynamic_smem);
+    else
+        std::snprintf(why, sizeof why, "%s %zu bytes at address %p, memory it may not %s (AddressSanitizer)", verb,
+                      bytes, bad, verb[0] == 'r' ? "read" : "write");
+    fail(instruction, why);
+#else
+    (void)instruction, (void)verb, (void)p, (void)bytes;
+#endif
+}
+
 // The byte an address operand names: `.shared` operands are shared-window offsets (integers) or,
 // as some kernels pass them, generic pointers; other operands are generic pointers. An address
 // outside shared memory is not detected here; the AddressSanitizer build reports the access.
 template <bool Shared, class T>
 inline unsigned char* address(const T& operand) {
-    if constexpr (std::is_pointer<T>::value) {
+    // Not std::is_pointer: it is false for a `__restrict__` pointer, which kernels pass often.
+    if constexpr (std::is_convertible<T, const volatile void*>::value && !std::is_integral<T>::value) {
         return static_cast<unsigned char*>(const_cast<void*>(static_cast<const volatile void*>(operand)));
     } else {
         static_assert(std::is_integral<T>::value, "fa_verify CUDA-on-CPU: an address operand must be an integer or a pointer");
@@ -233,6 +260,7 @@ inline void ldmatrix(int matrices, bool trans, const unsigned char* row, std::ui
     for (int l = 0; l < 8 * matrices; ++l)
         if (reinterpret_cast<std::uintptr_t>(table[l].row) % 16 != 0)
             fail(instruction, "a row address is not 16-byte aligned");
+    for (int l = 0; l < 8 * matrices; ++l) check_access(instruction, "reads", table[l].row, 16);
     for (int j = 0; j < matrices; ++j) {
         std::uint16_t e[2];
         for (int h = 0; h < 2; ++h) {
@@ -289,6 +317,8 @@ inline void cp_async(bool cg, const D& dst_operand, const S& src_operand, long l
     const unsigned char* src = address<false>(src_operand);
     if (reinterpret_cast<std::uintptr_t>(dst) % bytes != 0 || reinterpret_cast<std::uintptr_t>(src) % bytes != 0)
         fail(instruction, "source and destination must be aligned to cp-size");
+    check_access(instruction, "reads", src, static_cast<std::size_t>(src_bytes));
+    check_access(instruction, "writes", dst, static_cast<std::size_t>(bytes));
     async_queue().open.push_back(AsyncCopy{dst, src, static_cast<int>(bytes), static_cast<int>(src_bytes)});
 }
 
@@ -310,6 +340,17 @@ __attribute__((always_inline)) inline void cp_async_wait_group(long long pending
 __attribute__((always_inline)) inline void cp_async_wait_all() {
     cp_async_commit_group();
     cp_async_wait_group(0);
+}
+
+// ---- ld.global{.v2,.v4}.{b32,u32,s32,f32} ------------------------------------------------------------
+
+// `count` 32-bit elements from global memory; the address must be aligned to the whole access.
+inline void ld_global(int count, const unsigned char* p, std::uint32_t* out, const char* instruction) {
+    const std::size_t bytes = 4 * static_cast<std::size_t>(count);
+    if (reinterpret_cast<std::uintptr_t>(p) % bytes != 0) fail(instruction, "the address is not aligned to the access");
+    check_access(instruction, "reads", p, bytes);
+    race_read(p, bytes);
+    std::memcpy(out, p, bytes);
 }
 
 // ---- ex2.approx.f32 -----------------------------------------------------------------------------------

@@ -86,6 +86,8 @@ enum Status : int { kOk = 0, kBadLaunch = 2, kDeadlock = 3, kTrap = 4, kBadArgum
 // The block's dynamic shared memory: every `extern __shared__` array is rewritten by the builder
 // into a reference to this buffer (fa_verify/cuda_cpu/_rewrite.py).
 extern "C" FA_CPU_HIDDEN unsigned char fa_cpu_dynamic_smem[];
+// Its size: the most any architecture gives a block (H100's 227 KiB).
+constexpr std::size_t kDynamicSharedCapacity = 227 * 1024;
 
 // Runs the whole grid, block after block, one fiber per thread. Writes a message on failure.
 extern "C" FA_CPU_HIDDEN int fa_cpu_run_grid(fa_cpu::KernelBody body, const std::uint64_t* slots,

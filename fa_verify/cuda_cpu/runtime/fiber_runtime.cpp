@@ -45,9 +45,8 @@ std::uint64_t g_block_serial = 0;
 }  // namespace fa_cpu
 
 // Every `extern __shared__` array of the kernel refers to this buffer, so all of them alias the
-// block's dynamic shared memory, as on the GPU. 227 KiB is the H100 maximum.
-static constexpr std::size_t kMaxDynamicShared = 227 * 1024;
-alignas(128) unsigned char fa_cpu_dynamic_smem[kMaxDynamicShared];
+// block's dynamic shared memory, as on the GPU.
+alignas(128) unsigned char fa_cpu_dynamic_smem[kDynamicSharedCapacity];
 
 // Static __shared__ variables, as the kernel registers them (register_shared), so that each block
 // can start with them filled with a NaN pattern: reading shared memory that the block has not
@@ -455,6 +454,7 @@ void run_block(const LaunchConfig& cfg, std::uint64_t block_linear) {
 
     Fiber* first = &g_fibers[order[0]];
     switch_context(&g_main, &first->ctx, first, false);
+    FA_CPU_RACE(end_block());
 }
 
 }  // namespace
@@ -552,10 +552,10 @@ extern "C" int fa_cpu_run_grid(KernelBody body, const std::uint64_t* slots, cons
         g_status = kBadLaunch;
         set_message("invalid grid (%lld,%lld,%lld): each dimension >= 1, x <= 2^31-1, y,z <= 65535", (long long)gr[0],
                     (long long)gr[1], (long long)gr[2]);
-    } else if (cfg->shared_bytes < 0 || static_cast<std::size_t>(cfg->shared_bytes) > kMaxDynamicShared) {
+    } else if (cfg->shared_bytes < 0 || static_cast<std::size_t>(cfg->shared_bytes) > kDynamicSharedCapacity) {
         g_status = kBadLaunch;
         set_message("invalid dynamic shared memory size %lld bytes: at most %zu", (long long)cfg->shared_bytes,
-                    kMaxDynamicShared);
+                    kDynamicSharedCapacity);
     } else if (cfg->stack_bytes < 16384) {
         g_status = kBadLaunch;
         set_message("stack of %lld bytes per thread is too small (at least 16 KiB)", (long long)cfg->stack_bytes);
@@ -573,7 +573,7 @@ extern "C" int fa_cpu_run_grid(KernelBody body, const std::uint64_t* slots, cons
         // Exactly shared_bytes of dynamic shared memory are addressable during this launch.
         ASAN_UNPOISON_MEMORY_REGION(fa_cpu_dynamic_smem, static_cast<std::size_t>(cfg->shared_bytes));
         ASAN_POISON_MEMORY_REGION(fa_cpu_dynamic_smem + cfg->shared_bytes,
-                                  kMaxDynamicShared - static_cast<std::size_t>(cfg->shared_bytes));
+                                  kDynamicSharedCapacity - static_cast<std::size_t>(cfg->shared_bytes));
         g_learn_main_stack = true;
 #endif
         FA_CPU_RACE(begin_launch(*cfg, fa_cpu_dynamic_smem));
@@ -591,3 +591,73 @@ extern "C" int fa_cpu_run_grid(KernelBody body, const std::uint64_t* slots, cons
     if (message && message_size > 0) std::snprintf(message, static_cast<std::size_t>(message_size), "%s", g_message);
     return g_status;
 }
+
+// ---- the address of a fatal memory access -----------------------------------------------------------
+//
+// A kernel that dereferences a null or wild pointer kills the worker with SIGSEGV, and the parent
+// learns only the signal. Before dying, the process writes the faulting address to stderr
+// ("fa_cpu: SIGSEGV at address 0x10"), so that the parent can say which argument the address
+// belongs to (or that it is a null pointer's). The handler that was there before (Python's
+// faulthandler, in a process that loads a module itself) is put back and runs next: returning
+// re-executes the faulting access. ASan builds report the address themselves.
+#if !FA_CPU_ASAN
+#include <csignal>
+
+namespace {
+
+alignas(16) char g_fault_stack[64 * 1024];  // a fiber's stack may be the one that overflowed
+struct sigaction g_previous_segv, g_previous_bus;
+
+// Whether the fault is the running emulated thread's stack overflow: the address is in the guard
+// page below its stack, or its stack pointer went below the stack (a frame larger than the guard
+// page skips it, and its access faults anywhere).
+bool stack_overflow(std::uintptr_t address, const void* context) {
+    if (fa_cpu::g_current == nullptr) return false;  // not in a kernel's thread
+    const auto& ctx = static_cast<const fa_cpu::Fiber*>(fa_cpu::g_current)->ctx;
+    const auto lo = reinterpret_cast<std::uintptr_t>(ctx.stack_lo);
+    const std::uintptr_t page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+    std::uintptr_t sp = lo;
+#if defined(__x86_64__)
+    sp = static_cast<std::uintptr_t>(static_cast<const ucontext_t*>(context)->uc_mcontext.gregs[REG_RSP]);
+#elif defined(__aarch64__)
+    sp = static_cast<std::uintptr_t>(static_cast<const ucontext_t*>(context)->uc_mcontext.sp);
+#endif
+    constexpr std::uintptr_t kReach = std::uintptr_t{1} << 26;  // the largest frame believed to be one
+    return (address < lo && address + page >= lo) || (sp < lo && lo - sp < kReach);
+}
+
+void write_fault(int signal, siginfo_t* info, void* context) {
+    const auto address = reinterpret_cast<std::uintptr_t>(info->si_addr);
+    const char* head = stack_overflow(address, context) ? "fa_cpu: stack overflow at address 0x"
+                       : signal == SIGBUS      ? "fa_cpu: SIGBUS at address 0x"
+                                               : "fa_cpu: SIGSEGV at address 0x";
+    char line[64];
+    std::size_t n = std::strlen(head);
+    std::memcpy(line, head, n);
+    bool leading = true;
+    for (int shift = 60; shift >= 0; shift -= 4) {  // async-signal-safe: no printf
+        const unsigned digit = (address >> shift) & 0xF;
+        leading = leading && digit == 0 && shift > 0;
+        if (!leading) line[n++] = "0123456789abcdef"[digit];
+    }
+    line[n++] = '\n';
+    if (::write(2, line, n) < 0) {
+        // nothing left to do: the previous handler or the default action ends the process
+    }
+    sigaction(signal, signal == SIGBUS ? &g_previous_bus : &g_previous_segv, nullptr);
+}
+
+__attribute__((constructor)) void report_faults() {
+    stack_t stack{};
+    stack.ss_sp = g_fault_stack;
+    stack.ss_size = sizeof g_fault_stack;
+    sigaltstack(&stack, nullptr);
+    struct sigaction action {};
+    action.sa_sigaction = write_fault;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigaction(SIGSEGV, &action, &g_previous_segv);
+    sigaction(SIGBUS, &action, &g_previous_bus);
+}
+
+}  // namespace
+#endif

@@ -24,6 +24,12 @@
 //
 // Reports are deduplicated by the pair of instructions and handed to the caller as text by
 // fa_cpu_race_report; the parent symbolises the addresses (fa_verify/cuda_cpu/_race.py).
+//
+// Each pair also says whether it only ever stored the value the memory already held (every thread
+// writing the same flag, or the same row maximum): undefined all the same, but no result depends on
+// the order. A hook runs before its store, so the byte is kept at the conflict and compared at the
+// thread's next hook, barrier or the block's end, when the store has happened. A read that
+// follows an unordered write may have seen either value: such a pair never counts as same-value.
 
 #include "race_runtime.h"
 
@@ -74,7 +80,16 @@ struct Race {
     std::size_t offset;      // byte within the region
     std::uintptr_t address;  // as an offset into the module
     unsigned long count;
+    bool same_value;  // every conflict of the pair was a write of the value already there
 };
+
+// A conflicting write's byte as it was before the store, to compare once the store happened.
+struct Pending {
+    const unsigned char* byte;
+    unsigned char before;
+    std::size_t race;
+};
+std::vector<Pending> g_pending;
 
 constexpr std::size_t kMaxRaces = 32;
 
@@ -115,17 +130,31 @@ inline bool concurrent(const Access& a, unsigned int tid) {
     return !g_wsync_saturated && g_with[(warp * 32 + tid % 32) * 32 + a.tid % 32] <= a.wsync;
 }
 
+// Compare the bytes of conflicting writes with what they held before: the stores have happened.
+void settle() {
+    for (const Pending& p : g_pending)
+        if (*p.byte != p.before) g_races[p.race].same_value = false;
+    g_pending.clear();
+}
+
 void note(const Access& first, const Access& second, const Region& r, std::uintptr_t address) {
     ++g_race_total;
-    for (Race& race : g_races) {
-        if ((race.first.pc == first.pc && race.second.pc == second.pc) ||
-            (race.first.pc == second.pc && race.second.pc == first.pc)) {
-            ++race.count;
-            return;
-        }
+    std::size_t i = 0;
+    while (i < g_races.size() && !((g_races[i].first.pc == first.pc && g_races[i].second.pc == second.pc) ||
+                                   (g_races[i].first.pc == second.pc && g_races[i].second.pc == first.pc)))
+        ++i;
+    if (i == g_races.size()) {
+        if (i == kMaxRaces) return;
+        g_races.push_back(Race{first, second, r.id, address - r.lo, address - g_base, 0, true});
     }
-    if (g_races.size() < kMaxRaces)
-        g_races.push_back(Race{first, second, r.id, address - r.lo, address - g_base, 1});
+    Race& race = g_races[i];
+    ++race.count;
+    if (second.kind != kWrite) {
+        race.same_value = false;
+    } else if (race.same_value) {
+        const auto* byte = reinterpret_cast<const unsigned char*>(address);
+        g_pending.push_back(Pending{byte, *byte, i});
+    }
 }
 
 // Whether `a` (valid for this region) conflicts with the running thread's access of kind `kind`.
@@ -145,6 +174,7 @@ inline bool replaceable(const Access& slot, const Access& now, bool valid) {
 
 void check(std::uintptr_t address, std::size_t size, std::uint8_t kind, std::uintptr_t pc) {
     if (!g_on || g_mode == kRaceIgnore || g_current == nullptr) return;
+    if (!g_pending.empty()) settle();
     const Region* r = nullptr;
     for (const Region& candidate : g_regions)
         if (address - candidate.lo < candidate.hi - candidate.lo) {
@@ -225,6 +255,7 @@ void begin_launch(const LaunchConfig& cfg, unsigned char* dynamic_shared) {
     g_launch_first = g_serial + 1;
     g_regions.clear();
     g_races.clear();
+    g_pending.clear();
     g_race_total = 0;
     const auto dynamic_bytes = static_cast<std::size_t>(cfg.shared_bytes);
     add_region(reinterpret_cast<std::uintptr_t>(dynamic_shared), dynamic_bytes, kDynamicShared,
@@ -249,7 +280,10 @@ void begin_block() {
     g_wsync_saturated = false;
 }
 
+void end_block() { settle(); }
+
 void barrier() {
+    settle();
     ++g_gen;
     std::fill(g_wsync.begin(), g_wsync.end(), 0);
     std::fill(g_with.begin(), g_with.end(), 0);
@@ -271,6 +305,7 @@ void syncwarp(unsigned int warp, unsigned int lanes) {
 }
 
 void end_launch() {
+    settle();
     g_on = false;
     g_buffer_lo.clear();
     g_buffer_size.clear();
@@ -296,7 +331,8 @@ FA_CPU_EXPORT void fa_cpu_race_buffers(const std::uint64_t* address, const std::
 
 // The races of the last launch, one per line: region, byte offset in it, address relative to
 // the module's base, then per access (first, second): kind, instruction offset, block, thread,
-// barrier interval; then whether the threads share a warp and how often the pair was seen.
+// barrier interval; then whether the threads share a warp, how often the pair was seen and whether
+// it only ever wrote the value already there.
 // Returns the number of races (all, not only those listed).
 FA_CPU_EXPORT long fa_cpu_race_report(char* out, int size) {
     using namespace fa_cpu::race;
@@ -308,8 +344,8 @@ FA_CPU_EXPORT long fa_cpu_race_report(char* out, int size) {
                               static_cast<unsigned long>(r.address));
         n += print_access(line + n, sizeof line - n, r.first);
         n += print_access(line + n, sizeof line - n, r.second);
-        n += std::snprintf(line + n, sizeof line - n, "\t%d\t%lu\n", r.first.tid / 32 == r.second.tid / 32 &&
-                           r.first.block == r.second.block, r.count);
+        n += std::snprintf(line + n, sizeof line - n, "\t%d\t%lu\t%d\n", r.first.tid / 32 == r.second.tid / 32 &&
+                           r.first.block == r.second.block, r.count, r.same_value);
         if (used + n + 1 > static_cast<std::size_t>(size)) break;
         std::memcpy(out + used, line, static_cast<std::size_t>(n) + 1);
         used += n;

@@ -20,6 +20,8 @@ FA_CPU_HIDDEN void begin_launch(const LaunchConfig& cfg, unsigned char* dynamic_
 FA_CPU_HIDDEN void add_static_shared(void* address, std::size_t bytes);
 // A block begins (blocks run one after another): its shared memory starts with no history.
 FA_CPU_HIDDEN void begin_block();
+// The running block's threads have all finished (its shared memory still holds what they wrote).
+FA_CPU_HIDDEN void end_block();
 // A __syncthreads (or _count/_and/_or) of the running block completed.
 FA_CPU_HIDDEN void barrier();
 // A __syncwarp of these lanes of warp `warp` completed.
