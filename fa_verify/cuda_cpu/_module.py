@@ -159,12 +159,17 @@ class CpuKernelModule:
             "seed": int(seed),
             "stack_bytes": self.stack_bytes,
         }
-        slots, itemsizes, arrays, pointers = _flatten(name, signature, args)
+        slots, itemsizes, arrays, pointers, null_positions = _flatten(name, signature, args)
         what = f"{name} in {os.path.basename(self.source_path)}, grid {config['grid']}, block {config['block']}"
-        label = (lambda i: f" `{arg_names[i]}`") if arg_names is not None else (lambda i: "")
+        def label(position) -> str:  # a parameter's index, or "index.field" inside a struct
+            if arg_names is None:
+                return ""
+            index, _, field = str(position).partition(".")
+            return f" `{arg_names[int(index)]}{'.' + field if field else ''}`"
+
         names = [f"argument {positions[0]}{label(positions[0])} ({a.dtype}{list(a.shape)}, {a.nbytes} bytes)"
                  for a, positions in arrays]
-        nulls = [f"argument {slot}{label(slot)}" for slot, index in pointers.items() if index is None]
+        nulls = [f"argument {position}{label(position)}" for position in null_positions]
         if self.isolated:
             result, self.last_output = self._run_in_worker(
                 symbol(name), config, slots, itemsizes, arrays, pointers, timeout, what, names, nulls
@@ -234,12 +239,14 @@ class Inside:
 
 def _flatten(name, signature, args):
     """Slots (int64 / double bits / a pointer's byte offset into its array), element sizes,
-    distinct arrays, pointers. A struct argument (a StructLayout in the signature) is a sequence
-    of its fields' values, one slot each."""
+    distinct arrays, pointers, and the positions of the null pointers. A struct argument (a
+    StructLayout in the signature) is a sequence of its fields' values, one slot each; its
+    fields' positions are "index.field"."""
     slots: list[int] = []
     itemsizes: list[int] = []
     arrays: list[tuple[np.ndarray, list[int]]] = []
     pointers: dict[int, int | None] = {}
+    null_positions: list = []
     seen: dict[int, int] = {}
 
     def one(kind, value, position):
@@ -250,6 +257,7 @@ def _flatten(name, signature, args):
             slots.append(offset)
             if value is None:
                 pointers[len(slots) - 1] = None
+                null_positions.append(position)
                 itemsizes.append(0)
                 return
             if not isinstance(value, np.ndarray):
@@ -286,7 +294,7 @@ def _flatten(name, signature, args):
                 one(field.kind, item, f"{position}.{field.name}")
         else:
             one(kind, value, position)
-    return slots, itemsizes, arrays, pointers
+    return slots, itemsizes, arrays, pointers, null_positions
 
 
 def _raise_for_status(status: int, message: str, name: str, args) -> None:
