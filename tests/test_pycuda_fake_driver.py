@@ -66,7 +66,13 @@ def on_fake_driver(code: str, *, env_extra=None, driver="fake", omit=(), cwd=Non
 # --- the kernels, through PyCUDA on the fake driver ----------------------------------------------------
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+#: Families left to -m slow: their nvcc builds are the long ones, and the PyCUDA launch path they
+#: take is the one naive and mma_ptx take here (fa2's own launch, with its variants, is tested below).
+_LONG_BUILDS = ("fa2", "naive16", "wmma")
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in _LONG_BUILDS else f
+                                    for f in sorted(FAMILIES)])
 def test_fake_driver_runs_every_family_bit_identical_to_the_cpu_runner(family):
     """Each -pycuda backend on the fake driver returns what its -cpu twin returns, bit for bit, and
     passes the oracle (a family per test: the suite's workers share them)."""
