@@ -162,6 +162,8 @@ struct LaneEntry {
     int op = 0;
     int shape = 0;
     std::uint32_t regs[6] = {};
+    std::uint32_t acc[4] = {};  // mma: the lane's C registers, then its D registers
+    bool done = false;          // mma: acc holds D
     const unsigned char* row = nullptr;
 };
 
@@ -215,33 +217,48 @@ inline float element(std::uint32_t reg, int half, bool bf16) {
 //   C, D (16 x 8, f32):    element i at row g + 8*(i/2), column 2t + (i%2).
 // Products of 16-bit values are exact in fp32; they are summed in fp32 with k ascending,
 // starting from C, the model the runner's wmma uses too.
+//
+// The first lane to resume after the meeting computes the whole warp's D, decoding each A and B
+// element once (not once per lane that reads it: 16x fewer conversions); the others find their
+// registers done. Each D element is the same sum in the same order as its own lane would form.
+template <int K>
+inline void mma_warp(LaneEntry* table, bool bf16) {
+    constexpr int kARegs = K / 4;
+    float a[16][K], b[K][8];
+    for (int row = 0; row < 16; ++row)
+        for (int k = 0; k < K; ++k)  // A(row, k): lane 4*(row%8) + (k%8)/2, register (row/8) + 2*(k/8), half k%2
+            a[row][k] = element(table[4 * (row % 8) + (k % 8) / 2].regs[row / 8 + 2 * (k / 8)], k % 2, bf16);
+    for (int k = 0; k < K; ++k)
+        for (int col = 0; col < 8; ++col)  // B(k, col): lane 4*col + (k%8)/2, register k/8, half k%2
+            b[k][col] = element(table[4 * col + (k % 8) / 2].regs[kARegs + k / 8], k % 2, bf16);
+    for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, t = lane % 4;
+        for (int i = 0; i < 4; ++i) {
+            const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
+            float acc = fp::bits_float(table[lane].acc[i]);
+            for (int k = 0; k < K; ++k) acc += a[row][k] * b[k][col];
+            table[lane].acc[i] = fp::float_bits(acc);
+        }
+        table[lane].done = true;
+    }
+}
+
 template <int K>
 inline void mma(bool bf16, std::uint32_t d[4], const std::uint32_t* a, const std::uint32_t* b, const std::uint32_t c[4],
                 const char* instruction) {
     constexpr int kARegs = K / 4, kBRegs = K / 8;
     LaneEntry* table = next_table();
-    const unsigned int lane = g_current->lane;
-    LaneEntry& mine = table[lane];
+    LaneEntry& mine = table[g_current->lane];
     mine.op = bf16 ? kMmaBf16 : kMmaF16;
     mine.shape = K;
     for (int r = 0; r < kARegs; ++r) mine.regs[r] = a[r];
     for (int r = 0; r < kBRegs; ++r) mine.regs[kARegs + r] = b[r];
+    for (int i = 0; i < 4; ++i) mine.acc[i] = c[i];
+    // This table is written again two collectives on, after every lane has read D from it.
+    mine.done = false;
     meet(table, instruction, mine.op, K);
-    const int g = static_cast<int>(lane / 4), t = static_cast<int>(lane % 4);
-    for (int i = 0; i < 4; ++i) {
-        const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
-        float acc = fp::bits_float(c[i]);
-        for (int k = 0; k < K; ++k) {
-            // A(row, k): lane 4*(row%8) + (k%8)/2, register (row/8) + 2*(k/8), half k%2.
-            const LaneEntry& ea = table[4 * (row % 8) + (k % 8) / 2];
-            const float av = element(ea.regs[row / 8 + 2 * (k / 8)], k % 2, bf16);
-            // B(k, col): lane 4*col + (k%8)/2, register k/8, half k%2.
-            const LaneEntry& eb = table[4 * col + (k % 8) / 2];
-            const float bv = element(eb.regs[kARegs + k / 8], k % 2, bf16);
-            acc += av * bv;
-        }
-        d[i] = fp::float_bits(acc);
-    }
+    if (!mine.done) mma_warp<K>(table, bf16);
+    for (int i = 0; i < 4; ++i) d[i] = mine.acc[i];
 }
 
 // ---- ldmatrix.sync.aligned.m8n8.x{1,2,4}{.trans}{.shared}.b16 -------------------------------------
