@@ -103,11 +103,13 @@ def run_ci(backends: dict, max_examples: int = 20, repeats: int = 1, progress=No
 
 
 def format_ci_text(result: dict) -> str:
-    lines = [f"{'style':<10} {'backend':<18} {'examples':>8}  {'runner ex/s':>11}  {'oracle ex/s':>11}  "
+    style = max([len("style")] + [len(r["style"]) for r in result["rows"]])
+    width = max([len("backend")] + [len(r["backend"]) for r in result["rows"]])
+    lines = [f"{'style':<{style}} {'backend':<{width}} {'examples':>8}  {'runner ex/s':>11}  {'oracle ex/s':>11}  "
              f"{'ratio':>6}  {'both ex/s':>9}  {'check ex/s':>10}"]
     for r in result["rows"]:
         n = r["examples"]
-        lines.append(f"{r['style']:<10} {r['backend']:<18} {n:>8}  {n / r['runner_s']:>11.1f}  "
+        lines.append(f"{r['style']:<{style}} {r['backend']:<{width}} {n:>8}  {n / r['runner_s']:>11.1f}  "
                      f"{n / r['oracle_s']:>11.1f}  {r['runner_s'] / r['oracle_s']:>6.2f}  "
                      f"{n / (r['runner_s'] + r['oracle_s']):>9.1f}  {r['check_examples'] / r['check_s']:>10.1f}")
     lines.append(f"(the problems `fa_verify check TARGET --property oracle_agreement --max-examples "
