@@ -70,6 +70,20 @@ def test_bench_oracle_json_reports_ratio_and_bound(capsys):
     assert code == (0 if result["meets_target"] else 1)
 
 
+def test_bench_runner_ci_times_each_style_on_the_checks_problems(capsys):
+    """--ci: the problems the ci profile's agreement check judges (a dense and a paged style), the
+    runner and the oracle timed on each, and the check's own rate."""
+    code, out, _ = _run(capsys, "bench", "runner", "--ci", "--json", "--kernel", "naive", "--kernel", "split_kv",
+                        "--max-examples", "2", "--repeats", "1")
+    rows = {row["style"]: row for row in json.loads(out)["rows"]}
+    assert code == 0 and set(rows) == {"naive", "split_kv"}
+    for row in rows.values():
+        assert row["check_status"] == "passed" and row["examples"] == row["check_examples"] >= 2
+        assert row["runner_s"] > 0 and row["oracle_s"] > 0 and row["check_s"] > 0
+    code, out, err = _run(capsys, "bench", "runner", "--kernel", "split_kv")
+    assert code == 2 and "need --ci" in err
+
+
 def test_check_passes_a_correct_callable(capsys, monkeypatch):
     monkeypatch.chdir(FIXTURES)
     code, out, _ = _run(capsys, "check", "user_kernels:float64_then_round",

@@ -162,6 +162,8 @@ struct LaneEntry {
     int op = 0;
     int shape = 0;
     std::uint32_t regs[6] = {};
+    std::uint32_t acc[4] = {};  // mma: the lane's C registers, then its D registers
+    bool met = false;           // the warp's first lane to resume from the meeting has checked it
     const unsigned char* row = nullptr;
 };
 
@@ -180,17 +182,21 @@ inline LaneEntry* next_table() {
     LaneEntry* table = tables[count[thread] & 1u][g_current->warp];
     table[g_current->lane].block = g_block_serial;
     table[g_current->lane].seq = ++count[thread];
+    table[g_current->lane].met = false;
     return table;
 }
 
 // All 32 lanes must take part in a .sync.aligned instruction: with a lane exited or the others at
-// a different instruction the GPU's result is undefined, so the runner stops.
-inline void meet(const LaneEntry* table, const char* instruction, int op, int shape) {
+// a different instruction the GPU's result is undefined, so the runner stops. The first lane to
+// resume checks the whole warp's entries (the others find them checked) and gets true: it may do
+// the warp's shared work before any other lane reads the table.
+inline bool meet(LaneEntry* table, const char* instruction, int op, int shape) {
     static const char* const missing =
         "all 32 lanes of the warp must execute this .sync.aligned instruction, but some lanes have exited "
         "or do not exist (undefined behaviour on a GPU)";
     if (live_lanes() != 0xffffffffu) fail(instruction, missing);
     warp_op(kSyncWarp, 0xffffffffu, 0, 0, 0);
+    if (table[g_current->lane].met) return false;
     const unsigned int seq = table[g_current->lane].seq;
     for (int l = 0; l < 32; ++l) {
         if (table[l].seq != seq || table[l].block != g_block_serial)
@@ -199,6 +205,8 @@ inline void meet(const LaneEntry* table, const char* instruction, int op, int sh
             fail(instruction, "the lanes of the warp met at different warp-collective instructions "
                               "(.aligned requires every lane to execute the same one)");
     }
+    for (int l = 0; l < 32; ++l) table[l].met = true;
+    return true;
 }
 
 inline float element(std::uint32_t reg, int half, bool bf16) {
@@ -215,33 +223,45 @@ inline float element(std::uint32_t reg, int half, bool bf16) {
 //   C, D (16 x 8, f32):    element i at row g + 8*(i/2), column 2t + (i%2).
 // Products of 16-bit values are exact in fp32; they are summed in fp32 with k ascending,
 // starting from C, the model the runner's wmma uses too.
+//
+// The first lane to resume from the meeting computes the whole warp's D, decoding each A and B
+// element once (not once per lane that reads it: 16x fewer conversions); the others find their
+// registers done. Each D element is the same sum in the same order as its own lane would form.
+template <int K>
+inline void mma_warp(LaneEntry* table, bool bf16) {
+    constexpr int kARegs = K / 4;
+    float a[16][K], b[K][8];
+    for (int row = 0; row < 16; ++row)
+        for (int k = 0; k < K; ++k)  // A(row, k): lane 4*(row%8) + (k%8)/2, register (row/8) + 2*(k/8), half k%2
+            a[row][k] = element(table[4 * (row % 8) + (k % 8) / 2].regs[row / 8 + 2 * (k / 8)], k % 2, bf16);
+    for (int k = 0; k < K; ++k)
+        for (int col = 0; col < 8; ++col)  // B(k, col): lane 4*col + (k%8)/2, register k/8, half k%2
+            b[k][col] = element(table[4 * col + (k % 8) / 2].regs[kARegs + k / 8], k % 2, bf16);
+    for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, t = lane % 4;
+        for (int i = 0; i < 4; ++i) {
+            const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
+            float acc = fp::bits_float(table[lane].acc[i]);
+            for (int k = 0; k < K; ++k) acc += a[row][k] * b[k][col];
+            table[lane].acc[i] = fp::float_bits(acc);
+        }
+    }
+}
+
 template <int K>
 inline void mma(bool bf16, std::uint32_t d[4], const std::uint32_t* a, const std::uint32_t* b, const std::uint32_t c[4],
                 const char* instruction) {
     constexpr int kARegs = K / 4, kBRegs = K / 8;
     LaneEntry* table = next_table();
-    const unsigned int lane = g_current->lane;
-    LaneEntry& mine = table[lane];
+    LaneEntry& mine = table[g_current->lane];
     mine.op = bf16 ? kMmaBf16 : kMmaF16;
     mine.shape = K;
     for (int r = 0; r < kARegs; ++r) mine.regs[r] = a[r];
     for (int r = 0; r < kBRegs; ++r) mine.regs[kARegs + r] = b[r];
-    meet(table, instruction, mine.op, K);
-    const int g = static_cast<int>(lane / 4), t = static_cast<int>(lane % 4);
-    for (int i = 0; i < 4; ++i) {
-        const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
-        float acc = fp::bits_float(c[i]);
-        for (int k = 0; k < K; ++k) {
-            // A(row, k): lane 4*(row%8) + (k%8)/2, register (row/8) + 2*(k/8), half k%2.
-            const LaneEntry& ea = table[4 * (row % 8) + (k % 8) / 2];
-            const float av = element(ea.regs[row / 8 + 2 * (k / 8)], k % 2, bf16);
-            // B(k, col): lane 4*col + (k%8)/2, register k/8, half k%2.
-            const LaneEntry& eb = table[4 * col + (k % 8) / 2];
-            const float bv = element(eb.regs[kARegs + k / 8], k % 2, bf16);
-            acc += av * bv;
-        }
-        d[i] = fp::float_bits(acc);
-    }
+    for (int i = 0; i < 4; ++i) mine.acc[i] = c[i];
+    // This table is written again two collectives on, after every lane has read D from it.
+    if (meet(table, instruction, mine.op, K)) mma_warp<K>(table, bf16);
+    for (int i = 0; i < 4; ++i) d[i] = mine.acc[i];
 }
 
 // ---- ldmatrix.sync.aligned.m8n8.x{1,2,4}{.trans}{.shared}.b16 -------------------------------------
@@ -256,11 +276,12 @@ inline void ldmatrix(int matrices, bool trans, const unsigned char* row, std::ui
     table[lane].op = kLdmatrix;
     table[lane].shape = matrices * 2 + trans;
     table[lane].row = row;
-    meet(table, instruction, kLdmatrix, matrices * 2 + trans);
-    for (int l = 0; l < 8 * matrices; ++l)
-        if (reinterpret_cast<std::uintptr_t>(table[l].row) % 16 != 0)
-            fail(instruction, "a row address is not 16-byte aligned");
-    for (int l = 0; l < 8 * matrices; ++l) check_access(instruction, "reads", table[l].row, 16);
+    if (meet(table, instruction, kLdmatrix, matrices * 2 + trans)) {  // the rows are the warp's: checked once
+        for (int l = 0; l < 8 * matrices; ++l)
+            if (reinterpret_cast<std::uintptr_t>(table[l].row) % 16 != 0)
+                fail(instruction, "a row address is not 16-byte aligned");
+        for (int l = 0; l < 8 * matrices; ++l) check_access(instruction, "reads", table[l].row, 16);
+    }
     for (int j = 0; j < matrices; ++j) {
         std::uint16_t e[2];
         for (int h = 0; h < 2; ++h) {
