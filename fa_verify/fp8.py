@@ -179,6 +179,6 @@ def _checked_descale(name: str, x, stored: AttentionProblem) -> np.ndarray:
     bad = ~(np.isfinite(values) & (values > 0))
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise InvalidProblemError(f"{name}={values[where]!r} at index {where} must be a finite float32 > 0 "
+        raise InvalidProblemError(f"{name}={float(values[where])!r} at index {where} must be a finite float32 > 0 "
                                   "(true value = stored value x descale)")
     return values
