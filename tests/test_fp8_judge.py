@@ -34,15 +34,13 @@ def test_the_fp8_suite_kills_each_mutant(name):
 
 
 def test_unit_descale_testing_cannot_see_a_descale_bug():
-    honest, problems = NumpyFP8Backend(), drawn_problems(0, 6)
+    honest, problems = NumpyFP8Backend(), drawn_problems(0, 4)
     for problem in problems:
         unit = unit_descales(problem)
         right = honest.run(unit)
-        for name in DESCALE_MUTANTS:
-            mutant = MutantFP8Backend(name)
-            got = mutant.run(unit)
-            assert all(np.array_equal(a, b) for a, b in zip(got, right)), name  # bitwise the honest kernel
-            assert check_fp8_agreement(mutant, unit).passed
+        assert check_fp8_agreement(honest, unit).passed
+        for name in DESCALE_MUTANTS:  # bitwise the honest kernel's outputs: every check passes them
+            assert all(np.array_equal(a, b) for a, b in zip(MutantFP8Backend(name).run(unit), right)), name
     # ... while the same agreement check with the drawn descales sees each of them
     for name in DESCALE_MUTANTS:
         assert any(check_fp8_agreement(MutantFP8Backend(name), p).failed for p in problems), name
