@@ -92,3 +92,13 @@ def test_a_callable_without_descales_runs_no_fp8_problem():
     assert search_property(plain, "fp8_agreement", Selection()).status == "not applicable"
     with pytest.raises(InvalidArgumentError, match="q_descale, k_descale and v_descale"):
         CallableBackend(lambda q, k, v, *, causal, scale: q, dtypes=("e4m3",))
+
+
+def test_fa_verify_check_exercises_fp8_with_descales_when_the_function_takes_them(monkeypatch, capsys):
+    from fa_verify.cli import main
+
+    monkeypatch.chdir(Path(__file__).parent / "fixtures")
+    assert main(["check", "fp8_mutants:fa3_style", "--property", "descale_sensitivity", "--property",
+                 "oracle_agreement", "--dtype", "e4m3", "--max-examples", "3", "--no-isolate"]) == 0
+    output = capsys.readouterr().out
+    assert "PASS descale_sensitivity" in output and "N/A  oracle_agreement" in output
