@@ -95,7 +95,7 @@ def test_a_callable_without_descales_runs_no_fp8_problem():
 
 
 def test_fa_verify_check_exercises_fp8_with_descales_when_the_function_takes_them(monkeypatch, capsys):
-    from fa_verify.cli import main
+    from fa_verify.cli.main import main
 
     monkeypatch.chdir(Path(__file__).parent / "fixtures")
     assert main(["check", "fp8_mutants:fa3_style", "--property", "descale_sensitivity", "--property",
