@@ -58,7 +58,7 @@ class FP8Problem:
     def __post_init__(self):
         for name in ("q", "k", "v"):
             x = getattr(self, name)
-            if not isinstance(x, np.ndarray) or dtype_name_or_none(x.dtype) not in FP8_DTYPES:
+            if not isinstance(x, np.ndarray) or _format_name(x.dtype) not in FP8_DTYPES:
                 got = f"{type(x).__name__} {getattr(x, 'dtype', '')}".strip()
                 raise InvalidProblemError(
                     f"{name} must be a numpy array of an FP8 format ({', '.join(FP8_DTYPES)}: ml_dtypes.float8_e4m3fn "
@@ -66,7 +66,7 @@ class FP8Problem:
         if not (self.q.dtype == self.k.dtype == self.v.dtype):
             raise InvalidProblemError(f"q, k, v must share one FP8 format, got {self.q.dtype}, {self.k.dtype}, "
                                       f"{self.v.dtype}")
-        if dtype_name_or_none(self.output_dtype) not in DTYPE_NAMES:
+        if _format_name(self.output_dtype) not in DTYPE_NAMES:
             raise InvalidProblemError(f"output_dtype={self.output_dtype!r} must be one of {', '.join(DTYPE_NAMES)}")
         object.__setattr__(self, "output_dtype", dtype_name(self.output_dtype))
         stored = self.stored  # validates shapes, causal, scale and finiteness as a dense problem does
@@ -75,7 +75,9 @@ class FP8Problem:
 
     @classmethod
     def from_float(cls, q, k, v, dtype="e4m3", **kwargs) -> "FP8Problem":
-        """Round stored values (float data, within the format's range) to the FP8 format `dtype`."""
+        """Round stored values (float data, within the format's range: e4m3fn has no infinity and
+        ml_dtypes gives NaN past 464) to the FP8 format `dtype` (ml_dtypes rounds float64 through
+        float32, as data stored from fp32 is)."""
         return cls(*(round_to(np.asarray(x, dtype=np.float64), dtype) for x in (q, k, v)), **kwargs)
 
     def replace(self, **changes) -> "FP8Problem":
@@ -90,7 +92,7 @@ class FP8Problem:
     def __getattr__(self, name):
         # Shapes and masking are the stored problem's; dunder names and the fields are not
         # delegated, so copying and unpickling never recurse.
-        if name.startswith("__") or name in {f.name for f in dataclasses.fields(FP8Problem)} | {"stored"}:
+        if name.startswith("__") or name in _OWN:
             raise AttributeError(name)
         return getattr(self.stored, name)
 
@@ -155,7 +157,11 @@ class FP8Problem:
         return f"{dense} out={self.output_dtype} descales {shapes}"
 
 
-def dtype_name_or_none(dtype) -> str | None:
+#: Attributes never delegated to the stored problem (`FP8Problem.__getattr__`).
+_OWN = frozenset(f.name for f in dataclasses.fields(FP8Problem)) | {"stored"}
+
+
+def _format_name(dtype) -> str | None:
     try:
         return dtype_name(dtype)
     except InvalidArgumentError:  # the caller's message names what is wanted
