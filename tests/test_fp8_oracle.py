@@ -127,3 +127,21 @@ def test_every_term_is_named_and_they_add_up():
     assert bound.out_terms["p_underflow"].max() > 0 and bound.lse_terms["offset"].max() == 0
     assert fp8_error_bound(p, PrecisionModel.flash("e4m3")).lse_terms["offset"].max() > 0
 
+
+
+@pytest.mark.parametrize("scale, roundings", [(None, 3), (0.3, 2)])
+def test_the_oracle_counts_the_roundings_of_the_groups_scale(scale, roundings):
+    """out_bound = dv (dense bound + expm1(2 gamma_n max|t|) row scale) + u |out|: n = 2 roundings of
+    fl(fl(s dq) dk), 3 when s = 1/sqrt(D) is rounded (D = 8). Pins the counts (4x either way fails)."""
+    from fa_verify.oracle import reference
+    from fa_verify.oracle.bounds import U64, gamma
+    from fa_verify.oracle.fp8 import groups, max_abs_scores
+
+    p = make_fp8_problem((1, 2, 1, 3, 20, 8), "e4m3", 5, logit_spread=6.0).replace(scale=scale)
+    ref = reference_fp8(p)
+    (g,) = groups(p)
+    dense = reference(g.dense)
+    delta = gamma(roundings, U64) * max_abs_scores(g.dense)[None]
+    by_hand = (dense.out_bound + np.expm1(2 * delta)[..., None] * dense.row_scale) * g.v_descale + U64 * np.abs(ref.out)
+    np.testing.assert_allclose(ref.out_bound, by_hand, rtol=1e-8)
+    np.testing.assert_allclose(ref.lse_bound, dense.lse_bound + delta, rtol=1e-8)
