@@ -270,8 +270,7 @@ class _Units:
             t_abs += problem.scale_value * flushed_score_error(problem)
         return cls(u_s=u_s, u_p=u_p, u_pv=u_pv, tiny_s=tiny_s,
                    tiny_pv=float(finfo(precision.pv_accumulation).smallest_normal),
-                   tiny_p=float(finfo(precision.p_rounding).smallest_normal) * 2.0 ** -precision.p_offset,
-                   p_rounds=p_rounds,
+                   tiny_p=precision.tiny_p, p_rounds=p_rounds,
                    eps_exp=eps_exp, eps_exp_p=eps_exp_p, eps_tanh=eps_tanh, tanh_abs=tanh_abs, g_d=g_d,
                    t_abs=t_abs,
                    scale=problem.scale_value, accumulation=accumulation, lam=lam)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fa_verify.dtypes import finfo, ulp, unit_roundoff
+from fa_verify.dtypes import ulp, unit_roundoff
 from fa_verify.error_model import DEFAULT_LAMBDA, Bound, error_bound
 from fa_verify.oracle import reference
 from fa_verify.oracle.fp8 import groups, reference_fp8
@@ -66,7 +66,7 @@ def fp8_error_bound(problem, precision, reference_result: Reference | None = Non
     group_precision = precision.replace(input="fp16", output="fp32")
     u_s, u_pv = unit_roundoff(precision.score_accumulation), unit_roundoff(precision.pv_accumulation)
     u_p = unit_roundoff(precision.p_rounding)
-    tiny_p = float(finfo(precision.p_rounding).smallest_normal) * 2.0 ** -precision.p_offset
+    tiny_p = precision.tiny_p
     p_rounds = u_p > u_s
     out_terms = {name: np.zeros(problem.out_shape) for name in OUT_TERMS}
     lse_terms = {name: np.zeros(problem.lse_shape) for name in LSE_TERMS}

@@ -127,6 +127,12 @@ class PrecisionModel:
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"precision={text!r}: {exc}") from None
 
+    @property
+    def tiny_p(self) -> float:
+        """The smallest probability exp(s - m) that is a normal number of `p_rounding` once
+        multiplied by 2^p_offset: below it, P's rounding error is absolute."""
+        return float(finfo(self.p_rounding).smallest_normal) * 2.0 ** -self.p_offset
+
     def replace(self, **changes) -> "PrecisionModel":
         """This model with `changes` (field=value), validated as a new one."""
         return replace(self, **changes)
