@@ -145,3 +145,23 @@ def test_the_oracle_counts_the_roundings_of_the_groups_scale(scale, roundings):
     by_hand = (dense.out_bound + np.expm1(2 * delta)[..., None] * dense.row_scale) * g.v_descale + U64 * np.abs(ref.out)
     np.testing.assert_allclose(ref.out_bound, by_hand, rtol=1e-8)
     np.testing.assert_allclose(ref.lse_bound, dense.lse_bound + delta, rtol=1e-8)
+
+
+def test_an_lse_summing_the_rounded_p_fails_fa3s_model_whose_row_sum_is_fp32():
+    """FA3 sums the fp32 P: the LSE bound leaves P's rounding out (u_P = 1/16 would allow
+    0.06 nats), so an LSE from the e4m3 P's sum is caught."""
+    from fa_verify.dtypes import round_to
+
+    p = make_fp8_problem((1, 2, 1, 4, 64, 16), "e4m3", 11)
+    precision = PrecisionModel.flash("e4m3")
+    _, lse = fp8_forward(p, precision, block_n=64)
+    q, k, _ = _true_inputs(p)
+    t = q @ k.swapaxes(-1, -2) / 4.0
+    m = t.max(axis=-1, keepdims=True)
+    rounded = round_to(np.exp(t - m) * 256, "e4m3").astype(np.float64) / 256
+    summed_rounded = m[..., 0] + np.log(rounded.sum(axis=-1))
+    bound = fp8_error_bound(p, precision)
+    ref = reference_fp8(p)
+    assert np.all(np.abs(lse - ref.lse) <= bound.lse)
+    assert np.any(np.abs(summed_rounded - ref.lse) > bound.lse)
+    assert "p_rounding" not in bound.lse_terms
