@@ -1,7 +1,8 @@
 """Properties of FP8 attention (the kind "fp8": `fa_verify.fp8.FP8Problem`).
 
 * fp8_agreement: out (and the LSE, if returned) within the target's FP8 error model
-  (`fp8_error_model.fp8_error_bound`) of the certified reference of the true inputs.
+  (`fp8_error_model.fp8_error_bound`) of the certified reference of the true inputs, and out
+  within the honest FP8 ensemble's allowance (`fp8_ensemble`: K x its largest error + floor).
 * descale_sensitivity: one descale (q's, k's or v's) of one (batch, kv head) multiplied by a
   factor that is no power of two: the outputs of every other group stay bitwise the same, and
   the group's outputs move as the reference's do (agreement on the changed problem, and a change
@@ -24,11 +25,13 @@ import numpy as np
 
 from fa_verify.dtypes import finfo, round_to
 from fa_verify.fp8 import DESCALES
+from fa_verify.fp8_ensemble import ensemble_allowance, normalised_error
 from fa_verify.fp8_error_model import fp8_error_bound
 from fa_verify.oracle.fp8 import reference_fp8
 from fa_verify.properties._compare import differing, exceeding
 from fa_verify.properties._result import failed, not_applicable, passed
 from fa_verify.properties._subject import as_backend, unsupported
+from fa_verify.verdict import DEFAULT_ENSEMBLE_FACTOR
 
 #: Factors a changed descale is multiplied by: never powers of two, up and down.
 SENSITIVITY_FACTORS = (1.37, 0.61, 2.9, 0.23)
@@ -43,13 +46,20 @@ def _judged(backend, problem):
 
 
 def _agreement(name: str, problem, result, ref, bound):
-    """(failed, saying what exceeds its bound and where, or None; the largest error / bound)."""
+    """(failed, saying what exceeds its bound (or the FP8 ensemble's allowance) and where, or
+    None; the largest error / bound)."""
     out, lse = result
     mismatch, worst = exceeding(out, ref.out, bound.out)
     if mismatch is not None:
         term = bound.dominant_out_term(mismatch.index)
         return failed(name, problem, f"{mismatch.describe('out')} (largest term: {term}; precision "
                                      f"{bound.precision.describe()})", worst_ratio=worst), worst
+    allowance, member, honest = ensemble_allowance(problem, bound.precision, ref)
+    error = normalised_error(out, ref)
+    if error > allowance:
+        return failed(name, problem, f"out: normalised error {error:.3g} > {DEFAULT_ENSEMBLE_FACTOR:g} x the honest "
+                                     f"FP8 ensemble's {honest:.3g} ({member!r}) + floor = {allowance:.3g} (rule "
+                                     "'ensemble'; fa_verify.fp8_ensemble)", worst_ratio=worst), worst
     if lse is not None:
         mismatch, lse_worst = exceeding(lse, ref.lse, bound.lse)
         worst = max(worst, lse_worst)
