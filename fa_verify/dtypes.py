@@ -1,4 +1,5 @@
-"""The three problem dtypes: names, numpy types, unit roundoffs, rounding and ULPs.
+"""The three problem dtypes (and FP8's two storage formats): names, numpy types, unit
+roundoffs, rounding and ULPs.
 
 Everything that rounds on the CPU goes through ml_dtypes / numpy casts, which round to
 nearest-even exactly as the GPU's conversion instructions do.
@@ -13,12 +14,16 @@ from fa_verify.errors import InvalidArgumentError
 
 #: Canonical dtype names, in the order reports list them.
 DTYPE_NAMES = ("fp16", "bf16", "fp32")
+#: FP8 storage formats (`fa_verify.fp8`): q, k, v of an FP8 problem, and what P may be rounded to.
+FP8_DTYPES = ("e4m3", "e5m2")
 
 _NUMPY = {
     "fp16": np.dtype(np.float16),
     "bf16": np.dtype(ml_dtypes.bfloat16),
     "fp32": np.dtype(np.float32),
     "fp64": np.dtype(np.float64),
+    "e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "e5m2": np.dtype(ml_dtypes.float8_e5m2),
 }
 
 _ALIASES = {
@@ -26,11 +31,14 @@ _ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16",
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
     "fp64": "fp64", "float64": "fp64", "double": "fp64",
+    "e4m3": "e4m3", "e4m3fn": "e4m3", "float8_e4m3fn": "e4m3",
+    "e5m2": "e5m2", "float8_e5m2": "e5m2",
 }
 
 
 def dtype_name(dtype) -> str:
-    """Canonical name ('fp16', 'bf16', 'fp32', 'fp64') of a name, numpy dtype or torch dtype."""
+    """Canonical name ('fp16', 'bf16', 'fp32', 'fp64', 'e4m3', 'e5m2') of a name, numpy dtype or
+    torch dtype."""
     if isinstance(dtype, str):
         key = dtype.lower().removeprefix("torch.")
     else:
@@ -42,7 +50,8 @@ def dtype_name(dtype) -> str:
         return _ALIASES[key]
     except KeyError:
         raise InvalidArgumentError(
-            f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPE_NAMES)}"
+            f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPE_NAMES)} (FP8 problems: "
+            f"{', '.join(FP8_DTYPES)})"
         ) from None
 
 

@@ -32,7 +32,9 @@ Every error source perturbs p, the row sum or the output; each is a named term:
                   sum the *unrounded* P into the row sum, a naive softmax may sum the rounded
                   one; the union of both is u_P sum_j max(p_ij, tiny_P)(|v_jc| + |O_ic|)
                   (max with the smallest normal: below it the rounding error is absolute,
-                  u_P tiny_P at most, whatever the normalisation of P).
+                  u_P tiny_P at most, whatever the normalisation of P). With an offset
+                  (`precision.p_offset`, FA3's FP8: P times 2^8 before rounding) tiny_P is the
+                  smallest normal times 2^-offset.
 * accumulation    P.V and the row sum, n_i + R_i + 1 roundings in u_pv each (the rescale
                   multiplies and the final division included): gamma(u_pv)(D_ic + |O_ic|)
                   + u_pv |O_ic|.
@@ -282,7 +284,7 @@ class _Units:
             t_abs += problem.scale_value * flushed_score_error(problem)
         return cls(u_s=u_s, u_p=u_p, u_pv=u_pv, tiny_s=tiny_s,
                    tiny_pv=float(finfo(precision.pv_accumulation).smallest_normal),
-                   tiny_p=float(finfo(precision.p_rounding).smallest_normal), p_rounds=p_rounds,
+                   tiny_p=precision.tiny_p, p_rounds=p_rounds,
                    eps_exp=eps_exp, eps_exp_p=eps_exp_p, eps_tanh=eps_tanh, tanh_abs=tanh_abs, g_d=g_d,
                    t_abs=t_abs,
                    scale=problem.scale_value, accumulation=accumulation, lam=lam, u_r=u_r, h_r=h_r)

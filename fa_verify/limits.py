@@ -15,7 +15,7 @@ import math
 import tomllib
 from dataclasses import dataclass, replace
 
-from fa_verify.dtypes import DTYPE_NAMES, dtype_name
+from fa_verify.dtypes import DTYPE_NAMES, FP8_DTYPES, dtype_name
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.shape import Shape
 
@@ -202,7 +202,7 @@ def yes_no(value) -> bool:
 
 def _dtypes(value) -> tuple:
     names = tuple(dict.fromkeys(dtype_name(d) for d in _list(value)))
-    if not set(names) <= set(DTYPE_NAMES):
+    if not set(names) <= set(DTYPE_NAMES + FP8_DTYPES):
         raise ValueError
     return names
 

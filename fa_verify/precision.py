@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from fa_verify.dtypes import dtype_name
+from fa_verify.dtypes import FP8_DTYPES, dtype_name, finfo
 from fa_verify.errors import InvalidArgumentError
 
 #: Declarable accuracy of tanh (softcap): a few ulp (libm tanhf); an absolute error of a few
@@ -18,6 +18,9 @@ from fa_verify.errors import InvalidArgumentError
 TANH_ACCURACIES = ("accurate", "absolute", "approx")
 #: Declarable accuracy of exp: a few ulp (EXP_ULPS), or ex2.approx.f32's bound (EX2_APPROX_ERROR).
 EXP_ACCURACIES = ("accurate", "approx")
+#: FlashAttention-3's FP8 kernel multiplies P by 2^8 before rounding it to e4m3 (its max_offset),
+#: so that probabilities down to 2^-14 stay normal; 256 < 448, so P never saturates.
+FA3_P_OFFSET = 8
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class PrecisionModel:
     #: dtype q, k and v are rounded to inside the kernel before any arithmetic (an fp32 API over
     #: fp16 arithmetic); None: used as given. The error model's input_rounding term.
     input_rounding: str | None = None
+    #: P is multiplied by 2^p_offset before it is rounded to `p_rounding` (FA3's FP8: 8), the row
+    #: sum and the LSE compensating; 0 = no offset
+    p_offset: int = 0
 
     def __post_init__(self):
         for field in ("input", "score_accumulation", "p_rounding", "pv_accumulation", "lse"):
@@ -52,6 +58,11 @@ class PrecisionModel:
         object.__setattr__(self, "output", dtype_name(self.output or self.input))
         if self.input == "fp64":
             raise InvalidArgumentError("input='fp64' is not a problem dtype; use fp16, bf16 or fp32")
+        if not (isinstance(self.p_offset, int) and 0 <= self.p_offset
+                and 2.0 ** self.p_offset <= float(finfo(self.p_rounding).max)):
+            raise InvalidArgumentError(
+                f"p_offset={self.p_offset!r} must be an integer >= 0 with 2^p_offset within p={self.p_rounding}'s "
+                f"range (P <= 2^p_offset must not saturate); FlashAttention-3's FP8 uses {FA3_P_OFFSET}")
         for field, allowed in (("tanh", TANH_ACCURACIES), ("exp", EXP_ACCURACIES)):
             if getattr(self, field) not in allowed:
                 raise InvalidArgumentError(
@@ -59,8 +70,19 @@ class PrecisionModel:
 
     @classmethod
     def flash(cls, dtype) -> "PrecisionModel":
-        """FlashAttention-2 style: fp32 scores and accumulators, P rounded to the input dtype."""
+        """FlashAttention-2 style: fp32 scores and accumulators, P rounded to the input dtype.
+        FP8 inputs (e4m3, e5m2): FlashAttention-3's FP8 model (`fa3_fp8`)."""
+        if dtype_name(dtype) in FP8_DTYPES:
+            return cls.fa3_fp8(dtype)
         return cls(input=dtype, p_rounding=dtype)
+
+    @classmethod
+    def fa3_fp8(cls, dtype, p: str = "e4m3", p_offset: int = FA3_P_OFFSET) -> "PrecisionModel":
+        """FlashAttention-3's FP8 forward: fp32 scores (q.k descales folded into the softmax scale),
+        P = exp(s - m) 2^8 rounded once to e4m3, the row sum from the fp32 P, P.V in fp32, v's
+        descale at the end, bf16 output. `p` and `p_offset` declare the others (P in e5m2 or bf16,
+        no offset)."""
+        return cls(input=dtype, p_rounding=p, output="bf16", p_offset=p_offset)
 
     @classmethod
     def fp32_accumulate(cls, dtype) -> "PrecisionModel":
@@ -85,9 +107,9 @@ class PrecisionModel:
         rounded to fp16 inside). Keys: score, p, pv, out, inputs (dtypes); tanh (accurate, absolute,
         approx) and exp (accurate, approx), the accuracy of the transcendental functions."""
         presets = {"flash": cls.flash, "fp32-accumulate": cls.fp32_accumulate,
-                   "input-scores": cls.input_scores, "same-precision": cls.same_precision}
+                   "input-scores": cls.input_scores, "same-precision": cls.same_precision, "fa3-fp8": cls.fa3_fp8}
         keys = {"score": "score_accumulation", "p": "p_rounding", "pv": "pv_accumulation", "out": "output",
-                "inputs": "input_rounding", "tanh": "tanh", "exp": "exp"}
+                "inputs": "input_rounding", "tanh": "tanh", "exp": "exp", "p_offset": "p_offset"}
         items = [item.strip() for item in text.split(",") if item.strip()]
         base = presets[items.pop(0)](dtype) if items and items[0] in presets else cls(input=dtype)
         fields = {}
@@ -97,14 +119,20 @@ class PrecisionModel:
                 raise InvalidArgumentError(
                     f"precision={text!r}: use a preset ({', '.join(presets)}), "
                     "'score=DT,p=DT,pv=DT,out=DT,inputs=DT' with DT in fp16, bf16, fp32, or either followed by "
-                    f"tanh=({'|'.join(TANH_ACCURACIES)}) and exp=({'|'.join(EXP_ACCURACIES)}), e.g. 'flash,tanh=approx' "
-                    "or 'fp32-accumulate,inputs=fp16'"
+                    f"tanh=({'|'.join(TANH_ACCURACIES)}), exp=({'|'.join(EXP_ACCURACIES)}) and p_offset=N (P times 2^N "
+                    "before its rounding), e.g. 'flash,tanh=approx', 'fp32-accumulate,inputs=fp16' or 'fa3-fp8,p=e5m2'"
                 )
-            fields[keys[key]] = value
+            fields[keys[key]] = int(value) if key == "p_offset" and value.isdigit() else value
         try:
             return replace(base, **fields)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"precision={text!r}: {exc}") from None
+
+    @property
+    def tiny_p(self) -> float:
+        """The smallest probability exp(s - m) that is a normal number of `p_rounding` once
+        multiplied by 2^p_offset: below it, P's rounding error is absolute."""
+        return float(finfo(self.p_rounding).smallest_normal) * 2.0 ** -self.p_offset
 
     def replace(self, **changes) -> "PrecisionModel":
         """This model with `changes` (field=value), validated as a new one."""
@@ -121,5 +149,6 @@ class PrecisionModel:
                        + (f" inputs->{self.input_rounding}" if self.input_rounding else ""))
         conventions += "".join(f" {name}={value}" for name, value in (("tanh", self.tanh), ("exp", self.exp))
                                if value != "accurate")
+        conventions += f" p_offset={self.p_offset}" if self.p_offset else ""
         return (f"in={self.input} score={self.score_accumulation} p={self.p_rounding} "
                 f"pv={self.pv_accumulation} out={self.output}{conventions}")

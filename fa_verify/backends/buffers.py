@@ -24,7 +24,7 @@ from fa_verify.errors import BackendOutputError
 GUARD_ROWS = 128
 #: A quiet NaN in fp16 and bf16 (0x7FDA) and in fp32, with a payload no operation yields.
 SENTINEL_BITS = {2: 0x7FDA, 4: 0x7FDADADA}
-_UINT = {2: np.uint16, 4: np.uint32}
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}  # 1: FP8 inputs
 
 
 def _bits(x: np.ndarray) -> np.ndarray:

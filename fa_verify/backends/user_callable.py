@@ -12,6 +12,12 @@ or None, sinks=float32 [H] or None: numpy arrays, or torch tensors with array="t
 the conventions of fa_verify.problem; `features=` narrows (or switches off) what is exercised.
 Problems using a variant the function does not take are not supported.
 
+FP8: a function whose signature names FlashAttention-3's `q_descale`, `k_descale` and
+`v_descale` also runs FP8 problems (`fa_verify.fp8`): q, k, v come as ml_dtypes float8 arrays
+(e4m3fn or e5m2), the descales by those keywords as float32 [B, Hkv] (or [1], per tensor), true
+value = stored value x descale, q's descale indexed by the kv head of its group; it returns out
+in the problem's output dtype (bf16 unless declared). On other problems it is called without them.
+
 The out= form: a function with an `out` parameter (and optionally `lse`) is called with
 out= (and lse=) buffers to fill, of the shapes above in the output dtype and float32, and
 returns nothing (a returned value is ignored). The buffers start NaN-filled inside guard bands
@@ -49,8 +55,9 @@ from fa_verify.backends.buffers import GuardedOutput, InputSnapshot, check_writt
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
 from fa_verify.conventions import Conventions
 from fa_verify.conventions import of as conventions_of
-from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
+from fa_verify.dtypes import DTYPE_NAMES, FP8_DTYPES, dtype_name, numpy_dtype
 from fa_verify.errors import BackendOutputError, InvalidArgumentError, KernelCrashError, KernelTimeoutError
+from fa_verify.fp8 import DESCALES
 from fa_verify.guards import guarded
 from fa_verify.isolation import (
     DEFAULT_MEMORY_LIMIT,
@@ -117,10 +124,16 @@ class CallableBackend(Backend):
                 f"precision={precision!r} must be a preset or spec string, a PrecisionModel or None")
         self.limits = limits if isinstance(limits, Limits) else parse_limits(limits or {}, prefix="limits.")
         self.judged_under = conventions_of(conventions)
+        if self.kinds == ("dense",) and takes_descales(fn):  # a forward taking FA3's descales
+            self.kinds = ("dense", "fp8")
+        allowed = DTYPE_NAMES + FP8_DTYPES if "fp8" in self.kinds else DTYPE_NAMES
         dtypes = self.limits.dtypes if dtypes is None else dtypes
-        self.dtypes = tuple(dtype_name(d) for d in (DTYPE_NAMES if dtypes is None else dtypes))
-        if not self.dtypes or not set(self.dtypes) <= set(DTYPE_NAMES):
-            raise InvalidArgumentError(f"dtypes={dtypes!r} must be a non-empty subset of {DTYPE_NAMES}")
+        self.dtypes = tuple(dtype_name(d) for d in (allowed if dtypes is None else dtypes))
+        if not self.dtypes or not set(self.dtypes) <= set(allowed):
+            raise InvalidArgumentError(f"dtypes={dtypes!r} must be a non-empty subset of {allowed}"
+                                       + ("" if "fp8" in self.kinds else
+                                          " (FP8 formats: a function whose signature names q_descale, k_descale "
+                                          "and v_descale)"))
         if isinstance(precision, PrecisionModel) and self.dtypes != (precision.input,):
             raise InvalidArgumentError(
                 f"precision={precision.describe()!r} is for input {precision.input} only but "
@@ -217,8 +230,10 @@ class CallableBackend(Backend):
         return [problem.q, problem.k, problem.v]
 
     def _keywords(self, problem) -> dict:
-        """Keyword arguments beyond causal, scale, the variants and the out= buffers."""
-        return {}
+        """Keyword arguments beyond causal, scale, the variants and the out= buffers: the problem's
+        input arrays that are not positional (an FP8 problem's descales), by their names."""
+        return {name: to_torch(x.copy()) if self.array == "torch" else x.copy()
+                for name, x in problem.input_arrays().items() if name not in self.positional}
 
     def _output_parameters(self, fn) -> tuple:
         """The out= form's buffers `fn` takes (see `output_parameters`)."""
@@ -324,6 +339,16 @@ def variant_parameters(fn, features=None) -> tuple:
                 f"features={features!r}: {_qualified_name(fn)} has no keyword parameter {FEATURES[feature]!r}, "
                 f"so it cannot be given {feature}; add the parameter or drop {feature!r}")
     return tuple(f for f in FEATURES if f in features)
+
+
+def takes_descales(fn) -> bool:
+    """Whether `fn` takes FlashAttention-3's q_descale, k_descale and v_descale by keyword."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return all(name in parameters and parameters[name].kind != inspect.Parameter.POSITIONAL_ONLY
+               for name in DESCALES)
 
 
 def _reference(fn, name: str | None) -> str:

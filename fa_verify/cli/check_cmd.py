@@ -8,6 +8,7 @@ import sys
 import time
 
 from fa_verify.arguments import positive_float, positive_int
+from fa_verify.dtypes import DTYPE_NAMES, FP8_DTYPES
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.guards import DEFAULT as DEFAULT_FORBID
 from fa_verify.limits import CAUSAL_CHOICES
@@ -46,8 +47,9 @@ def add_parser(sub) -> None:
                           "(--layout varlen / paged: flash-attn's varlen and kvcache signatures), "
                           "a CUDA file (kernel.cu) with --spec, or a KernelBench-format file (problem.py with "
                           "Model, ModelNew, get_inputs: ModelNew checked under what probing Model infers)")
-    cmd.add_argument("--dtype", action="append", choices=("fp16", "bf16", "fp32"),
-                     help="dtype to check (repeatable; default: every dtype the target runs)")
+    cmd.add_argument("--dtype", action="append", choices=DTYPE_NAMES + FP8_DTYPES,
+                     help="dtype to check (repeatable; default: every dtype the target runs; e4m3 and e5m2: FP8 "
+                          "problems, for targets that take q_descale, k_descale, v_descale)")
     cmd.add_argument("--causal", choices=tuple(CAUSAL_CHOICES), default=None,
                      help="causal problems, non-causal ones, or both (default)")
     cmd.add_argument("--property", action="append", dest="properties", metavar="NAME",

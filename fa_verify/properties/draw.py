@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from fa_verify import strategies as fst
 from fa_verify.backends import Backend
+from fa_verify.dtypes import DTYPE_NAMES
 from fa_verify.errors import BackendOutputError, FaVerifyError, InvalidArgumentError, KernelRunError
 from fa_verify.limits import Limits
 from fa_verify.problem import CAUSAL_ALIGNMENTS, FEATURES, AttentionProblem
@@ -100,7 +101,13 @@ def capabilities(backend: Backend, as_kind=None) -> Capabilities:
     cache = _CAPABILITIES.setdefault(backend, {})
     if as_kind in cache:
         return cache[as_kind]
-    dtype, limits = backend.dtypes[0], backend.limits
+    limits = backend.limits
+    dense = [d for d in backend.dtypes if d in DTYPE_NAMES]
+    if not dense:  # FP8 formats only (--dtype e4m3): no dense problem to probe or draw
+        cache[as_kind] = Capabilities(name=backend.name, dtypes=(), head_dims=None, alignments=(),
+                                      returns_lse=False, limits=limits)
+        return cache[as_kind]
+    dtype = dense[0]
     runs = lambda problem: _runs(backend, problem, as_kind)  # noqa: E731
     dims = tuple(d for d in limits.head_dims or _PROBED_HEAD_DIMS if runs(_tiny(limits, dtype, d)))
     d = dims[0] if dims else None

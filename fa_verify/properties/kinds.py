@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from fa_verify.problem import AttentionProblem
 from fa_verify.backward import BackwardProblem
-from fa_verify.properties import draw, draw_backward, draw_ragged
+from fa_verify.fp8 import FP8Problem
+from fa_verify.properties import draw, draw_backward, draw_fp8, draw_ragged
 from fa_verify.ragged import RaggedProblem
 
 
@@ -55,6 +56,7 @@ KINDS = {kind.name: kind for kind in (
     _ragged("paged"),
     Kind("backward", BackwardProblem, draw_backward.as_backward, draw_backward.backward_strategy,
          draw_backward.edge_problems),
+    Kind("fp8", FP8Problem, draw_fp8.as_fp8, draw_fp8.fp8_strategy, draw_fp8.edge_problems),
 )}
 
 

@@ -14,6 +14,7 @@ from fa_verify.properties import (
     agreement,
     backward,
     convexity,
+    fp8,
     gradient_identities,
     independence,
     masking,
@@ -160,6 +161,12 @@ PROPERTIES = (
              holds_under=("window", "alibi")),
     Property("gradient_permutation", gradient_identities.check_gradient_permutation, kinds=("backward",),
              masking="non-causal", holds_under=("softcap", "sinks")),
+    # FP8 inputs with descales (fa_verify.fp8)
+    Property("fp8_agreement", fp8.check_fp8_agreement, kinds=("fp8",), edge_cases=True),
+    Property("descale_sensitivity", fp8.check_descale_sensitivity, kinds=("fp8",), edge_cases=True),
+    Property("descale_rescaling", fp8.check_descale_rescaling, kinds=("fp8",)),
+    Property("saturation_finite", fp8.check_saturation_finite, kinds=("fp8",)),
+    Property("fp8_head_independence", fp8.check_fp8_head_independence, kinds=("fp8",)),
 )
 
 PROPERTY_NAMES = tuple(p.name for p in PROPERTIES)

@@ -21,9 +21,13 @@ varlen and paged batches (fa_verify.ragged) with page tables and split counts.
 `backward_problems(forwards)` pairs forward problems with upstream gradients (`DOUT_DISTRIBUTIONS`),
 a fixed share with rows `anti_aligned` to every key (very negative LSE), for backward targets;
 `make_backward_problem` is one of them without Hypothesis (a report sweep's points).
+`fp8_problems()` draws FP8 problems (fa_verify.fp8) where FP8 bugs live: non-unit, distinct
+descales, values at the format's edges, logits where P's offset matters, key lengths around
+multiples of 128; `make_fp8_problem` is one of them without Hypothesis.
 """
 
 from fa_verify.strategies._backward import DOUT_DISTRIBUTIONS, anti_aligned, backward_problems, make_backward_problem
+from fa_verify.strategies._fp8 import fp8_problems, make_fp8_problem
 from fa_verify.strategies._depth import (
     DEEP_SHARE,
     DEEP_TILE_SIZES,
@@ -93,10 +97,12 @@ __all__ = [
     "distributions",
     "dtypes",
     "fa3_outlier_values",
+    "fp8_problems",
     "favoured_seq_lengths",
     "long_key_problems",
     "long_key_shapes",
     "make_backward_problem",
+    "make_fp8_problem",
     "make_problem",
     "problems",
     "ragged_problems",

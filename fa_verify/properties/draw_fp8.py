@@ -1,0 +1,61 @@
+"""What to draw for a property on an FP8 target: `strategies.fp8_problems` in the FP8 formats and
+causal modes the target runs (probed through `supports`), and fixed edge cases where FP8 bugs
+live, run first: P's offset deciding every row (one dominant key, the rest 7.3 nats below) at
+128, 129 and 256 keys with GQA; values at e4m3's 448 at 257 keys; per-tensor descales.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fa_verify.dtypes import FP8_DTYPES
+from fa_verify.fp8 import DESCALES, FP8Problem
+from fa_verify.strategies._fp8 import fp8_problems, make_fp8_problem
+
+#: (B, H, Hkv, Nq, Nk, D), make_fp8_problem's options
+EDGE_CASES = (
+    ((2, 4, 2, 3, 128, 16), dict(offset_gap=7.3)),
+    ((1, 3, 1, 5, 129, 16), dict(offset_gap=7.3, causal=True)),
+    ((1, 2, 2, 2, 256, 32), dict(offset_gap=9.0)),
+    ((2, 2, 1, 7, 257, 16), dict(spread="saturating")),
+    ((2, 4, 2, 9, 64, 32), dict(per_tensor=True)),
+)
+
+
+def as_fp8(problem, backend=None) -> FP8Problem:
+    """A probe: a dense problem's values as e4m3 with descales 0.75 / 1.25 / 1.75 ([B, Hkv])."""
+    shape = (problem.batch, problem.kv_heads)
+    descales = {name: np.full(shape, d, np.float32) for name, d in zip(DESCALES, (0.75, 1.25, 1.75))}
+    fmt = next((d for d in getattr(backend, "dtypes", ()) if d in FP8_DTYPES), "e4m3")
+    return FP8Problem.from_float(*(x.astype(np.float64) for x in (problem.q, problem.k, problem.v)), fmt,
+                                 causal=problem.causal, **descales)
+
+
+def _formats(backend, selection) -> list:
+    chosen = [d for d in selection.dtypes if d in FP8_DTYPES] or list(FP8_DTYPES)
+    return [d for d in backend.dtypes if d in chosen]
+
+
+def _causal_modes(prop, backend, selection, fmt) -> list:
+    wanted = {"any": (False, True), "causal": (True,), "non-causal": (False,)}[prop.masking]
+    return [c for c in wanted if c in selection.causal
+            and backend.supports(make_fp8_problem((1, 1, 1, 2, 2, 8), fmt, 0, causal=c)) is None]
+
+
+def fp8_strategy(prop, backend, selection):
+    formats = _formats(backend, selection)
+    if not formats:
+        return f"{backend.name} runs none of the FP8 formats {', '.join(FP8_DTYPES)} the selection allows"
+    causal = _causal_modes(prop, backend, selection, formats[0])
+    if not causal:
+        return f"needs {prop.masking} problems, which the selection (--causal) or {backend.name} excludes"
+    return fp8_problems(tuple(formats), tuple(causal)).filter(lambda p: backend.supports(p) is None)
+
+
+def edge_problems(prop, backend, selection) -> tuple[list, tuple]:
+    formats = _formats(backend, selection)
+    found = [make_fp8_problem(shape, formats[i % len(formats)], i, **options)
+             for i, (shape, options) in enumerate(EDGE_CASES)] if formats else []
+    kept = [p for p in found if backend.supports(p) is None]
+    notes = (f"{len(found) - len(kept)} FP8 edge cases outside what {backend.name} runs",) if len(kept) < len(found) else ()
+    return kept, notes
