@@ -8,6 +8,10 @@ tiles rescaled by exp(m_old - m_new)); at the end O = acc / l times dv, stored i
 dtype, and LSE = m + log(l) - offset ln 2 (base e, float32). A row that sees no key gives 0 and
 -inf. `fa3_fp8_forward` takes the descales per query head, so that the mutants of the judging
 fixtures (a descale read at the wrong granularity) are this same code given other descales.
+
+The products are explicit fp32 sums in ascending order (`_product`), not BLAS: the FP8 ensemble's
+members are this code, and a rule must give the same bits on every machine, whatever BLAS kernel
+a CPU would pick.
 """
 
 from __future__ import annotations
@@ -15,6 +19,14 @@ from __future__ import annotations
 import numpy as np
 
 from fa_verify.dtypes import numpy_dtype, round_to
+
+
+def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a [..., M, K] @ b [..., K, N] in float32, each product rounded and added in ascending K."""
+    out = np.zeros(a.shape[:-1] + b.shape[-1:], np.float32)
+    for i in range(a.shape[-1]):
+        out = out + a[..., :, i:i + 1] * b[..., i:i + 1, :]
+    return out
 
 
 def fa3_fp8_forward(problem, precision, q_descale, k_descale, v_descale, block_n: int = 128,
@@ -48,7 +60,7 @@ def fa3_fp8_forward(problem, precision, q_descale, k_descale, v_descale, block_n
         starts = range(0, nk, block_n)
         for j0 in reversed(starts) if descending else starts:
             keys = slice(j0, min(j0 + block_n, nk))
-            s = np.matmul(q, k[:, :, keys].swapaxes(-1, -2)) * scale[..., None, None]
+            s = _product(q, k[:, :, keys].swapaxes(-1, -2)) * scale[..., None, None]
             s = np.where(mask[:, keys], s, f32(-np.inf))
             m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
             m_safe = np.where(np.isfinite(m_new), m_new, f32(0))
@@ -56,7 +68,7 @@ def fa3_fp8_forward(problem, precision, q_descale, k_descale, v_descale, block_n
             p = np.exp(s - m_safe) * offset
             l = l * alpha + p.sum(axis=-1, keepdims=True, dtype=f32)
             p_stored = round_to(p, precision.p_rounding).astype(f32)
-            acc = acc * alpha + np.matmul(p_stored, v[:, :, keys])
+            acc = acc * alpha + _product(p_stored, v[:, :, keys])
             m = m_new
         out = np.where(l > 0, acc / np.where(l > 0, l, f32(1)), f32(0)) * dv
         lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l > 0, l, f32(1)))[..., 0], -np.inf)

@@ -10,10 +10,9 @@ max) and on where the descales are applied, so the members spread over what hone
 
 The rule (`fp8_agreement`): a kernel's largest normalised output error (error / row scale) must
 stay within DEFAULT_ENSEMBLE_FACTOR x E + floor, E the members' largest, the floor that of the
-dense rule (`fa_verify.verdict`: FLOOR_ROUNDINGS (u_out + sqrt(Nk) u_pv)). Unlike the dense
-ensemble, the members use numpy's BLAS for the q.k and P.V products: their fp32 rounding
-(~1e-7) is far below P's, so it moves E by a negligible amount; a probability on an e4m3 tie
-may flip with it, which the factor covers.
+dense rule (`fa_verify.verdict`: FLOOR_ROUNDINGS (u_out + sqrt(Nk) u_pv)). As the dense
+ensemble's, the members' sums are explicit and in a fixed order (no BLAS): the same bits on
+every machine.
 """
 
 from __future__ import annotations
