@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.validation import check_int
@@ -19,14 +19,15 @@ class Shape:
     nq: int
     nk: int
     head_dim: int
-    #: D_v, the head dim of v and the output; None: D (the usual D_v = D_qk)
-    head_dim_v: int | None = None
+    #: D_v, the head dim of v and the output; None: D (the usual D_v = D_qk). Keyword-only, so
+    #: that dataclasses extending Shape (results.ProblemDescriptor) keep their positional fields.
+    head_dim_v: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
-        for field in ("batch", "heads", "kv_heads", "nq", "nk", "head_dim", "head_dim_v"):
-            object.__setattr__(self, field, check_int(f"Shape.{field}", getattr(self, field)))
+        for name in ("batch", "heads", "kv_heads", "nq", "nk", "head_dim", "head_dim_v"):
+            object.__setattr__(self, name, check_int(f"Shape.{name}", getattr(self, name)))
         if self.heads % self.kv_heads:
             raise InvalidArgumentError(
                 f"Shape.heads={self.heads!r} must be divisible by Shape.kv_heads={self.kv_heads!r} "
@@ -47,13 +48,13 @@ class Shape:
                 f"shape={value!r} must be a Shape or a tuple (batch, heads, kv_heads, nq, nk, head_dim"
                 "[, head_dim_v])"
             )
-        return cls(*fields)
+        return cls(*fields[:6], head_dim_v=fields[6] if len(fields) == 7 else None)
 
     @classmethod
     def of(cls, problem) -> "Shape":
         """The shape of an AttentionProblem."""
         return cls(problem.batch, problem.heads, problem.kv_heads, problem.nq, problem.nk,
-                   problem.head_dim, problem.head_dim_v)
+                   problem.head_dim, head_dim_v=problem.head_dim_v)
 
     @property
     def group_size(self) -> int:

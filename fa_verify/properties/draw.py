@@ -89,7 +89,7 @@ def _tiny(limits: Limits, dtype, d=None, longer_keys=False, causal=None, dv=None
     shape = dataclasses.replace(limits.smallest_shape(d), head_dim_v=dv)
     if longer_keys:
         shape = fst.Shape(1, shape.heads, shape.kv_heads, shape.nq, shape.nk + max(limits.seq_multiple, 1),
-                          shape.head_dim, shape.head_dim_v)
+                          shape.head_dim, head_dim_v=shape.head_dim_v)
     causal = False not in limits.causal if causal is None else causal
     return fst.make_problem("normal", shape, dtype, 0, causal=causal, **kwargs)
 
@@ -199,7 +199,7 @@ def edge_problems(prop: Property, backend: Backend, selection: Selection, cases=
              + [(True, a) for a in CAUSAL_ALIGNMENTS] * (True in causal))
     adapted_cases, notes = {}, []
     for case, dist in cases:
-        shape = fst.Shape(*case)
+        shape = fst.Shape.coerce(case)
         if not limits.head_dim_v_allowed(shape.head_dim, shape.head_dim_v):
             continue  # a D_v != D case, for targets that declare D_v (--head-dims-v)
         adapted = limits.adapt(shape)

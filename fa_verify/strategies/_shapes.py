@@ -246,7 +246,7 @@ def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, layout
         else:
             got["h"], kv_heads = _heads(draw, min(max_heads, left("h")), layouts, group_sizes)
     batch = draw(st.integers(1, min(max_batch, left())))
-    return Shape(batch, got["h"], kv_heads, got["nq"], got["nk"], *dims)
+    return Shape(batch, got["h"], kv_heads, got["nq"], got["nk"], dims[0], head_dim_v=dims[1])
 
 
 def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_dim: int = 128,
