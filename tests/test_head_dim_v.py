@@ -7,6 +7,9 @@ and variant on it, a callable taking it, and fa2's 192/128 entry with its D_v mu
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -20,6 +23,7 @@ from fa_verify.backward import BackwardProblem
 from fa_verify.errors import BackendOutputError, InvalidArgumentError, InvalidProblemError
 from fa_verify.honest_ensemble import ensemble_errors
 from fa_verify.kernels.mutants import load_mutants
+from fa_verify.kernels.spec import KernelSpec
 from fa_verify.limits import Limits, parse_limits
 from fa_verify.oracle import reference
 from fa_verify.problem import AttentionProblem
@@ -220,3 +224,10 @@ def test_the_d_v_mutant_writes_outside_its_output_and_only_at_192_128():
     assert out.shape == (1, 2, 40, 64)
     with pytest.raises(BackendOutputError, match="written past its end|never written"):
         run_on_cpu(mutant.kernel_family, _problem(192, 128, nq=40, nk=33), module=module)
+
+
+def test_a_kernel_spec_refuses_d_v_until_its_expressions_name_it():
+    table = tomllib.loads((Path(__file__).parent / "cuda_cpu_kernels" / "published_flash.toml").read_text())
+    table["limits"]["head-dims-v"] = [32]
+    with pytest.raises(InvalidArgumentError, match="limits.head-dims-v is not supported in a kernel spec"):
+        KernelSpec.from_dict(table, origin="published_flash.toml")
