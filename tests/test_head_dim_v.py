@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fa_verify import strategies as fst
-from fa_verify.backends import get_backend
+from fa_verify.backends import NumpyTiledBackend, get_backend
 from fa_verify.backends.cuda_kernels import cpu_runner_availability, run_on_cpu
 from fa_verify.backends.user_callable import CallableBackend
 from fa_verify.backward import BackwardProblem
@@ -27,7 +27,7 @@ from fa_verify.kernels.spec import KernelSpec
 from fa_verify.limits import Limits, parse_limits
 from fa_verify.oracle import reference
 from fa_verify.problem import AttentionProblem
-from fa_verify.properties.draw import capabilities, edge_problems
+from fa_verify.properties.draw import capabilities, edge_problems, problem_strategy
 from fa_verify.properties.registry import PROPERTIES, get_property
 from fa_verify.properties.reproduce import load_problem, save_problem
 from fa_verify.properties.selection import Selection
@@ -231,3 +231,29 @@ def test_a_kernel_spec_refuses_d_v_until_its_expressions_name_it():
     table["limits"]["head-dims-v"] = [32]
     with pytest.raises(InvalidArgumentError, match="limits.head-dims-v is not supported in a kernel spec"):
         KernelSpec.from_dict(table, origin="published_flash.toml")
+
+
+class _Instantiated(NumpyTiledBackend):
+    """A kernel instantiated for D = 64 and for D = 192 with D_v = 128 only (as a catalogue family)."""
+
+    name = "instantiated-64-and-192-128"
+    limits = Limits(head_dims_v=(128,))
+
+    def supports(self, problem):
+        dims = (problem.head_dim, problem.head_dim_v)
+        return super().supports(problem) or (None if dims in ((64, 64), (192, 128)) else f"no entry for {dims}")
+
+
+def test_a_pair_wider_than_every_plain_head_dim_is_still_drawn():
+    caps = capabilities(_Instantiated())
+    assert caps.head_dims == (64,) and caps.head_dims_v == ((192, 128),)
+    strategy = problem_strategy(get_property("convex_hull"), caps, Selection(dtypes=("fp32",)))
+    seen = set()
+
+    @settings(max_examples=40, database=None, deadline=None)
+    @given(strategy)
+    def draw(problem):
+        seen.add((problem.head_dim, problem.head_dim_v))
+
+    draw()
+    assert seen == {(64, 64), (192, 128)}

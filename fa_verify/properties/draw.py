@@ -270,7 +270,8 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
     limits = caps.limits
     max_seq = min(selection.max_seq, limits.seq_max or selection.max_seq)
     work = _max_work(limits, selection.max_work, caps.head_dims)
-    dims = {} if caps.head_dims is None else dict(max_head_dim=max(caps.head_dims), head_dims=caps.head_dims)
+    paired = [max(pair) for pair in caps.head_dims_v] if isinstance(caps.head_dims_v, tuple) else []
+    dims = {} if caps.head_dims is None else dict(max_head_dim=max((*caps.head_dims, *paired)), head_dims=caps.head_dims)
     try:
         if prop.large:
             shapes = _large_shapes(caps.head_dims, limits)
