@@ -119,9 +119,8 @@ class Limits:
 
     def adapt(self, shape):
         """`shape` moved to the nearest allowed one (Nq and Nk to the nearest allowed lengths, Nq to
-        Nk's under equal_seq, D to the nearest allowed head dim, D_v to D where it is not allowed, Hkv to an
-        allowed layout), or a
-        string saying why it cannot be."""
+        Nk's under equal_seq, D to the nearest allowed head dim, D_v to D where it is not allowed,
+        Hkv to an allowed layout), or a string saying why it cannot be."""
         nk = self.nearest_seq(shape.nk)
         nq = nk if self.equal_seq else self.nearest_seq(shape.nq)
         if nq is None or nk is None:
