@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fa_verify import strategies as fst
@@ -120,7 +120,7 @@ def test_the_limit_is_spelled_as_the_other_head_dims():
     assert Limits(head_dims_v="any").as_dict()["head-dims-v"] == "any"
 
 
-@settings(max_examples=60, database=None, deadline=None)
+@settings(max_examples=60, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_shapes_draw_d_v_only_where_allowed(data):
     plain = data.draw(fst.shapes())
@@ -132,7 +132,8 @@ def test_shapes_draw_d_v_only_where_allowed(data):
 def test_any_d_v_is_drawn_independently_and_shrinks_to_d():
     seen = set()
 
-    @settings(max_examples=150, database=None, deadline=None)
+    @settings(max_examples=150, database=None, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
     @given(fst.shapes(head_dims_v="any"))
     def draw(shape):
         seen.add(shape.head_dim_v == shape.head_dim)
@@ -250,7 +251,8 @@ def test_a_pair_wider_than_every_plain_head_dim_is_still_drawn():
     strategy = problem_strategy(get_property("convex_hull"), caps, Selection(dtypes=("fp32",)))
     seen = set()
 
-    @settings(max_examples=40, database=None, deadline=None)
+    @settings(max_examples=60, database=None, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
     @given(strategy)
     def draw(problem):
         seen.add((problem.head_dim, problem.head_dim_v))
