@@ -53,6 +53,10 @@ class BackwardProblem:
         f = self.forward
         if not isinstance(f, AttentionProblem):
             raise InvalidProblemError(f"forward must be an AttentionProblem, got {type(f).__name__}")
+        if f.head_dim_v != f.head_dim:  # the gradients' oracle and error model take one D
+            raise InvalidProblemError(
+                f"v.shape={f.v.shape!r}: the backward pass needs D_v = D (q's D={f.head_dim}); D_v != D is "
+                "checked for the forward pass only")
         dtype = numpy_dtype(f.dtype)
         expected = {"dout": (f.out_shape, dtype), "out": (f.out_shape, dtype),
                     "lse": (f.lse_shape, np.dtype(np.float32)), "dlse": (f.lse_shape, np.dtype(np.float32))}

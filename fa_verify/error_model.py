@@ -5,7 +5,9 @@ first-order bound on every output element and every LSE follows. Notation, per r
 head: t_ij = scale q_i.k_j (exact), p_ij the exact softmax, O_ic = sum_j p_ij v_jc,
 D_ic = sum_j p_ij |v_jc| (the row scale), A_ij = sum_d |q_id||k_jd|, M_i = max_j |t_ij|,
 x_ij = t_ij - max_j t_ij, n_i the keys row i attends; u_s, u_P, u_pv, u_out the unit
-roundoffs of the score, P, P.V and output dtypes.
+roundoffs of the score, P, P.V and output dtypes. D is q's and k's head dim (D_qk: the score
+dot products' length); v and the output have D_v columns c, each a sum over the keys, so D_v
+only sets how many columns there are (a problem with D_v != D_qk needs nothing else).
 
 Every error source perturbs p, the row sum or the output; each is a named term:
 
@@ -152,11 +154,11 @@ _LSE_FIRST_ORDER = LSE_TERMS[:7]
 class Bound:
     """Per-element error bounds of a kernel of `precision` on one problem, with their parts."""
 
-    #: [B, H, Nq, D]: |out - exact| allowed per element
+    #: [B, H, Nq, D_v]: |out - exact| allowed per element
     out: np.ndarray
     #: [B, H, Nq]: |lse - exact| allowed per row (0 at fully masked rows: -inf exactly)
     lse: np.ndarray
-    #: name -> [B, H, Nq, D]; they add up to `out`
+    #: name -> [B, H, Nq, D_v]; they add up to `out`
     out_terms: dict = field(repr=False)
     #: name -> [B, H, Nq]; they add up to `lse`
     lse_terms: dict = field(repr=False)

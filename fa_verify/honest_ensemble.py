@@ -303,7 +303,7 @@ def logits(s: np.ndarray, exp: str, score: Stage, scale: float, softcap: float =
 
 @dataclass
 class _Rows:
-    """A block of query rows, each with its own key/value head: q [R, D], k, v [R, Nk, D],
+    """A block of query rows, each with its own key/value head: q [R, D], k [R, Nk, D], v [R, Nk, D_v],
     mask [R, Nk]; the variants: softcap, ALiBi bias [R, Nk] (float64, exact) and sinks [R]."""
 
     q: np.ndarray
@@ -317,7 +317,7 @@ class _Rows:
 
 def _member_out(member: Member, rows: _Rows, precision: PrecisionModel, scale: float,
                 work: np.dtype) -> np.ndarray:
-    """The member's output [R, D] in float64 (rounded to precision.output); 16-bit stages may
+    """The member's output [R, D_v] in float64 (rounded to precision.output); 16-bit stages may
     overflow to inf (and inf − inf to NaN), as such a kernel's would."""
     with np.errstate(over="ignore", invalid="ignore"):
         return _member_out_unchecked(member, rows, precision, scale, work)
@@ -339,7 +339,7 @@ def _member_out_unchecked(member: Member, rows: _Rows, precision: PrecisionModel
         starts.reverse()
     m = np.full(n_rows, -np.inf, work)
     l = np.zeros(n_rows, work)
-    acc = np.zeros(rows.q.shape, work)
+    acc = np.zeros((n_rows, rows.v.shape[-1]), work)
     for start in starts:
         block = t[:, start:start + tile]
         m_new = np.maximum(m, block.max(axis=1))
@@ -388,7 +388,7 @@ def largest_and_spread(relative, total: int, count: int) -> np.ndarray:
 
 
 def ensemble_outputs(problem: AttentionProblem, precision: PrecisionModel, rows=None, members=MEMBERS) -> dict:
-    """{member name: output [len(rows), D] float64} on the flat [B, H, Nq] row indices `rows`
+    """{member name: output [len(rows), D_v] float64} on the flat [B, H, Nq] row indices `rows`
     (all rows when None)."""
     B, H, Nq, D = problem.out_shape
     stages = (precision.score_accumulation, precision.p_rounding, precision.pv_accumulation)
@@ -399,7 +399,7 @@ def ensemble_outputs(problem: AttentionProblem, precision: PrecisionModel, rows=
     mask = problem.mask
     bias = problem.alibi_bias(b, h, i)
     outs = {m.name: np.empty((len(rows), D)) for m in members}
-    step = max(1, BLOCK // max(1, problem.nk * D))
+    step = max(1, BLOCK // max(1, problem.nk * max(D, problem.head_dim)))
     for lo in range(0, len(rows), step):
         sl = slice(lo, lo + step)
         block = _Rows(q=_given(problem.q[b[sl], h[sl], i[sl]], precision, work),

@@ -19,6 +19,8 @@ from fa_verify.dtypes import DTYPE_NAMES, FP8_DTYPES, dtype_name
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.shape import Shape
 
+#: --head-dims-v's value for a target that runs any D_v (v's head dim) with any D.
+ANY_HEAD_DIM_V = "any"
 #: Head layouts: Hkv == H, 1 < Hkv < H, Hkv == 1.
 HEAD_LAYOUTS = ("mha", "gqa", "mqa")
 #: --causal's values and the causal modes they allow.
@@ -34,6 +36,9 @@ class Limits:
     dtypes: tuple | None = None
     #: the head dims supported, or None: any
     head_dims: tuple | None = None
+    #: the head dims of v (D_v) supported beside D_v = D: None (D_v = D only, what most kernels
+    #: run), ANY_HEAD_DIM_V (any D_v, drawn independently of D), or the D_v values
+    head_dims_v: tuple | str | None = None
     #: Nq and Nk are multiples of this
     seq_multiple: int = 1
     seq_min: int = 1
@@ -72,6 +77,11 @@ class Limits:
                                            f"--{option} {example}")
             object.__setattr__(self, field, normalised)
 
+    def head_dim_v_allowed(self, d: int, dv: int) -> bool:
+        """Whether v's head dim `dv` is allowed with q's and k's `d`."""
+        return dv == d or self.head_dims_v == ANY_HEAD_DIM_V or (
+            self.head_dims_v is not None and dv in self.head_dims_v)
+
     @property
     def seq_lo(self) -> int:
         """The smallest allowed sequence length."""
@@ -93,6 +103,8 @@ class Limits:
             (self.dtypes is not None and problem.dtype not in self.dtypes, f"dtype={problem.dtype}", "--dtype"),
             (self.head_dims is not None and problem.head_dim not in self.head_dims, f"D={problem.head_dim}",
              "--head-dims"),
+            (not self.head_dim_v_allowed(problem.head_dim, problem.head_dim_v),
+             f"D_v={problem.head_dim_v} != D={problem.head_dim}", "--head-dims-v"),
             (not self.seq_allowed(problem.nq), f"Nq={problem.nq}", "--seq-multiple/--seq-min/--seq-max"),
             (not self.seq_allowed(problem.nk), f"Nk={problem.nk}", "--seq-multiple/--seq-min/--seq-max"),
             (self.equal_seq and problem.nq != problem.nk, f"Nq={problem.nq} != Nk={problem.nk}", "--equal-seq"),
@@ -107,15 +119,16 @@ class Limits:
 
     def adapt(self, shape):
         """`shape` moved to the nearest allowed one (Nq and Nk to the nearest allowed lengths, Nq to
-        Nk's under equal_seq, D to the nearest allowed head dim, Hkv to an allowed layout), or a
-        string saying why it cannot be."""
+        Nk's under equal_seq, D to the nearest allowed head dim, D_v to D where it is not allowed,
+        Hkv to an allowed layout), or a string saying why it cannot be."""
         nk = self.nearest_seq(shape.nk)
         nq = nk if self.equal_seq else self.nearest_seq(shape.nq)
         if nq is None or nk is None:
             return f"no sequence length is allowed ({self.describe()})"
         d = shape.head_dim if self.head_dims is None else min(self.head_dims, key=lambda x: (abs(x - shape.head_dim), x))
         heads, kv_heads = _layout(shape.heads, shape.kv_heads, self.heads, self.group_sizes)
-        return replace(shape, heads=heads, kv_heads=kv_heads, nq=nq, nk=nk, head_dim=d)
+        dv = shape.head_dim_v if self.head_dim_v_allowed(d, shape.head_dim_v) else d
+        return replace(shape, heads=heads, kv_heads=kv_heads, nq=nq, nk=nk, head_dim=d, head_dim_v=dv)
 
     def smallest_shape(self, head_dim: int | None = None):
         """The smallest shape within the limits (for probing a target)."""
@@ -125,7 +138,8 @@ class Limits:
 
     @property
     def declared(self) -> bool:
-        return self != Limits()
+        """Whether the limits narrow the shapes drawn (D_v widens them and narrows nothing)."""
+        return replace(self, head_dims_v=None) != Limits()
 
     def describe_causal(self) -> str:
         return {(True,): "causal only", (False,): "non-causal only"}.get(self.causal, "causal and non-causal")
@@ -137,6 +151,10 @@ class Limits:
             parts.append(", ".join(self.dtypes))
         if self.head_dims is not None:
             parts.append("D in {" + ", ".join(map(str, self.head_dims)) + "}")
+        if self.head_dims_v == ANY_HEAD_DIM_V:
+            parts.append("any D_v")
+        elif self.head_dims_v is not None:
+            parts.append("D_v = D or in {" + ", ".join(map(str, self.head_dims_v)) + "}")
         if self.seq_multiple > 1:
             parts.append(f"N a multiple of {self.seq_multiple}")
         if self.seq_min > 1 or self.seq_max is not None:
@@ -157,6 +175,8 @@ class Limits:
         """The limits as JSON values, keyed by their option names (what parse_limits reads)."""
         return {"dtype": list(self.dtypes) if self.dtypes else None,
                 "head-dims": list(self.head_dims) if self.head_dims else None,
+                "head-dims-v": (list(self.head_dims_v) if isinstance(self.head_dims_v, tuple)
+                                else self.head_dims_v),
                 "seq-multiple": self.seq_multiple, "seq-min": self.seq_min, "seq-max": self.seq_max,
                 "equal-seq": self.equal_seq, "heads": list(self.heads),
                 "group-sizes": list(self.group_sizes) if self.group_sizes else None,
@@ -211,6 +231,12 @@ def _positive_set(value) -> tuple:
     return tuple(sorted({_positive(x) for x in _list(value)}))
 
 
+def _head_dims_v(value):
+    if isinstance(value, str) and value.strip().lower() == ANY_HEAD_DIM_V:
+        return ANY_HEAD_DIM_V
+    return _positive_set(value)
+
+
 def _head_layouts(value) -> tuple:
     layouts = {str(v).lower() for v in _list(value)}
     if not layouts <= set(HEAD_LAYOUTS):
@@ -223,6 +249,9 @@ LIMIT_OPTIONS = {
     "dtype": ("dtypes", _dtypes, "fp16,bf16", "dtypes the target runs"),
     "head-dims": ("head_dims", _positive_set, "64,128",
                   "head dims D the target supports (comma-separated)"),
+    "head-dims-v": ("head_dims_v", _head_dims_v, "128,512",
+                    "head dims D_v of v and the output the target supports besides D_v = D (comma-separated), or "
+                    "'any' (D_v drawn independently of D)"),
     "seq-multiple": ("seq_multiple", _positive, "64", "Nq and Nk must be multiples of this (the kernel's tile)"),
     "seq-min": ("seq_min", _positive, "16", "smallest Nq and Nk supported"),
     "seq-max": ("seq_max", _positive, "4096", "largest Nq and Nk supported"),

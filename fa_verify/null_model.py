@@ -72,7 +72,7 @@ class NullGuard:
 
 
 def _attended_mean(problem: AttentionProblem) -> np.ndarray:
-    """The mean of the V rows each query row attends, float64 [B,H,Nq,D] (0 where none)."""
+    """The mean of the V rows each query row attends, float64 [B,H,Nq,D_v] (0 where none)."""
     _, v = problem.kv64()
     start, limit = problem.key_start(), problem.key_limit()
     sums = np.concatenate([np.zeros_like(v[:, :, :1]), np.cumsum(v, axis=2)], axis=2)

@@ -1,7 +1,10 @@
 """The attention problem: inputs, dtype, masking and scale, validated once.
 
-q is [B, H, Nq, D]; k and v are [B, Hkv, Nk, D] with H divisible by Hkv (MHA, GQA, MQA);
-query head h reads key/value head h // (H // Hkv), as FlashAttention does.
+q is [B, H, Nq, D]; k is [B, Hkv, Nk, D] and v [B, Hkv, Nk, D_v] with H divisible by Hkv (MHA,
+GQA, MQA); query head h reads key/value head h // (H // Hkv), as FlashAttention does. D (=
+`head_dim`, D_qk) is the head dim of the scores q.k and sets the default scale 1/sqrt(D); D_v
+(`head_dim_v`, usually D) is v's and the output's, [B, H, Nq, D_v]: FlashAttention-3's 192/128
+and multi-head latent attention's 576/512 (DeepSeek's MLA decode) have D_v != D.
 
 Input policy: q, k and v hold finite values of the problem dtype (fp16, bf16 or fp32).
 NaN and Inf inputs are rejected, because attention over them has no reference answer; the
@@ -80,7 +83,8 @@ class AttentionProblem:
                     "AttentionProblem.from_float(q, k, v, dtype) takes torch tensors and lists too")
             if x.ndim != 4:
                 raise InvalidProblemError(
-                    f"{name}.shape={x.shape!r} must have 4 dimensions: q [B,H,Nq,D], k/v [B,Hkv,Nk,D]"
+                    f"{name}.shape={x.shape!r} must have 4 dimensions: q [B,H,Nq,D], k [B,Hkv,Nk,D], "
+                    "v [B,Hkv,Nk,D_v]"
                 )
         if not (q.dtype == k.dtype == v.dtype):
             raise InvalidProblemError(
@@ -92,16 +96,22 @@ class AttentionProblem:
                 f"dtype={name!r} is not a problem dtype; use one of {', '.join(DTYPE_NAMES)} "
                 "(AttentionProblem.from_float rounds float64 data)"
             )
-        if k.shape != v.shape:
-            raise InvalidProblemError(f"k.shape={k.shape!r} and v.shape={v.shape!r} must be equal")
+        if k.shape[:3] != v.shape[:3]:
+            raise InvalidProblemError(
+                f"k.shape={k.shape!r} and v.shape={v.shape!r} must agree on [B, Hkv, Nk] (v's last dim, D_v, "
+                "may differ from k's)")
         B, H, Nq, D = q.shape
         Bk, Hkv, Nk, Dk = k.shape
+        Dv = v.shape[3]
         if Bk != B:
             raise InvalidProblemError(f"batch sizes differ: q has B={B}, k/v have B={Bk}")
         if Dk != D:
-            raise InvalidProblemError(f"head dims differ: q has D={D}, k/v have D={Dk}")
-        if min(B, H, Hkv, D) < 1:
-            raise InvalidProblemError(f"B, H, Hkv and D must be >= 1, got B={B}, H={H}, Hkv={Hkv}, D={D}")
+            raise InvalidProblemError(
+                f"k.shape={k.shape!r}: its head dim D={Dk} must be q's D={D} (q.shape={q.shape!r}); only v's "
+                "last dim (D_v) may differ")
+        if min(B, H, Hkv, D, Dv) < 1:
+            raise InvalidProblemError(
+                f"B, H, Hkv, D and D_v must be >= 1, got B={B}, H={H}, Hkv={Hkv}, D={D}, D_v={Dv}")
         if Nq < 1 or Nk < 1:
             raise InvalidProblemError(f"Nq and Nk must be >= 1, got Nq={Nq}, Nk={Nk}")
         if H % Hkv:
@@ -166,11 +176,17 @@ class AttentionProblem:
 
     @property
     def head_dim(self) -> int:
+        """D (D_qk): the head dim of q and k, which sets the default scale."""
         return self.q.shape[3]
 
     @property
+    def head_dim_v(self) -> int:
+        """D_v: the head dim of v and the output (D unless the problem says otherwise)."""
+        return self.v.shape[3]
+
+    @property
     def out_shape(self) -> tuple:
-        return self.q.shape
+        return self.q.shape[:3] + (self.head_dim_v,)
 
     @property
     def scale_value(self) -> float:
@@ -260,7 +276,7 @@ class AttentionProblem:
     # --- the kind protocol (fa_verify.kinds): what the one pipeline asks of every problem ---
     kind = "dense"
     #: how out and LSE are laid out, for messages
-    out_label, lse_label = "[B,H,Nq,D]", "[B,H,Nq]"
+    out_label, lse_label = "[B,H,Nq,D_v]", "[B,H,Nq]"
     #: why a non-finite output is wrong (`backends.watch`)
     finite_because = FINITE_ATTENTION
 
@@ -328,8 +344,9 @@ class AttentionProblem:
         variants = {"window": f"window_size={self.window_size}", "softcap": f"softcap={self.softcap!r}",
                     "alibi": f"alibi_slopes={list(np.shape(self.alibi_slopes))}",
                     "sinks": f"sinks={list(np.shape(self.sinks))}"}
+        dv = f" Dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else ""
         return (f"B={self.batch} H={self.heads} Hkv={self.kv_heads} Nq={self.nq} Nk={self.nk} "
-                f"D={self.head_dim} dtype={self.dtype} {causal} scale={scale}"
+                f"D={self.head_dim}{dv} dtype={self.dtype} {causal} scale={scale}"
                 + "".join(" " + variants[name] for name in self.features))
 
 

@@ -169,8 +169,10 @@ class RaggedProblem:
         if len(cu_q) != len(cu_k):
             raise InvalidProblemError(
                 f"cu_seqlens_q has {len(cu_q)} entries and cu_seqlens_k {len(cu_k)}: both must be [B+1]")
-        if v.shape[0] != k.shape[0]:
-            raise InvalidProblemError(f"k.shape={k.shape!r} and v.shape={v.shape!r} must be equal")
+        if v.shape[:2] != k.shape[:2]:
+            raise InvalidProblemError(
+                f"k.shape={k.shape!r} and v.shape={v.shape!r} must agree on [total, Hkv] (v's last dim, D_v, may "
+                "differ from k's)")
         _check_nonempty(np.diff(cu_q), np.diff(cu_k), "cu_seqlens_q / cu_seqlens_k")
         for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
             longest = int(np.diff(cu).max())
@@ -192,9 +194,10 @@ class RaggedProblem:
         q = _array("q", q, 4, "[B, Nq, H, D]")
         k_cache, v_cache = (_array(name, x, 4, "[num_blocks, page_size, Hkv, D]")
                             for name, x in (("k_cache", k_cache), ("v_cache", v_cache)))
-        if k_cache.shape != v_cache.shape:
+        if k_cache.shape[:3] != v_cache.shape[:3]:
             raise InvalidProblemError(
-                f"k_cache.shape={k_cache.shape!r} and v_cache.shape={v_cache.shape!r} must be equal")
+                f"k_cache.shape={k_cache.shape!r} and v_cache.shape={v_cache.shape!r} must agree on [num_blocks, "
+                "page_size, Hkv] (v_cache's last dim, D_v, may differ from k_cache's)")
         pages = PageLayout(k_cache.shape[1], block_table, k_cache.shape[0])
         B = q.shape[0]
         seqlens = np.asarray(cache_seqlens)
@@ -217,7 +220,7 @@ class RaggedProblem:
 
     # --- the layout's inputs ---------------------------------------------------------------
     def varlen_inputs(self) -> dict:
-        """q [total_q, H, D], k, v [total_k, Hkv, D] (problem dtype), cu_seqlens_q, cu_seqlens_k
+        """q [total_q, H, D], k [total_k, Hkv, D], v [total_k, Hkv, D_v] (problem dtype), cu_seqlens_q, cu_seqlens_k
         (int32 [B+1]), max_seqlen_q, max_seqlen_k (ints)."""
         return {"q": np.concatenate([_packed(s.q) for s in self.sequences]),
                 "k": np.concatenate([_packed(s.k) for s in self.sequences]),
@@ -226,7 +229,7 @@ class RaggedProblem:
                 "max_seqlen_q": self.max_seqlen_q, "max_seqlen_k": self.max_seqlen_k}
 
     def paged_inputs(self, fill=None) -> dict:
-        """q [B, Nq, H, D], k_cache, v_cache [num_blocks, page_size, Hkv, D] (slots no sequence
+        """q [B, Nq, H, D], k_cache [num_blocks, page_size, Hkv, D], v_cache [.., D_v] (slots no sequence
         uses hold `fill`), block_table int32 [B, max_blocks], cache_seqlens int32 [B]."""
         self._require("paged")
         fill = self.cache_fill if fill is None else fill
@@ -326,16 +329,17 @@ class RaggedProblem:
     def _cache(self):
         """(k_cache, v_cache, used [num_blocks, page_size]) with every sequence's keys scattered
         into its pages; raises if a slot that two keys share (a shared page) gets different keys."""
-        shape = (self.pages.num_blocks, self.pages.page_size, self.kv_heads, self.head_dim)
+        shape = (self.pages.num_blocks, self.pages.page_size, self.kv_heads)
         dtype = numpy_dtype(self.dtype)
-        k_cache, v_cache = np.zeros(shape, dtype), np.zeros(shape, dtype)
+        k_cache, v_cache = np.zeros(shape + (self.head_dim,), dtype), np.zeros(shape + (self.head_dim_v,), dtype)
         used = np.zeros(shape[:2], dtype=bool)
         slots = [self.pages.key_slots(b, seq.nk) for b, seq in enumerate(self.sequences)]
         for seq, (page, slot) in zip(self.sequences, slots):
             k_cache[page, slot], v_cache[page, slot] = _packed(seq.k), _packed(seq.v)
             used[page, slot] = True
         for b, (seq, (page, slot)) in enumerate(zip(self.sequences, slots)):
-            lost = ~((k_cache[page, slot] == _packed(seq.k)) & (v_cache[page, slot] == _packed(seq.v))).all(axis=(1, 2))
+            lost = ~((k_cache[page, slot] == _packed(seq.k)).all(axis=(1, 2))
+                     & (v_cache[page, slot] == _packed(seq.v)).all(axis=(1, 2)))
             if lost.any():
                 j = int(np.argmax(lost))
                 raise InvalidProblemError(
@@ -346,7 +350,7 @@ class RaggedProblem:
     # --- outputs ---------------------------------------------------------------------------
     @property
     def out_shape(self) -> tuple:
-        H, D = self.heads, self.head_dim
+        H, D = self.heads, self.head_dim_v
         return (sum(self.seqlens_q), H, D) if self.layout == "varlen" else (self.batch, self.max_seqlen_q, H, D)
 
     @property
@@ -392,7 +396,7 @@ class RaggedProblem:
         from fa_verify.backends.buffers import SENTINEL_BITS  # here: the problem model needs no backend code
 
         bits = out.view({2: np.uint16, 4: np.uint32}[out.dtype.itemsize])
-        rows = (bits == SENTINEL_BITS[out.dtype.itemsize]).reshape(-1, self.heads * self.head_dim).any(axis=1)
+        rows = (bits == SENTINEL_BITS[out.dtype.itemsize]).reshape(-1, self.heads * self.head_dim_v).any(axis=1)
         return [self.row_owner(r) for r in np.flatnonzero(rows)]
 
     # --- variations ------------------------------------------------------------------------
@@ -422,6 +426,7 @@ class RaggedProblem:
     heads = _shared('heads')
     kv_heads = _shared('kv_heads')
     head_dim = _shared('head_dim')
+    head_dim_v = _shared('head_dim_v')
     dtype = _shared('dtype')
     causal = _shared('causal')
     scale = _shared('scale')
@@ -493,7 +498,7 @@ def _check_shared(sequences) -> None:
     for b, seq in enumerate(sequences[1:], 1):
         differs = [f"{name} {a} vs {c}" for name, a, c in (
             ("H", first.heads, seq.heads), ("Hkv", first.kv_heads, seq.kv_heads),
-            ("D", first.head_dim, seq.head_dim), ("dtype", first.dtype, seq.dtype))
+            ("D", first.head_dim, seq.head_dim), ("D_v", first.head_dim_v, seq.head_dim_v), ("dtype", first.dtype, seq.dtype))
             if a != c]
         differs += [f"{name} {getattr(first, name)!r} vs {getattr(seq, name)!r}" for name in SHARED_OPTIONS
                     if getattr(first, name) != getattr(seq, name)]

@@ -98,7 +98,8 @@ class ProblemDescriptor(Shape):
         come from its tags."""
         tags = dict(problem.tags)
         return cls(batch=problem.batch, heads=problem.heads, kv_heads=problem.kv_heads,
-                   nq=problem.nq, nk=problem.nk, head_dim=problem.head_dim, dtype=problem.dtype,
+                   nq=problem.nq, nk=problem.nk, head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
+                   dtype=problem.dtype,
                    causal=problem.causal, causal_alignment=problem.causal_alignment,
                    scale=problem.scale, distribution=tags.get("distribution"),
                    seed=tags.get("seed"), window_size=problem.window_size, softcap=problem.softcap,

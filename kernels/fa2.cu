@@ -18,6 +18,8 @@
 // off). A sink (sinks [H]; null: off) joins each row's softmax after the last tile as one key
 // of logit sinks[h] and value 0 (FlashAttention's finalize): one more rescale of m, l and the
 // accumulator; it joins the denominator only, and a row that sees no key gets lse = sink.
+// Head dims: q and k have D columns, v and o have DV (D unless instantiated otherwise, as
+// FlashAttention-3's 192/128); the tiles are as wide as the wider of the two.
 // Precision model: PrecisionModel.flash(dtype). Shared memory holds the tiles in fp32 with
 // rows padded by one float (conflict-free strided reads); the catalogue computes its size.
 
@@ -42,18 +44,29 @@ __device__ __forceinline__ float fa2_tanh(float x) { return tanhf(x); }
         int alibi_batch_stride, const float* __restrict__ sinks
 #define FA2_VARIANT_ARGS window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, sinks
 
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS>
+// K and V rows n0 .. n0 + ROWS - 1 into their tiles: in one pass where DV = D, else one per tile.
+template <int ROWS, int D, int DV, int LD, int THREADS, typename T>
+__device__ void fa2_load_kv(float* Ks, const T* k_head, float* Vs, const T* v_head, int n0, int Nk) {
+    if constexpr (D == DV) {
+        fa_load_rows<ROWS, D, LD, THREADS>(Ks, k_head, Vs, v_head, n0, Nk);
+    } else {
+        fa_load_rows<ROWS, D, LD, THREADS>(Ks, k_head, n0, Nk);
+        fa_load_rows<ROWS, DV, LD, THREADS>(Vs, v_head, n0, Nk);
+    }
+}
+
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS, int DV = D>
 __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
     static_assert(THREADS % 32 == 0 && THREADS >= BLOCK_M, "one softmax thread per query row");
     static_assert(THREADS % BLOCK_N == 0 && (BLOCK_M * BLOCK_N) % THREADS == 0, "S tile split");
     static_assert(BLOCK_M % (THREADS / 32) == 0, "P V rows split over warps");
-    constexpr int LD = D + 1;                          // padded row of a Q/K/V tile (floats)
+    constexpr int LD = (D > DV ? D : DV) + 1;          // padded row of a Q/K/V tile (floats)
     constexpr int LDS = BLOCK_N + 1;                   // padded row of the S/P tile
     constexpr int S_ROWS_STEP = THREADS / BLOCK_N;     // step 1: thread -> (rows, one key)
     constexpr int S_PER_THREAD = BLOCK_M * BLOCK_N / THREADS;
     constexpr int WARPS = THREADS / 32;                // step 3: lane -> columns, warp -> rows
     constexpr int O_ROWS = BLOCK_M / WARPS;
-    constexpr int O_COLS = (D + 31) / 32;
+    constexpr int O_COLS = (DV + 31) / 32;
 
     extern __shared__ __align__(16) unsigned char smem[];
     SmemCarver carve{smem};
@@ -69,7 +82,7 @@ __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
     const int kv_h = h / (H / Hkv);
     const T* q_head = q + fa_row_offset(b, h, H, Nq, 0, D);
     const T* k_head = k + fa_row_offset(b, kv_h, Hkv, Nk, 0, D);
-    const T* v_head = v + fa_row_offset(b, kv_h, Hkv, Nk, 0, D);
+    const T* v_head = v + fa_row_offset(b, kv_h, Hkv, Nk, 0, DV);
     const int right = causal ? 0 : window_right;
     const float slope = alibi_slopes ? alibi_slopes[b * alibi_batch_stride + h] : 0.0f;
 
@@ -89,7 +102,7 @@ __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
 
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         // K, V tiles -> shared (fp32), keys past Nk zero.
-        fa_load_rows<BLOCK_N, D, LD, THREADS>(Ks, k_head, Vs, v_head, n0, Nk);
+        fa2_load_kv<BLOCK_N, D, DV, LD, THREADS>(Ks, k_head, Vs, v_head, n0, Nk);
         __syncthreads();
 
         // 1. S = scale * Q K^T; thread owns key column j and rows r0, r0 + S_ROWS_STEP, ...
@@ -143,7 +156,7 @@ __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
                 const float p = Ss[r * LDS + j];
 #pragma unroll
                 for (int c = 0; c < O_COLS; ++c)
-                    if (lane + 32 * c < D) acc[i][c] += p * Vs[j * LD + lane + 32 * c];
+                    if (lane + 32 * c < DV) acc[i][c] += p * Vs[j * LD + lane + 32 * c];
             }
         }
         __syncthreads();  // the next tile overwrites K, V and S
@@ -166,7 +179,7 @@ __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
     }
 
     // Epilogue: o = acc / l, lse = m + log l; rows that attended nothing get 0 and -inf.
-    fa_store_output<D, BLOCK_M>(acc, m_i, l_i, row_l, o, lse, b, h, H, Nq, q0);
+    fa_store_output<DV, BLOCK_M>(acc, m_i, l_i, row_l, o, lse, b, h, H, Nq, q0);
 }
 
 // One extern "C" entry per (dtype, D): fa2_<dtype>_d<D>, with the tile configuration the
@@ -177,8 +190,15 @@ __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
         fa2_forward<T, D, BLOCK_M, BLOCK_N, THREADS>(FA_ARGS, FA2_VARIANT_ARGS);              \
     }
 
-// FA_CONFIG(D, BLOCK_M, BLOCK_N, THREADS). fa2_key_tiles.cu includes this file for the template
-// alone (FA2_TEMPLATE_ONLY) and instantiates it at other key-tile sizes.
+// fa2_<dtype>_d<D>v<DV>: an entry whose v and o have DV != D columns.
+#define FA2_ENTRY_V(DT, T, D, DV, BLOCK_M, BLOCK_N, THREADS)                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                     \
+        fa2_##DT##_d##D##v##DV(FA_PARAMS(T), FA2_VARIANT_PARAMS) {                             \
+        fa2_forward<T, D, BLOCK_M, BLOCK_N, THREADS, DV>(FA_ARGS, FA2_VARIANT_ARGS);          \
+    }
+
+// FA_CONFIG(D, BLOCK_M, BLOCK_N, THREADS), FA_CONFIG_V(D, DV, BLOCK_M, BLOCK_N, THREADS). fa2_key_tiles.cu
+// includes this file for the template alone (FA2_TEMPLATE_ONLY) and instantiates it at other key-tile sizes.
 #ifndef FA2_TEMPLATE_ONLY
 FA_FOR_EACH_DTYPE(FA2_ENTRY, 16, 64, 32, 128)
 FA_FOR_EACH_DTYPE(FA2_ENTRY, 32, 64, 32, 128)
@@ -186,4 +206,5 @@ FA_FOR_EACH_DTYPE(FA2_ENTRY, 64, 64, 32, 128)
 FA_FOR_EACH_DTYPE(FA2_ENTRY, 96, 64, 32, 128)
 FA_FOR_EACH_DTYPE(FA2_ENTRY, 128, 64, 32, 128)
 FA_FOR_EACH_DTYPE(FA2_ENTRY, 256, 32, 16, 128)
+FA_FOR_EACH_DTYPE(FA2_ENTRY_V, 192, 128, 32, 16, 128)
 #endif

@@ -43,8 +43,8 @@ CAUSAL_MODES = {"non-causal": dict(causal=False),
                 "bottom-right": dict(causal=True, causal_alignment="bottom-right"),
                 "top-left": dict(causal=True, causal_alignment="top-left")}
 
-#: (B, H, Hkv, Nq, Nk, D): N not a multiple of any tile, Nq != Nk both ways, GQA and MQA,
-#: D = 96, a single query and key. Small, because the CPU runner runs every CUDA thread.
+#: (B, H, Hkv, Nq, Nk, D[, D_v]): N not a multiple of any tile, Nq != Nk both ways, GQA and MQA,
+#: D = 96, a single query and key, D_v != D. Small, because the CPU runner runs every CUDA thread.
 SHAPES = [
     (1, 2, 1, 70, 33, 64),    # MQA, Nq > Nk (bottom-right: rows 0..36 fully masked), 2 query tiles
     (1, 3, 1, 33, 130, 96),   # MQA, Nq < Nk, D = 96, 5 key tiles of 32 (4 full + 2 keys)
@@ -52,6 +52,7 @@ SHAPES = [
     (1, 4, 2, 64, 64, 16),    # GQA (2 query heads per kv head), exactly one query tile
     (1, 2, 2, 129, 130, 128), # tile multiples + 1 and + 2, D = 128
     (1, 1, 1, 17, 40, 256),   # D = 256 (its own tile configuration)
+    (1, 2, 1, 40, 33, 192, 128),  # D = 192, D_v = 128 (FlashAttention-3's; fa2 instantiates it)
 ]
 
 
@@ -79,11 +80,11 @@ VARIANT_SHAPES = [SHAPES[0], SHAPES[1], (2, 4, 2, 40, 75, 32)]
 
 
 def make_problem(shape, dtype, seed=0, **causal) -> AttentionProblem:
-    B, H, Hkv, Nq, Nk, D = shape
+    B, H, Hkv, Nq, Nk, D, *Dv = shape
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, H, Nq, D))
     k = rng.standard_normal((B, Hkv, Nk, D))
-    v = rng.standard_normal((B, Hkv, Nk, D))
+    v = rng.standard_normal((B, Hkv, Nk, *(Dv or [D])))
     return AttentionProblem.from_float(q, k, v, dtype, **causal)
 
 
@@ -99,17 +100,19 @@ def kernel_cases():
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_catalogue_matches_the_instantiations_in_the_source(name):
-    """Each `FA_FOR_EACH_*DTYPE(<NAME>_ENTRY, D, ...)` line of the .cu is the catalogue's config for D."""
+    """Each `FA_FOR_EACH_*DTYPE(<NAME>_ENTRY, D, ...)` line of the .cu is the catalogue's config for D,
+    each `FA_FOR_EACH_*DTYPE(<NAME>_ENTRY_V, D, D_v, ...)` line its config for (D, D_v)."""
     family = get_family(name)
     source = family.source_path.read_text()
     macro = f"{name.upper()}_ENTRY"
     found = {}
-    for dtypes_macro, args in re.findall(rf"^(FA_FOR_EACH_\w*DTYPE)\({macro}, ([^)]*)\)", source, re.M):
+    for dtypes_macro, paired, args in re.findall(rf"^(FA_FOR_EACH_\w*DTYPE)\({macro}(_V)?, ([^)]*)\)", source, re.M):
         values = [int(a) for a in args.split(",")]
-        found[values[0]] = (dtypes_macro, tuple(values[1:]))
-    assert sorted(found) == list(family.head_dims)
+        dims = 2 if paired else 1
+        found[tuple(values[:dims]) if paired else values[0]] = (dtypes_macro, tuple(values[dims:]))
+    assert set(found) == set(family.configs)
     for d, (dtypes_macro, values) in found.items():
-        cfg = family.config(d)
+        cfg = family.configs[d]
         expected = ((cfg.block_m, cfg.threads) if cfg.block_n is None   # naive: rows per block
                     else (cfg.block_m, cfg.block_n, cfg.threads))
         assert values == expected, f"{name} D={d}: source {values}, catalogue {expected}"
@@ -117,6 +120,17 @@ def test_catalogue_matches_the_instantiations_in_the_source(name):
                                 else "FA_FOR_EACH_DTYPE")
     assert re.search(rf"\b{name}_##DT##_d##D\b", source), "entries are named <family>_<dtype>_d<D>"
     assert all(family.config(d).threads % 32 == 0 for d in family.head_dims)
+
+
+def test_a_d_v_pair_has_its_own_entry_and_shared_memory():
+    fa2 = get_family("fa2")
+    p = make_problem((1, 2, 1, 40, 33, 192, 128), "bf16")
+    launch = fa2.launch(p)
+    assert launch.entry == "fa2_bf16_d192v128" and launch.grid == (2, 2, 1)
+    assert launch.shared_bytes == fa2.shared_bytes(192, "bf16", 128) == fa2.resources(launch.entry)[1]
+    assert fa2.head_dims_v == (128,) and fa2.head_dim_pairs == ((192, 128),)
+    assert "D=192 with D_v=128" in fa2.supports(make_problem((1, 1, 1, 4, 4, 192), "bf16"))
+    assert "no entry for D=64 with D_v=128" in fa2.supports(make_problem((1, 1, 1, 4, 4, 64, 128), "bf16"))
 
 
 def test_launch_geometry():

@@ -174,7 +174,7 @@ def test_derived_problems_stay_within_the_limits():
 
 
 def test_a_built_in_backend_keeps_its_own_limits():
-    assert get_backend("numpy-tiled").limits == Limits()
+    assert get_backend("numpy-tiled").limits == Limits(head_dims_v="any")  # its own: any D_v
 
 
 def _statuses(document) -> dict:
@@ -189,7 +189,7 @@ def test_the_issue_kernel_is_checked_in_one_command_line():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     document = json.loads(proc.stdout)
     assert document["targets"][0]["limits"] == {
-        "dtype": ["fp16"], "head-dims": [64, 128], "seq-multiple": 64, "seq-min": 1, "seq-max": None,
+        "dtype": ["fp16"], "head-dims": [64, 128], "head-dims-v": None, "seq-multiple": 64, "seq-min": 1, "seq-max": None,
         "equal-seq": True, "heads": ["mha"], "group-sizes": None, "causal": "yes", "lse": None}
     statuses = _statuses(document)
     not_applicable = {name: reason for name, (status, reason) in statuses.items() if status == "not applicable"}

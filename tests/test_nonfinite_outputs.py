@@ -51,7 +51,7 @@ def test_a_relation_between_two_runs_names_the_non_finite_output():
 
     judged = get_property("determinism")(RunFunctionBackend(_all_inf), problem)
     assert judged.failed and "non-finite output: out holds 256 non-finite values of 256" in judged.detail
-    assert "(first inf at [0, 0, 0, 0] of [B,H,Nq,D])" in judged.detail
+    assert "(first inf at [0, 0, 0, 0] of [B,H,Nq,D_v])" in judged.detail
 
 
 class _InfiniteRagged(NumpyRaggedBackend):

@@ -16,8 +16,8 @@ def _arrays(b=1, h=2, hkv=1, nq=3, nk=4, d=8, dtype=np.float32):
 
 @pytest.mark.parametrize("change, message", [
     (lambda q, k, v: (q[0], k, v), "must have 4 dimensions"),
-    (lambda q, k, v: (q, k, v[:, :, :2]), "k.shape=.* and v.shape=.* must be equal"),
-    (lambda q, k, v: (q[:, :, :, :4], k, v), "head dims differ"),
+    (lambda q, k, v: (q, k, v[:, :, :2]), r"k.shape=.* and v.shape=.* must agree on \[B, Hkv, Nk\]"),
+    (lambda q, k, v: (q[:, :, :, :4], k, v), "its head dim D=8 must be q's D=4"),
     (lambda q, k, v: (np.concatenate([q, q]), k, v), "batch sizes differ"),
     (lambda q, k, v: (q[:, :1].repeat(3, axis=1), k.repeat(2, axis=1), v.repeat(2, axis=1)),
      "H=3 must be divisible by Hkv=2"),

@@ -29,8 +29,9 @@ def test_run_torch_checks_shapes_before_anything_reaches_a_kernel(q_shape, kv_sh
 
 def test_run_torch_checks_k_and_v_agree_and_dtypes():
     q = torch.zeros((1, 2, 8, 16), dtype=torch.float16)
-    with pytest.raises(InvalidArgumentError, match=r"k, v one \[B,Hkv,Nk,D\] shape"):
+    with pytest.raises(InvalidArgumentError, match=r"k \[B,Hkv,Nk,D\] and v \[B,Hkv,Nk,D_v\]"):
         check_torch_inputs(q, q, q[:, :, :4])
+    assert check_torch_inputs(q, q, q[..., :4]) == "fp16"  # D_v != D
     with pytest.raises(InvalidArgumentError, match="share one of fp16, bf16, fp32"):
         check_torch_inputs(q, q.float(), q)
     assert check_torch_inputs(q.bfloat16(), q.bfloat16(), q.bfloat16()) == "bf16"
@@ -42,7 +43,7 @@ def test_torch_outputs_start_as_nan_so_unwritten_elements_fail():
     family = get_family("naive16")
     q = torch.zeros((1, 2, 5, 16), dtype=torch.bfloat16)
     launch = family.launch_for(1, 2, 1, 5, 7, 16, "bf16")
-    o, lse, scratch = torch_outputs(q, launch)
+    o, lse, scratch = torch_outputs(q, q, launch)
     assert o.shape == q.shape and o.dtype == q.dtype and torch.isnan(o).all()
     assert lse.shape == (1, 2, 5) and lse.dtype == torch.float32 and torch.isnan(lse).all()
     assert scratch.numel() == 1 * 2 * 5 * 7 and scratch.dtype == torch.bfloat16

@@ -111,6 +111,20 @@ def test_oracle_output_bound_is_sound_and_within_1_75x_of_its_true_error():
     _check_ratio("output", fast.out_bound, fast.out, exact.out, exact.out_bound, OUT_RATIO_LIMITS)
 
 
+def test_oracle_output_bound_with_d_v_unlike_d_is_as_tight():
+    """The same worst case with v 5 columns wide (D = 2, D_v = 5): every column's bound keeps its
+    ratio (measured 1.606), as the score roundings count D = 2 products; counting D_v = 5 instead
+    would give 2.4x, outside the limits."""
+    problem = _worst_out_problem()
+    v = np.array([[[[0, 0, 0, 0, 0], [1, -3, 0.5, 7, -0.25]]]], np.float32)
+    problem = problem.replace(v=v)
+    assert (problem.head_dim, problem.head_dim_v) == (2, 5)
+    fast = reference(problem)
+    exact = reference(problem, method="mpmath", digits=60)
+    assert fast.out.shape == (1, 1, 1, 5) and fast.mpmath_rows == fast.gemm_rows == 0
+    _check_ratio("output", fast.out_bound, fast.out, exact.out, exact.out_bound, OUT_RATIO_LIMITS)
+
+
 def test_oracle_lse_bound_is_sound_and_within_2_4x_of_its_true_error():
     problem = _worst_lse_problem()
     fast = reference(problem)

@@ -19,6 +19,7 @@ from fa_verify.backends.base import AVAILABLE, Availability, Backend
 from fa_verify.backends.buffers import GuardedOutput, check_written
 from fa_verify.dtypes import numpy_dtype
 from fa_verify.kernels.catalogue import FAMILIES, KernelFamily, kernels_dir
+from fa_verify.limits import Limits
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import AttentionProblem
 
@@ -42,6 +43,8 @@ class KernelBackend(Backend):
         self.dtypes = self.family.dtypes
         self.features = self.family.features
         self.notes = self.family.notes
+        # D_v != D where the family instantiates it (fa2's 192/128): the strategies draw those pairs
+        self.limits = Limits(head_dims_v=self.family.head_dims_v)
 
     def precision(self, dtype) -> PrecisionModel:
         return self.family.precision(dtype)

@@ -14,6 +14,7 @@ import numpy as np
 from fa_verify.backends.base import Backend, grouped, grouped_variants
 from fa_verify.dtypes import numpy_dtype
 from fa_verify.errors import InvalidArgumentError
+from fa_verify.limits import ANY_HEAD_DIM_V, Limits
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import FEATURES, AttentionProblem
 
@@ -75,6 +76,8 @@ def naive_attention(problem: AttentionProblem, precision: PrecisionModel) -> tup
 
 class NaiveBackend(Backend):
     """naive_attention as a backend: compute="same-precision" or "fp32" (fp32 accumulation)."""
+
+    limits = Limits(head_dims_v=ANY_HEAD_DIM_V)
 
     _PRESETS = {"same-precision": PrecisionModel.same_precision, "fp32": PrecisionModel.fp32_accumulate}
 

@@ -17,6 +17,7 @@ import numpy as np
 from fa_verify.backends.base import Backend, grouped, grouped_variants, parse_precision
 from fa_verify.dtypes import DTYPE_NAMES, numpy_dtype
 from fa_verify.errors import InvalidArgumentError
+from fa_verify.limits import ANY_HEAD_DIM_V, Limits
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import FEATURES, AttentionProblem
 
@@ -31,7 +32,7 @@ def tiled_attention(problem: AttentionProblem, precision: PrecisionModel,
     bias, sinks = grouped_variants(problem, np.dtype(f32))
     scale, cap = f32(problem.scale_value), f32(problem.softcap)
     start, limit = problem.key_start(), problem.key_limit()
-    out = np.zeros(q.shape, dtype=f32)
+    out = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=f32)
     lse = np.full(q.shape[:-1], -np.inf, dtype=f32)
 
     for q0 in range(0, problem.nq, block_q):
@@ -39,7 +40,7 @@ def tiled_attention(problem: AttentionProblem, precision: PrecisionModel,
         qt, row_start, row_limit = q[..., rows, :], start[rows], limit[rows]
         m = np.full(qt.shape[:-1], -np.inf, dtype=f32)
         l = np.zeros(qt.shape[:-1], dtype=f32)
-        acc = np.zeros(qt.shape, dtype=f32)
+        acc = np.zeros(qt.shape[:-1] + v.shape[-1:], dtype=f32)
         # Key tiles entirely outside every row's window are masked: the kernel skips them.
         first = int(row_start.min()) // block_k * block_k
         for k0 in range(first, int(row_limit.max()), block_k):
@@ -82,6 +83,8 @@ def tiled_attention(problem: AttentionProblem, precision: PrecisionModel,
 class NumpyTiledBackend(Backend):
     """tiled_attention as a backend. `precision` is a preset or spec for PrecisionModel.parse
     whose score and P·V accumulation are fp32 (the model keeps its softmax state in fp32)."""
+
+    limits = Limits(head_dims_v=ANY_HEAD_DIM_V)
 
     def __init__(self, block_q: int = 64, block_k: int = 64, precision: str = "flash"):
         for arg, value in (("block_q", block_q), ("block_k", block_k)):

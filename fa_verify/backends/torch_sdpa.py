@@ -32,6 +32,7 @@ import numpy as np
 from fa_verify.backends.base import Backend, Deviation
 from fa_verify.backends.torch_arrays import import_torch, to_numpy, to_torch, torch_availability
 from fa_verify.errors import InvalidArgumentError
+from fa_verify.limits import ANY_HEAD_DIM_V, Limits
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import AttentionProblem
 
@@ -62,6 +63,8 @@ class TorchSdpaBackend(Backend):
         self.name = f"torch-sdpa-{kernel}"
         self.notes = _NOTES[kernel]
         self.deviations = _DEVIATIONS[kernel]
+        if kernel == "math":  # torch's flash kernel wants one head size for q, k and v
+            self.limits = Limits(head_dims_v=ANY_HEAD_DIM_V)
 
     def precision(self, dtype) -> PrecisionModel:
         if self.kernel == "flash-cpu":

@@ -69,11 +69,12 @@ class Counterexample:
 
     @property
     def size(self) -> str:
-        """(B,H,Nq,Nk,D), with H/Hkv when they differ; a ragged problem's Nq and Nk per sequence."""
+        """(B,H,Nq,Nk,D), with H/Hkv and D/D_v when they differ; a ragged problem's Nq and Nk per sequence."""
         s = self.shape
         heads = f"{s.heads}" if s.kv_heads == s.heads else f"{s.heads}/{s.kv_heads}"
         nq, nk = (s.nq, s.nk) if self.seqlens is None else (f"[{' '.join(map(str, n))}]" for n in self.seqlens)
-        return f"({s.batch},{heads},{nq},{nk},{s.head_dim})" + (f" {self.layout}" if self.layout else "")
+        d = f"{s.head_dim}" if s.head_dim_v == s.head_dim else f"{s.head_dim}/{s.head_dim_v}"
+        return f"({s.batch},{heads},{nq},{nk},{d})" + (f" {self.layout}" if self.layout else "")
 
     def as_dict(self) -> dict:
         s = self.shape

@@ -1,7 +1,8 @@
 """The kernel catalogue: what each CUDA kernel family in kernels/ is and how to launch it.
 
 A family is one .cu file whose entry points (extern "C", so that PyCUDA finds them by name) are named `<family>_<dtype>_d<D>`, one per
-problem dtype and head dimension it instantiates. Every entry takes the common ABI (see
+problem dtype and head dimension it instantiates (`<family>_<dtype>_d<D>v<D_v>` for an instantiation
+whose v and output have D_v != D columns, e.g. fa2_bf16_d192v128). Every entry takes the common ABI (see
 kernels/fa_common.cuh):
 
     (const T* q, const T* k, const T* v, T* o, float* lse,
@@ -17,8 +18,9 @@ and, for families that implement the variants (fa2: `features`), VARIANT_SIGNATU
 (window_size with each side capped at Nq + Nk, softcap 0 = off, null pointers = off; alibi_batch_stride is H for [B, H]
 slopes, 0 for [H]). causal_offset is always the diagonal offset (Nk - Nq bottom-right, 0
 top-left): the window and ALiBi use it whether or not the problem is causal.
-The catalogue is the Python half of each family: its tile configuration per head dimension
-(which must match the instantiation lines `FA_FOR_EACH_*DTYPE(<FAMILY>_ENTRY, D, ...)` of the
+The catalogue is the Python half of each family: its tile configuration per head dimension, or
+per (D, D_v) pair (which must match the instantiation lines `FA_FOR_EACH_*DTYPE(<FAMILY>_ENTRY, D, ...)`
+and `FA_FOR_EACH_*DTYPE(<FAMILY>_ENTRY_V, D, D_v, ...)` of the
 .cu; tests/test_kernels.py checks that they do), the launch grid, block and dynamic shared
 memory, and the precision model the error model judges it by. Runners (PyCUDA on a GPU, the
 CUDA-on-CPU runner elsewhere) launch kernels from a `Launch` and need nothing else.
@@ -149,6 +151,7 @@ class KernelFamily:
     source: str
     description: str
     dtypes: tuple[str, ...]
+    #: TileConfig by head dim D (D_v = D) or by (D, D_v) pair (D_v != D)
     configs: dict = field(repr=False)
     precision_model: Callable[[str], PrecisionModel] = field(repr=False)
     #: byte sizes of the dynamic shared memory regions, in the order the kernel carves them
@@ -166,17 +169,29 @@ class KernelFamily:
     # --- what exists --------------------------------------------------------------------------
     @property
     def head_dims(self) -> tuple[int, ...]:
-        return tuple(sorted(self.configs))
+        """The head dims D instantiated with D_v = D."""
+        return tuple(sorted(d for d in self.configs if isinstance(d, int)))
+
+    @property
+    def head_dim_pairs(self) -> tuple[tuple[int, int], ...]:
+        """The (D, D_v) pairs instantiated with D_v != D."""
+        return tuple(sorted(d for d in self.configs if isinstance(d, tuple)))
+
+    @property
+    def head_dims_v(self) -> tuple[int, ...] | None:
+        """The D_v != D it instantiates (`Limits.head_dims_v`), or None."""
+        return tuple(sorted({dv for _, dv in self.head_dim_pairs})) or None
 
     @property
     def source_path(self) -> Path:
         return kernels_dir() / self.source
 
-    def entry(self, dtype: str, head_dim: int) -> str:
-        return f"{self.name}_{dtype}_d{head_dim}"
+    def entry(self, dtype: str, head_dim: int, head_dim_v: int | None = None) -> str:
+        dv = "" if head_dim_v in (None, head_dim) else f"v{head_dim_v}"
+        return f"{self.name}_{dtype}_d{head_dim}{dv}"
 
     def entries(self) -> list[str]:
-        return [self.entry(dt, d) for d in self.head_dims for dt in self.dtypes]
+        return [self.entry(dt, *_dims(key)) for key in self.configs for dt in self.dtypes]
 
     @property
     def signature(self) -> tuple[str, ...]:
@@ -192,36 +207,43 @@ class KernelFamily:
     def resources(self, entry: str) -> tuple[int, int]:
         """(threads per block, dynamic shared memory in bytes) that `entry` is launched with."""
         _, dtype, d = entry.rsplit("_", 2)
-        return self.config(int(d[1:])).threads, self.shared_bytes(int(d[1:]), dtype)
+        dims = tuple(int(x) for x in d[1:].split("v"))
+        return self.config(*dims).threads, self.shared_bytes(dims[0], dtype, dims[-1])
 
     # --- per problem --------------------------------------------------------------------------
-    def config(self, head_dim: int) -> TileConfig:
-        if head_dim not in self.configs:
+    def config(self, head_dim: int, head_dim_v: int | None = None) -> TileConfig:
+        key = _key(head_dim, head_dim_v)
+        if key not in self.configs:
             raise InvalidArgumentError(
-                f"kernel family {self.name!r} has no entry for D={head_dim}; it instantiates D in "
-                f"{', '.join(map(str, self.head_dims))}")
-        return self.configs[head_dim]
+                f"kernel family {self.name!r} has no entry for {_spelled(key)}; it instantiates "
+                f"{self.describe_head_dims()}")
+        return self.configs[key]
 
-    def shared_bytes(self, head_dim: int, dtype: str) -> int:
-        """Dynamic shared memory of the (dtype, D) entry, in bytes."""
-        return sum(_round_up(n) for n in self.smem_regions(head_dim, dtype, self.config(head_dim)))
+    def describe_head_dims(self) -> str:
+        pairs = "".join(f", D={d} with D_v={dv}" for d, dv in self.head_dim_pairs)
+        return f"D in {', '.join(map(str, self.head_dims))}{pairs}"
+
+    def shared_bytes(self, head_dim: int, dtype: str, head_dim_v: int | None = None) -> int:
+        """Dynamic shared memory of the (dtype, D[, D_v]) entry, in bytes (tiles as wide as the wider dim)."""
+        config = self.config(head_dim, head_dim_v)
+        return sum(_round_up(n) for n in self.smem_regions(max(head_dim, head_dim_v or 0), dtype, config))
 
     def supports(self, problem: AttentionProblem, shared_limit: int | None = None) -> str | None:
         """None if an entry of this family runs `problem`, else why not."""
         if problem.dtype not in self.dtypes:
             return f"{self.name} has no {problem.dtype} entry (it has {', '.join(self.dtypes)})"
-        if problem.head_dim not in self.configs:
-            return (f"{self.name} has no entry for D={problem.head_dim} "
-                    f"(it has D in {', '.join(map(str, self.head_dims))})")
+        key = _key(problem.head_dim, problem.head_dim_v)
+        if key not in self.configs:
+            return f"{self.name} has no entry for {_spelled(key)} (it has {self.describe_head_dims()})"
         missing = unsupported_features(self.name, problem, self.features)
         if missing:
             return missing
         if problem.heads > 65535 or problem.batch > 65535:
             return f"grid dimensions H={problem.heads}, B={problem.batch} exceed CUDA's limit of 65535"
         if shared_limit is not None:
-            need = self.shared_bytes(problem.head_dim, problem.dtype)
+            need = self.shared_bytes(problem.head_dim, problem.dtype, problem.head_dim_v)
             if need > shared_limit:
-                return (f"{self.entry(problem.dtype, problem.head_dim)} needs {need} bytes of shared "
+                return (f"{self.entry(problem.dtype, problem.head_dim, problem.head_dim_v)} needs {need} bytes of shared "
                         f"memory per block; this device allows {shared_limit}")
         return None
 
@@ -234,19 +256,20 @@ class KernelFamily:
                                problem.head_dim, problem.dtype, causal=problem.causal,
                                causal_alignment=problem.causal_alignment, scale=problem.scale_value,
                                window_size=problem.window_size, softcap=problem.softcap,
-                               alibi_slopes=problem.alibi_slopes, sinks=problem.sinks)
+                               alibi_slopes=problem.alibi_slopes, sinks=problem.sinks, head_dim_v=problem.head_dim_v)
 
     def launch_for(self, B: int, H: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: str, *,
                    causal: bool = False, causal_alignment: str = "bottom-right",
                    scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-                   alibi_slopes=None, sinks=None) -> Launch:
-        """The launch for these shapes (e.g. of torch tensors), without an AttentionProblem.
-        The variants, taken as given (AttentionProblem validates them), need a family with features."""
+                   alibi_slopes=None, sinks=None, head_dim_v: int | None = None) -> Launch:
+        """The launch for these shapes (e.g. of torch tensors), without an AttentionProblem; head_dim_v:
+        v's D_v (None: D). The variants, taken as given (AttentionProblem validates them), need a
+        family with features."""
         if dtype not in self.dtypes:
             raise InvalidArgumentError(f"{self.name} has no {dtype} entry (it has {', '.join(self.dtypes)})")
         if causal_alignment not in ("bottom-right", "top-left"):
             raise InvalidArgumentError(f"causal_alignment={causal_alignment!r}; use 'bottom-right' or 'top-left'")
-        cfg = self.config(D)
+        cfg = self.config(D, head_dim_v)
         causal_offset = Nk - Nq if causal_alignment == "bottom-right" else 0
         scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
         scalars = (B, H, Hkv, Nq, Nk, scale, int(bool(causal)), causal_offset)
@@ -264,16 +287,31 @@ class KernelFamily:
         elif window_size != (-1, -1) or softcap or alibi_slopes is not None or sinks is not None:
             raise InvalidArgumentError(f"{self.name} implements no variant (window_size, softcap, "
                                        "alibi_slopes, sinks); leave them at their defaults")
-        return Launch(entry=self.entry(dtype, D), grid=(math.ceil(Nq / cfg.block_m), H, B),
-                      block=(cfg.threads, 1, 1), shared_bytes=self.shared_bytes(D, dtype),
+        return Launch(entry=self.entry(dtype, D, head_dim_v), grid=(math.ceil(Nq / cfg.block_m), H, B),
+                      block=(cfg.threads, 1, 1), shared_bytes=self.shared_bytes(D, dtype, head_dim_v),
                       signature=self.signature, scalars=scalars, scratch_elements=scratch,
                       scratch_dtype=scratch_dtype, variant_args=variant_args)
+
+
+def _key(head_dim: int, head_dim_v: int | None):
+    """A family's configs key: D where D_v = D, else (D, D_v)."""
+    return head_dim if head_dim_v in (None, head_dim) else (head_dim, head_dim_v)
+
+
+def _dims(key) -> tuple:
+    """(D, D_v) of a configs key."""
+    return key if isinstance(key, tuple) else (key, key)
+
+
+def _spelled(key) -> str:
+    d, dv = _dims(key)
+    return f"D={d}" if d == dv else f"D={d} with D_v={dv}"
 
 
 # --- the families ------------------------------------------------------------------------------------
 
 def _fa2_smem(d: int, dtype: str, c: TileConfig) -> tuple[int, ...]:
-    ld = d + 1  # tiles held in fp32, rows padded by one float
+    ld = d + 1  # tiles held in fp32, rows padded by one float (d: the wider of D and D_v)
     return (4 * c.block_m * ld, 4 * c.block_n * ld, 4 * c.block_n * ld,
             4 * c.block_m * (c.block_n + 1), 4 * c.block_m, 4 * c.block_m)
 
@@ -308,7 +346,9 @@ FA2 = KernelFamily(
                 "softmax in fp32, P rounded to the input dtype before P·V",
     dtypes=DTYPE_NAMES,
     configs={16: TileConfig(64, 32, 128), 32: TileConfig(64, 32, 128), 64: TileConfig(64, 32, 128),
-             96: TileConfig(64, 32, 128), 128: TileConfig(64, 32, 128), 256: TileConfig(32, 16, 128)},
+             96: TileConfig(64, 32, 128), 128: TileConfig(64, 32, 128), 256: TileConfig(32, 16, 128),
+             # FlashAttention-3's D = 192 with D_v = 128 (v and the output 128 wide)
+             (192, 128): TileConfig(32, 16, 128)},
     precision_model=PrecisionModel.flash, smem_regions=_fa2_smem,
     features=("window", "softcap", "alibi", "sinks"))
 

@@ -371,7 +371,7 @@ class PyCudaKernels:
         cuda = self._cuda
         B, H, Hkv, Nq, Nk = launch.scalars[:5]
         q, k, v = (np.ascontiguousarray(x) for x in (q, k, v))
-        o = np.empty_like(q)
+        o = np.empty(q.shape[:3] + v.shape[3:], q.dtype)  # [B, H, Nq, D_v]
         lse = np.empty((B, H, Nq), dtype=np.float32)
         sizes = [x.nbytes for x in (q, k, v, o, lse)]
         if launch.scratch_dtype:
@@ -398,14 +398,15 @@ class PyCudaKernels:
 # --- torch CUDA tensors, in this process ---------------------------------------------------------------
 
 def check_torch_inputs(q, k, v) -> str:
-    """The fa_verify dtype of q, k, v [B,H,Nq,D] / [B,Hkv,Nk,D], after checking shapes; InvalidArgumentError."""
+    """The fa_verify dtype of q, k, v [B,H,Nq,D] / [B,Hkv,Nk,D] / [B,Hkv,Nk,D_v], after checking shapes;
+    InvalidArgumentError."""
     import torch
 
     dtype = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(q.dtype)
     if dtype is None or not (q.dtype == k.dtype == v.dtype):
         raise InvalidArgumentError(f"q, k, v must share one of fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise InvalidArgumentError(f"q must be [B,H,Nq,D] and k, v one [B,Hkv,Nk,D] shape; got q {tuple(q.shape)}, "
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+        raise InvalidArgumentError(f"q must be [B,H,Nq,D], k [B,Hkv,Nk,D] and v [B,Hkv,Nk,D_v]; got q {tuple(q.shape)}, "
                                    f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     (B, H, _, D), (Bk, Hkv, _, Dk) = q.shape, k.shape
     if B != Bk or D != Dk:
@@ -417,12 +418,13 @@ def check_torch_inputs(q, k, v) -> str:
     return dtype
 
 
-def torch_outputs(q, launch: Launch):
-    """(o, lse, scratch) on q's device, o and lse NaN-filled so an element never written shows as NaN."""
+def torch_outputs(q, v, launch: Launch):
+    """(o, lse, scratch) on q's device, o [B, H, Nq, D_v] and lse NaN-filled so an element never
+    written shows as NaN."""
     import torch
 
     B, H, _, Nq = launch.scalars[:4]
-    o = torch.full_like(q, float("nan"))
+    o = torch.full(tuple(q.shape[:3]) + tuple(v.shape[3:]), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((B, H, Nq), float("nan"), dtype=torch.float32, device=q.device)
     scratch = None
     if launch.scratch_dtype:
@@ -436,7 +438,8 @@ _TORCH_KERNELS: dict[int, tuple[object, PyCudaKernels]] = {}
 
 def run_torch(family: KernelFamily, q, k, v, *, causal: bool = False,
               causal_alignment: str = "bottom-right", scale: float | None = None):
-    """(o, lse) of torch CUDA tensors q [B,H,Nq,D], k/v [B,Hkv,Nk,D], in this process, without copies.
+    """(o, lse) of torch CUDA tensors q [B,H,Nq,D], k [B,Hkv,Nk,D], v [B,Hkv,Nk,D_v], in this process,
+    without copies.
 
     Runs in the primary context of the tensors' device (the one torch uses). A fault here poisons
     that context: use the backends (worker process) when a kernel may be broken.
@@ -448,9 +451,9 @@ def run_torch(family: KernelFamily, q, k, v, *, causal: bool = False,
         raise InvalidArgumentError(f"run_torch takes CUDA tensors; q is on {q.device}")
     (B, H, Nq, D), (_, Hkv, Nk, _) = q.shape, k.shape
     launch = family.launch_for(B, H, Hkv, Nq, Nk, D, dtype, causal=causal,
-                               causal_alignment=causal_alignment, scale=scale)
+                               causal_alignment=causal_alignment, scale=scale, head_dim_v=v.shape[3])
     q, k, v = (x.contiguous() for x in (q, k, v))
-    o, lse, scratch = torch_outputs(q, launch)
+    o, lse, scratch = torch_outputs(q, v, launch)
     torch.cuda.synchronize(q.device)
     import pycuda.driver as cuda
 

@@ -495,6 +495,9 @@ class KernelSpec:
         if any("D" in launch.entry_names() for launch in self.launch) and limits.head_dims is None:
             raise InvalidArgumentError(f"{where}: entry uses {{D}} but limits.head-dims is missing; declare the "
                                        "head dims it is instantiated for, e.g. head-dims = [64, 128]")
+        if limits.head_dims_v is not None:  # the expressions and instantiations name one D
+            raise InvalidArgumentError(f"{where}: limits.head-dims-v is not supported in a kernel spec yet (its "
+                                       "expressions and {D} name one head dim for q, k and v); drop it")
         if not self.has_lse:
             limits = replace(limits, lse=False) if limits.lse is None else limits
             if limits.lse:

@@ -65,7 +65,8 @@ _PV_CHUNK = 1024
 
 
 def _attend(q, k, v, mask, scale: float, variants=None):
-    """Float64 attention of a group of heads [G, N, D] with the quantities the bound needs.
+    """Float64 attention of a group of heads (q, k [G, N, D], v [G, N, D_v]) with the quantities
+    the bound needs.
     `variants`, a `_Variants` of these heads, turns the scores into the variant's logits."""
     scores = np.matmul(q * scale, k.swapaxes(-1, -2))
     extra = variants.apply(scores, mask) if variants is not None else None
@@ -79,7 +80,7 @@ def _attend(q, k, v, mask, scale: float, variants=None):
     scores -= m[..., None]
     p = np.exp(scores, out=scores)
 
-    nk, d = k.shape[1], k.shape[2]
+    nk, d = k.shape[1], v.shape[2]
     values = np.concatenate([v, np.ones(v.shape[:-1] + (1,)), np.abs(v)], axis=-1)
     chunk = _PV_CHUNK
     acc = np.matmul(p[..., :chunk], values[:, :chunk])

@@ -82,7 +82,7 @@ def mp_bound(nk, head_dim: int, scale: float, max_score_magnitude, max_abs_logit
 
 def mp_rows(problem: AttentionProblem, rows, digits: int = DEFAULT_DIGITS):
     """Evaluate selected rows. rows: iterable of (b, h, i). Yields (b, h, i, out, lse, row_scale)
-    as float64 (out, row_scale numpy [D]; lse float)."""
+    as float64 (out, row_scale numpy [D_v]; lse float)."""
     g = problem.group_size
     cache = {}
     with mpmath.workdps(digits):
@@ -93,7 +93,7 @@ def mp_rows(problem: AttentionProblem, rows, digits: int = DEFAULT_DIGITS):
             sink = None if problem.sinks is None else float(problem.sinks[h])
             if hi <= lo:
                 lse = -math.inf if sink is None else sink
-                yield b, h, i, np.zeros(problem.head_dim), lse, np.zeros(problem.head_dim)
+                yield b, h, i, np.zeros(problem.head_dim_v), lse, np.zeros(problem.head_dim_v)
                 continue
             key = (b, h // g)
             if key not in cache:

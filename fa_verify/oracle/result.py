@@ -17,11 +17,11 @@ class Reference:
     judged by its bound like any row).
     """
 
-    out: np.ndarray          # [B, H, Nq, D]
+    out: np.ndarray          # [B, H, Nq, D_v]
     lse: np.ndarray          # [B, H, Nq], natural log of the row's sum of exp(logits) (+ exp(sink))
-    out_bound: np.ndarray    # [B, H, Nq, D]
+    out_bound: np.ndarray    # [B, H, Nq, D_v]
     lse_bound: np.ndarray    # [B, H, Nq]
-    #: D_ic = sum_j p_ij |v_jc| / sum_j p_ij: the natural scale of output element (i, c). [B,H,Nq,D]
+    #: D_ic = sum_j p_ij |v_jc| / sum_j p_ij: the natural scale of output element (i, c). [B,H,Nq,D_v]
     row_scale: np.ndarray
     #: "mpmath" or "certified"
     method: str

@@ -133,7 +133,7 @@ def check_v_affinity(backend, problem, *, seed: int = 0) -> PropertyResult:
     a = float(rng.choice(AFFINE_SCALES))
     while abs(a) * v_max > room / 2:
         a /= 2
-    b_shape = problem.v.shape[:2] + (1, problem.head_dim)
+    b_shape = problem.v.shape[:2] + (1, problem.head_dim_v)
     b = round_to(np.clip(rng.uniform(-4, 4, b_shape) * v_max, -room / 2, room / 2), problem.dtype)
     b = b.astype(np.float64)
     v_new = round_to(a * v + b, problem.dtype)

@@ -12,6 +12,7 @@ cases (moved to the nearest allowed shape).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import weakref
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from fa_verify import strategies as fst
 from fa_verify.backends import Backend
 from fa_verify.dtypes import DTYPE_NAMES
 from fa_verify.errors import BackendOutputError, FaVerifyError, InvalidArgumentError, KernelRunError
-from fa_verify.limits import Limits
+from fa_verify.limits import ANY_HEAD_DIM_V, Limits
 from fa_verify.problem import CAUSAL_ALIGNMENTS, FEATURES, AttentionProblem
 from fa_verify.properties.registry import Property
 from fa_verify.properties.selection import Selection
@@ -49,12 +50,18 @@ EDGE_CASES = (
     # 2049 keys, 3 rows (seed 0: q = 0 and V constant along the keys): an fp16/bf16 P·V
     # accumulator's error grows with every key
     ((1, 1, 1, 3, 2049, 16), "constant_rows"),
+    # D_v != D (B, H, Hkv, Nq, Nk, D, D_v), for targets that declare it (--head-dims-v): FA3's
+    # 192/128 across two key tiles of 32, and MLA decode's 576/512 with a few queries and keys
+    ((1, 2, 1, 5, 40, 192, 128), "normal"),
+    ((1, 2, 1, 2, 9, 576, 512), "normal"),
 )
 #: Properties that draw a fixed share of deep and long-key problems (fst.depth_shares): the
 #: agreement ones, which judge every element of the output (or LSE) against the oracle.
 DEPTH_PROPERTIES = ("oracle_agreement", "lse_agreement")
 #: Head dims probed for support (a backend that runs all of them runs any D).
 _PROBED_HEAD_DIMS = range(1, 257)
+#: Head dims D probed with each declared D_v != D (--head-dims-v): those above, and MLA's 576.
+_PROBED_PAIRED_HEAD_DIMS = (*_PROBED_HEAD_DIMS, 576)
 
 
 @dataclass(frozen=True)
@@ -70,18 +77,20 @@ class Capabilities:
     limits: Limits = Limits()
     #: the variants it runs (keys of fa_verify.problem.FEATURES)
     features: tuple = ()
+    #: D_v != D: None (D_v = D only), ANY_HEAD_DIM_V, or the (D, D_v) pairs with D_v != D it runs
+    head_dims_v: tuple | str | None = None
 
 
 _CAPABILITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _tiny(limits: Limits, dtype, d=None, longer_keys=False, causal=None, **kwargs) -> AttentionProblem:
-    """The smallest problem within `limits` (one more tile of keys with longer_keys); causal
-    unless limits allow non-causal ones, or as given."""
-    shape = limits.smallest_shape(d)
+def _tiny(limits: Limits, dtype, d=None, longer_keys=False, causal=None, dv=None, **kwargs) -> AttentionProblem:
+    """The smallest problem within `limits` (one more tile of keys with longer_keys; v's head dim
+    `dv`, default D); causal unless limits allow non-causal ones, or as given."""
+    shape = dataclasses.replace(limits.smallest_shape(d), head_dim_v=dv)
     if longer_keys:
         shape = fst.Shape(1, shape.heads, shape.kv_heads, shape.nq, shape.nk + max(limits.seq_multiple, 1),
-                          shape.head_dim)
+                          shape.head_dim, head_dim_v=shape.head_dim_v)
     causal = False not in limits.causal if causal is None else causal
     return fst.make_problem("normal", shape, dtype, 0, causal=causal, **kwargs)
 
@@ -130,9 +139,20 @@ def capabilities(backend: Backend, as_kind=None) -> Capabilities:
     features = tuple(f for f, switched_on in _FEATURE_PROBES.items() if runs(switched_on(probe)))
     caps = Capabilities(name=backend.name, dtypes=tuple(backend.dtypes),
                         head_dims=None if len(dims) == len(_PROBED_HEAD_DIMS) else dims,
-                        alignments=alignments, returns_lse=returns_lse, limits=limits, features=features)
+                        alignments=alignments, returns_lse=returns_lse, limits=limits, features=features,
+                        head_dims_v=_head_dim_pairs(limits, runs, dtype))
     cache[as_kind] = caps
     return caps
+
+
+def _head_dim_pairs(limits: Limits, runs, dtype):
+    """What a target declaring `limits` runs with D_v != D (`Capabilities.head_dims_v`): the
+    declared D_v values are probed with every D (the declared ones, else _PROBED_PAIRED_HEAD_DIMS)."""
+    if limits.head_dims_v is None or limits.head_dims_v == ANY_HEAD_DIM_V:
+        return limits.head_dims_v
+    pairs = tuple((d, dv) for d in limits.head_dims or _PROBED_PAIRED_HEAD_DIMS for dv in limits.head_dims_v
+                  if dv != d and runs(_tiny(limits, dtype, d, dv=dv)))
+    return pairs or None
 
 
 #: Each variant switched on in a probe problem.
@@ -185,10 +205,13 @@ def edge_problems(prop: Property, backend: Backend, selection: Selection, cases=
     modes = ([(False, "bottom-right")] * (False in causal)
              + [(True, a) for a in CAUSAL_ALIGNMENTS] * (True in causal))
     adapted_cases, notes = {}, []
-    for shape, dist in cases:
-        adapted = limits.adapt(fst.Shape(*shape))
+    for case, dist in cases:
+        shape = fst.Shape.coerce(case)
+        if not limits.head_dim_v_allowed(shape.head_dim, shape.head_dim_v):
+            continue  # a D_v != D case, for targets that declare D_v (--head-dims-v)
+        adapted = limits.adapt(shape)
         if isinstance(adapted, str):
-            notes.append(f"edge case {fst.Shape(*shape)} dropped: {adapted}")
+            notes.append(f"edge case {shape} dropped: {adapted}")
         else:
             adapted_cases.setdefault((adapted, dist), None)
     if limits.declared:
@@ -254,13 +277,14 @@ def problem_strategy(prop: Property, caps: Capabilities, selection: Selection):
     limits = caps.limits
     max_seq = min(selection.max_seq, limits.seq_max or selection.max_seq)
     work = _max_work(limits, selection.max_work, caps.head_dims)
-    dims = {} if caps.head_dims is None else dict(max_head_dim=max(caps.head_dims), head_dims=caps.head_dims)
+    paired = [max(pair) for pair in caps.head_dims_v] if isinstance(caps.head_dims_v, tuple) else []
+    dims = {} if caps.head_dims is None else dict(max_head_dim=max((*caps.head_dims, *paired)), head_dims=caps.head_dims)
     try:
         if prop.large:
             shapes = _large_shapes(caps.head_dims, limits)
         else:
             shapes = fst.shapes(max_seq=max_seq, max_work=work, typical_seq=selection.typical_seq,
-                                **_shape_limits(limits), **dims)
+                                head_dims_v=caps.head_dims_v, **_shape_limits(limits), **dims)
     except InvalidArgumentError as exc:
         return f"the declared limits ({limits.describe()}) leave no shape to draw within --max-seq {max_seq}: {exc}"
     deep = long_keys = None  # where the limits and budget leave no such shape, none

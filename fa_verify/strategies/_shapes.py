@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from fa_verify.errors import InvalidArgumentError
+from fa_verify.limits import ANY_HEAD_DIM_V
 from fa_verify.shape import Shape
 from fa_verify.validation import check_bool, check_int, check_names
 
@@ -49,6 +50,10 @@ TILE_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 
 #: Share of long shapes (Nq or Nk above typical_seq) when shapes() is given a typical_seq.
 LONG_SHARE = 1 / 4
+
+#: Where a target runs D_v != D, one shape in this many draws its own D_v (choice 0, D_v = D, is
+#: where shrinking goes; Hypothesis' draws lean to the simpler, so somewhat fewer in practice).
+OTHER_HEAD_DIM_V_SLOTS = 3
 
 #: Head dims favoured: the common ones and odd ones around them (filtered by the bounds).
 COMMON_HEAD_DIMS = (1, 3, 8, 16, 31, 32, 33, 63, 64, 80, 96, 127, 128, 160, 192, 255, 256)
@@ -113,6 +118,20 @@ def _head_dim(draw, cap: int, head_dims) -> int:
     if draw(st.booleans()):
         return draw(st.integers(1, cap))
     return _favoured(draw, COMMON_HEAD_DIMS, cap)
+
+
+def _head_dims(draw, cap: int, head_dims, head_dims_v) -> tuple:
+    """(D, D_v): D as `_head_dim` draws it and D_v = D, unless `head_dims_v` allows another D_v:
+    ANY_HEAD_DIM_V draws D_v like D, independently, one draw in OTHER_HEAD_DIM_V_SLOTS; (D, D_v)
+    pairs give one of those (with both dims within cap) as often. Shrinks towards D_v = D."""
+    d = _head_dim(draw, cap, head_dims)
+    if head_dims_v is None or draw(st.integers(0, OTHER_HEAD_DIM_V_SLOTS - 1)) < OTHER_HEAD_DIM_V_SLOTS - 1:
+        return d, d
+    if head_dims_v == ANY_HEAD_DIM_V:
+        return d, _head_dim(draw, cap, None)
+    fitting = [pair for pair in head_dims_v if max(pair) <= cap]
+    choice = draw(st.integers(0, len(head_dims_v) - 1))
+    return fitting[choice % len(fitting)] if fitting else (d, d)
 
 
 def _long_seq_len(draw, cap: int, typical: int) -> int:
@@ -190,7 +209,7 @@ def _min_heads(layouts: tuple, group_sizes=None) -> int:
 
 @st.composite
 def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, layouts, max_work, typical_seq,
-            grid, equal_seq, group_sizes):
+            grid, equal_seq, group_sizes, head_dims_v):
     got = {}
     # What the groups not yet drawn need at least, so that each draw leaves room for them.
     reserve = {"d": head_dims[0] if head_dims is not None else 1, "nq": grid.lowest, "nk": grid.lowest,
@@ -217,7 +236,8 @@ def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, layout
         if group == "head_dim":
             cap = min(max_head_dim, max_work // (math.prod(got.values()) * math.prod(
                 v for key, v in reserve.items() if key not in got and key != "d")))
-            got["d"] = _head_dim(draw, cap, head_dims)
+            dims = _head_dims(draw, cap, head_dims, head_dims_v)
+            got["d"] = max(dims)  # the larger product, q.k or P.v, is the work
         elif group == "seq" and long:
             got["nq"], got["nk"] = _seq_lengths(draw, left("nq", "nk"), max_seq, typical_seq, grid, equal_seq)
         elif group == "seq":
@@ -226,13 +246,13 @@ def _shapes(draw, max_batch, max_heads, max_seq, max_head_dim, head_dims, layout
         else:
             got["h"], kv_heads = _heads(draw, min(max_heads, left("h")), layouts, group_sizes)
     batch = draw(st.integers(1, min(max_batch, left())))
-    return Shape(batch, got["h"], kv_heads, got["nq"], got["nk"], got["d"])
+    return Shape(batch, got["h"], kv_heads, got["nq"], got["nk"], dims[0], head_dim_v=dims[1])
 
 
 def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_dim: int = 128,
            head_dims=None, gqa: bool = True, max_work: int = DEFAULT_MAX_WORK, typical_seq=None,
            seq_multiple: int = 1, seq_min: int = 1, equal_seq: bool = False, head_layouts=None,
-           group_sizes=None):
+           group_sizes=None, head_dims_v=None):
     """Strategy for `Shape` with every bound respected by construction.
 
     max_batch, max_heads, max_seq, max_head_dim: upper bounds of B, H (query heads), Nq and Nk,
@@ -250,6 +270,10 @@ def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_d
     equal_seq: Nq == Nk always.
     head_layouts: the layouts drawn, a subset of ("mha", "mqa", "gqa") (None: by `gqa`).
     group_sizes: if given, H/Hkv is drawn from these values only (1: MHA).
+    head_dims_v: v's head dim D_v. None: D_v = D always; "any" (ANY_HEAD_DIM_V): in about one shape
+        in three D_v is drawn independently of D (as D is, up to max_head_dim); a sequence of
+        (D, D_v) pairs: as often one of those pairs, where max_work allows (what a
+        kernel instantiated for, e.g., (192, 128) runs). Shrinks towards D_v = D.
     """
     max_batch = check_int("max_batch", max_batch)
     max_heads = check_int("max_heads", max_heads)
@@ -292,4 +316,19 @@ def shapes(max_batch: int = 2, max_heads: int = 4, max_seq: int = 64, max_head_d
             f"with Nq, Nk <= max_seq={max_seq!r}, H <= max_heads={max_heads!r} and B*H*Nq*Nk*D <= "
             f"max_work={max_work!r}; raise max_seq or max_work")
     return _shapes(max_batch, max_heads, max_seq, max_head_dim, head_dims, layouts, max_work, typical_seq,
-                   grid, check_bool("equal_seq", equal_seq), group_sizes)
+                   grid, check_bool("equal_seq", equal_seq), group_sizes, _checked_head_dims_v(head_dims_v))
+
+
+def _checked_head_dims_v(head_dims_v):
+    """None, ANY_HEAD_DIM_V, or a non-empty tuple of (D, D_v) pairs of integers >= 1."""
+    if head_dims_v is None or head_dims_v == ANY_HEAD_DIM_V:
+        return head_dims_v
+    try:
+        pairs = tuple((check_int("head_dims_v[...][0]", d), check_int("head_dims_v[...][1]", dv))
+                      for d, dv in head_dims_v)
+    except (TypeError, ValueError):
+        pairs = ()
+    if not pairs:
+        raise InvalidArgumentError(
+            f"head_dims_v={head_dims_v!r} must be None, {ANY_HEAD_DIM_V!r} or (D, D_v) pairs, e.g. ((192, 128),)")
+    return pairs

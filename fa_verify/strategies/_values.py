@@ -81,14 +81,14 @@ def _signs(rng, size) -> np.ndarray:
 def normal(rng, shape, dtype, scale):
     """q, k, v i.i.d. N(0, 1)."""
     return (rng.standard_normal(shape.q_shape), rng.standard_normal(shape.kv_shape),
-            rng.standard_normal(shape.kv_shape))
+            rng.standard_normal(shape.v_shape))
 
 
 @_distribution("uniform")
 def uniform(rng, shape, dtype, scale):
     """q, k, v i.i.d. U(-1, 1)."""
     return (rng.uniform(-1.0, 1.0, shape.q_shape), rng.uniform(-1.0, 1.0, shape.kv_shape),
-            rng.uniform(-1.0, 1.0, shape.kv_shape))
+            rng.uniform(-1.0, 1.0, shape.v_shape))
 
 
 def fa3_outlier_values(rng, size) -> np.ndarray:
@@ -106,7 +106,7 @@ def fa3_outlier_values(rng, size) -> np.ndarray:
 def fa3_outliers(rng, shape, dtype, scale):
     """q, k, v i.i.d. N(0,1) + N(0,100)·Bernoulli(0.001), 100 read as the variance (std 10)."""
     return (fa3_outlier_values(rng, shape.q_shape), fa3_outlier_values(rng, shape.kv_shape),
-            fa3_outlier_values(rng, shape.kv_shape))
+            fa3_outlier_values(rng, shape.v_shape))
 
 
 @_distribution("large_logits")
@@ -120,7 +120,7 @@ def large_logits(rng, shape, dtype, scale):
     """
     lo, hi = LARGE_LOGIT_RANGE
     target = math.exp(rng.uniform(math.log(lo), math.log(hi)))
-    v = rng.standard_normal(shape.kv_shape)
+    v = rng.standard_normal(shape.v_shape)
     for _ in range(8):
         q = rng.standard_normal(shape.q_shape)
         k = rng.standard_normal(shape.kv_shape)
@@ -151,7 +151,7 @@ def ties(rng, shape, dtype, scale):
     m = int(rng.integers(1, max(1, shape.nk // 2) + 1))
     which = rng.integers(0, m, (shape.batch, shape.kv_heads, shape.nk))
     k = np.take_along_axis(base, which[..., None], axis=2)
-    return q, k, rng.standard_normal(shape.kv_shape)
+    return q, k, rng.standard_normal(shape.v_shape)
 
 
 def _dominant_positions(rng, shape: Shape) -> np.ndarray:
@@ -200,7 +200,7 @@ def dominant_key(rng, shape, dtype, scale):
             break
         beta = np.where(short, beta * 2.0, beta)
     k[np.arange(B)[:, None], np.arange(Hkv)[None, :], star] = star_rows
-    return q, k, rng.standard_normal(shape.kv_shape)
+    return q, k, rng.standard_normal(shape.v_shape)
 
 
 @_distribution("constant_rows")
@@ -210,9 +210,9 @@ def constant_rows(rng, shape, dtype, scale):
     mode = int(rng.integers(0, 3))  # 0: v constant, 1: q = 0, 2: both
     q = rng.standard_normal(shape.q_shape)
     k = rng.standard_normal(shape.kv_shape)
-    v = rng.standard_normal(shape.kv_shape)
+    v = rng.standard_normal(shape.v_shape)
     if mode in (0, 2):
-        v = np.broadcast_to(v[:, :, :1, :], shape.kv_shape).copy()
+        v = np.broadcast_to(v[:, :, :1, :], shape.v_shape).copy()
     if mode in (1, 2):
         q = np.zeros(shape.q_shape)
     return q, k, v
@@ -233,7 +233,7 @@ def fp16_extremes(rng, shape, dtype, scale):
         return np.where(rng.random(size) < 0.3, _fp16_subnormals(rng, size),
                         rng.standard_normal(size))
 
-    size = shape.kv_shape
+    size = shape.v_shape
     pick = rng.random(size)
     large = _signs(rng, size) * FP16_MAX * (1.0 - rng.uniform(0.0, 2.0 ** -6, size))
     v = np.select([pick < 0.3, pick < 0.6], [large, _fp16_subnormals(rng, size)],
@@ -254,7 +254,7 @@ def tiny(rng, shape, dtype, scale):
         e = rng.uniform(-1.0, info.nmant + 1.0, size)
         return _signs(rng, size) * smallest * np.exp2(-e) * rng.uniform(1.0, 2.0, size)
 
-    return draw(shape.q_shape), draw(shape.kv_shape), draw(shape.kv_shape)
+    return draw(shape.q_shape), draw(shape.kv_shape), draw(shape.v_shape)
 
 
 #: name -> generator ``fn(rng, shape, dtype, scale=None) -> (q, k, v)`` (read-only).
