@@ -48,7 +48,7 @@ def test_tanh_and_exp_are_declared_after_a_preset_or_the_stage_dtypes():
 @pytest.mark.parametrize("spec, named", [
     ("flash,tanh=fast", "tanh='fast' is not an accuracy of tanh; use one of accurate, absolute, approx"),
     ("exp=absolute", "exp='absolute' is not an accuracy of exp; use one of accurate, approx"),
-    ("flash,tanh", "tanh=(accurate|absolute|approx) and exp=(accurate|approx), e.g. 'flash,tanh=approx'"),
+    ("flash,tanh", "tanh=(accurate|absolute|approx), exp=(accurate|approx) and p_offset=N"),
 ])
 def test_a_bad_accuracy_names_the_key_and_the_fix(spec, named):
     with pytest.raises(InvalidArgumentError, match=f"precision={spec!r}") as exc:
@@ -189,3 +189,12 @@ def test_the_backward_bound_and_ensemble_follow_the_declared_tanh():
                 assert np.all(np.abs(grads[tensor].reshape(exact.shape) - exact) <= bound.bound(tensor)), (tanh, name)
     assert found["approx"][0] > 100 * found["accurate"][0], found
     assert found["approx"][1] > 10 * found["accurate"][1], found
+
+
+@pytest.mark.parametrize("text", ["fp32-accumulate,inputs=fp16", "fa3-fp8,p=e5m2", "flash,tanh=approx,exp=approx"])
+def test_a_reproducer_keeps_every_declaration_of_the_precision(text):
+    """precision_spec (what a reproducer passes as --precision) round-trips input rounding, P's
+    offset and the transcendental functions' accuracy, not only the stages' dtypes."""
+    dtype = "e4m3" if text.startswith("fa3-fp8") else "fp32"
+    model = PrecisionModel.parse(text, dtype)
+    assert PrecisionModel.parse(precision_spec(model), dtype) == model

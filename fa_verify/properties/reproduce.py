@@ -103,8 +103,9 @@ def _reference(fn, name: str) -> tuple[str, str | None]:
 def precision_spec(model) -> str:
     """The `--precision` spec of a PrecisionModel (its input dtype is the problem's)."""
     spec = f"score={model.score_accumulation},p={model.p_rounding},pv={model.pv_accumulation},out={model.output}"
-    return spec + "".join(f",{name}={value}" for name, value in (("tanh", model.tanh), ("exp", model.exp))
-                          if value != "accurate")
+    declared = (("tanh", model.tanh != "accurate" and model.tanh), ("exp", model.exp != "accurate" and model.exp),
+                ("inputs", model.input_rounding), ("p_offset", model.p_offset))
+    return spec + "".join(f",{name}={value}" for name, value in declared if value)
 
 
 def callable_options(backend, dtype: str) -> dict:
