@@ -76,9 +76,10 @@ def test_the_property_suite_runs_against_a_callable(pytester):
                                            "-p", "no:cacheprovider")
     # not applicable: races and address_sanitizer (no CUDA kernel) and the variant properties, the
     # tests of varlen / paged batches (properties/test_varlen_paged.py) and of the backward
-    # (properties/test_backward.py): the callable runs dense problems
+    # (properties/test_backward.py) and of FP8 problems (properties/test_fp8.py): the callable runs
+    # dense problems
     other_kinds = sum(len(re.findall(r"^def test_", (ROOT / "properties" / name).read_text(), re.MULTILINE))
-                      for name in ("test_varlen_paged.py", "test_backward.py"))
+                      for name in ("test_varlen_paged.py", "test_backward.py", "test_fp8.py"))
     assert other_kinds >= 8 + 12
     result.assert_outcomes(passed=16, skipped=7 + other_kinds)
 
