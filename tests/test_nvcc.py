@@ -96,7 +96,9 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
             assert 0 < e.registers <= 255
             assert e.static_smem == 0  # the kernels use dynamic shared memory only
             name, dtype, d = e.entry.rsplit("_", 2)
-            assert e.dynamic_smem == FAMILIES[name].shared_bytes(int(d[1:]), dtype)
+            head_dim, _, head_dim_v = d[1:].partition("v")  # d64, or d192v128 where D_v != D
+            assert e.dynamic_smem == FAMILIES[name].shared_bytes(int(head_dim), dtype,
+                                                                 int(head_dim_v) if head_dim_v else None)
             # fits every sm_80+ GPU (sm_86/89 allow 99 KiB per block)
             assert e.dynamic_smem + e.static_smem <= 99 * 1024
 
