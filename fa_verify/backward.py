@@ -25,7 +25,7 @@ import numpy as np
 from fa_verify.dtypes import numpy_dtype, round_to
 from fa_verify.errors import InvalidProblemError
 from fa_verify.outputs import Output
-from fa_verify.problem import AttentionProblem
+from fa_verify.problem import AttentionProblem, OnePart
 
 #: Where the out and lse a backward kernel is given come from.
 FROM_ORACLE = "the certified forward, rounded"
@@ -34,7 +34,7 @@ _ARRAYS = ("dout", "out", "lse", "dlse")
 
 
 @dataclass(frozen=True, eq=False)
-class BackwardProblem:
+class BackwardProblem(OnePart):
     """A forward problem and its upstream gradient. Build it with `BackwardProblem.of`."""
 
     forward: AttentionProblem
@@ -112,20 +112,9 @@ class BackwardProblem:
                  Output("dv", f.v.shape, "[B,Hkv,Nk,D]", precision.output))
         return grads + ((Output("dsinks", (f.heads,), "[H]", "fp32"),) if f.sinks is not None else ())
 
-    def parts(self) -> tuple:
-        return (self,)
-
     def split(self, *result) -> list:
+        """[the gradients]: a backward's result is a tuple of them, not (out, lse)."""
         return [result]
-
-    def join(self, per_part) -> tuple:
-        return tuple(per_part[0])
-
-    def map_parts(self, change) -> "BackwardProblem":
-        return change(self)
-
-    def part_label(self, index: int) -> str:
-        return ""
 
     def input_arrays(self) -> dict:
         arrays = {**self.forward.input_arrays(), "out": self.out, "lse": self.lse, "dout": self.dout}

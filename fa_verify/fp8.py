@@ -30,14 +30,14 @@ import numpy as np
 from fa_verify.dtypes import DTYPE_NAMES, FP8_DTYPES, dtype_name, numpy_dtype, round_to
 from fa_verify.errors import InvalidArgumentError, InvalidProblemError
 from fa_verify.outputs import attention_outputs
-from fa_verify.problem import AttentionProblem, FINITE_ATTENTION
+from fa_verify.problem import FINITE_ATTENTION, AttentionProblem, OnePart
 
 #: The descales, by the callable protocol's (FlashAttention-3's) keyword names.
 DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
 @dataclass(frozen=True, eq=False)
-class FP8Problem:
+class FP8Problem(OnePart):
     """One FP8 forward-attention problem (see the module's doc for the exact convention)."""
 
     q: np.ndarray
@@ -113,21 +113,6 @@ class FP8Problem:
     def outputs(self, precision) -> tuple:
         """out in the problem's output dtype, and the LSE (optional)."""
         return attention_outputs(self, precision.replace(output=self.output_dtype))
-
-    def parts(self) -> tuple:
-        return (self,)
-
-    def split(self, out, lse=None) -> list:
-        return [(out, lse)]
-
-    def join(self, per_part) -> tuple:
-        return tuple(per_part[0])
-
-    def map_parts(self, change) -> "FP8Problem":
-        return change(self)
-
-    def part_label(self, index: int) -> str:
-        return ""
 
     def input_arrays(self) -> dict:
         """q, k, v and the descales: a callable is given the descales by these names."""

@@ -48,8 +48,32 @@ FINITE_ATTENTION = "attention of finite inputs is finite"
 _VARIANT_ARRAYS = ("alibi_slopes", "sinks")
 
 
+class OnePart:
+    """The kind protocol's part methods for a problem judged as one part (dense, FP8, backward;
+    a ragged batch has a part per sequence)."""
+
+    def parts(self) -> tuple:
+        """The problems judged one by one: this one."""
+        return (self,)
+
+    def split(self, out, lse=None) -> list:
+        """Per part (out, lse): [(out, lse)]."""
+        return [(out, lse)]
+
+    def join(self, per_part) -> tuple:
+        """(out, lse) from `split`'s pairs."""
+        return tuple(per_part[0])
+
+    def map_parts(self, change):
+        """The problem with `change` applied to each part."""
+        return change(self)
+
+    def part_label(self, index: int) -> str:
+        return ""
+
+
 @dataclass(frozen=True, eq=False)
-class AttentionProblem:
+class AttentionProblem(OnePart):
     """One forward-attention problem. Construct it with arrays already of the problem dtype."""
 
     q: np.ndarray
@@ -287,25 +311,6 @@ class AttentionProblem:
     @property
     def lse_shape(self) -> tuple:
         return self.q.shape[:3]
-
-    def parts(self) -> tuple:
-        """The dense problems judged one by one: a dense problem is one part."""
-        return (self,)
-
-    def split(self, out, lse=None) -> list:
-        """Per part (out, lse): [(out, lse)]."""
-        return [(out, lse)]
-
-    def join(self, per_part) -> tuple:
-        """(out, lse) from `split`'s pairs."""
-        return tuple(per_part[0])
-
-    def map_parts(self, change) -> "AttentionProblem":
-        """The problem with `change` applied to each part."""
-        return change(self)
-
-    def part_label(self, index: int) -> str:
-        return ""
 
     def input_arrays(self) -> dict:
         """The arrays a target is given, which must come back unchanged."""
