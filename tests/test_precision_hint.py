@@ -92,3 +92,36 @@ def test_a_cheap_softcap_tanh_is_told_the_tanh_declaration_first():
         "precision: its failing example passes under --precision flash,tanh=absolute (tanh with an absolute error")
     declared = CallableBackend(softcap_attention, precision="flash,tanh=absolute")
     assert search_property(declared, "softcap_limit", fp32).passed
+
+
+def test_looser_presets_keep_what_the_target_declares_of_its_implementation():
+    """A target declaring its tanh, exp and input rounding is tried under each looser preset with
+    those kept (they say how it computes, not how precise its stages are), and the hint names the
+    whole spelling; a preset already declared is not tried again."""
+    from types import SimpleNamespace
+
+    from fa_verify.properties.precision_hint import passes_under
+    from fa_verify.problem import AttentionProblem
+    import numpy as np
+
+    tried = []
+
+    def prop(backend, problem, seed):
+        model = backend.precision(problem.dtype)
+        tried.append((model.score_accumulation, model.tanh, model.exp, model.input_rounding))
+        return SimpleNamespace(applicable=True, failed=model.score_accumulation == "fp32", informative=True)
+
+    q = np.zeros((1, 1, 2, 8), np.float16)
+    problem = AttentionProblem(q, q, q)
+    failing = SimpleNamespace(worst_ratio=3.0)
+    declared = CallableBackend(scores_in_input_dtype, precision="flash,tanh=approx,exp=approx,inputs=fp16")
+    assert passes_under(declared, prop, problem, 0, failing) == (
+        "input-scores,tanh=approx,exp=approx,inputs=fp16", "same-precision,tanh=approx,exp=approx,inputs=fp16")
+    assert tried == [("fp16", "approx", "approx", "fp16")] * 2
+    tried.clear()
+    already = CallableBackend(scores_in_input_dtype, precision="input-scores,inputs=fp16")
+    assert passes_under(already, prop, problem, 0, failing) == ("same-precision,inputs=fp16",)
+    assert tried == [("fp16", "accurate", "accurate", "fp16")]
+    hint = run_precision_hint([_failed("a", ("input-scores,tanh=approx",))])
+    assert "--precision input-scores,tanh=approx (q·k and the softmax in the input dtype, P·V accumulated in fp32, " \
+           "with the declared tanh=approx)" in hint

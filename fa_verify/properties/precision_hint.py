@@ -7,7 +7,9 @@ looser legitimate models, from the least to the most lenient, and the first that
 named with the exact option that declares it; if none passes, the failure is not a matter of
 declared precision. A target that implements softcap and declares an accurate tanh is first
 tried with its declaration plus a cheaper tanh (`PrecisionModel.tanh`: tanh=absolute, then
-tanh=approx), the most specific fix for a softcap computed the cheap or the hardware way.
+tanh=approx), the most specific fix for a softcap computed the cheap or the hardware way. What a
+target declares of its implementation beside the preset (tanh, exp, inputs rounded inside) is
+kept in every looser model tried: those describe the kernel, not the precision of its stages.
 """
 
 from __future__ import annotations
@@ -32,8 +34,23 @@ def _tanh_candidates(backend: Backend, current: PrecisionModel) -> list:
     return [f"{declared},{key}" for key in TANH_DECLARATIONS]
 
 
+#: PrecisionModel fields that describe how a kernel computes, not a preset: spec key -> field.
+KEPT_DECLARATIONS = {"tanh": "tanh", "exp": "exp", "inputs": "input_rounding"}
+
+
+def _kept(current: PrecisionModel) -> str:
+    """The declared keys a looser preset keeps, as a spec suffix (',tanh=approx,inputs=fp16')."""
+    defaults = {"tanh": "accurate", "exp": "accurate", "input_rounding": None}
+    return "".join(f",{key}={getattr(current, field)}" for key, field in KEPT_DECLARATIONS.items()
+                   if getattr(current, field) != defaults[field])
+
+
 def _in_words(candidate: str) -> str:
-    return LOOSER_PRESETS.get(candidate) or TANH_DECLARATIONS[candidate.rsplit(",", 1)[-1]]
+    preset = candidate.split(",", 1)[0]
+    if preset in LOOSER_PRESETS:
+        kept = candidate[len(preset) + 1:]
+        return LOOSER_PRESETS[preset] + (f", with the declared {kept}" if kept else "")
+    return TANH_DECLARATIONS[candidate.rsplit(",", 1)[-1]]
 
 
 class _JudgedUnder(Backend):
@@ -64,7 +81,7 @@ def passes_under(backend: Backend, prop, problem, seed: int, result) -> tuple | 
     if not backend.declared_precision:
         return None
     current = backend.precision(problem.dtype)
-    presets = list(LOOSER_PRESETS)
+    presets = [preset + _kept(current) for preset in LOOSER_PRESETS]
     tighter = [p for p in presets
                if backend.judged_under.precision(PrecisionModel.parse(p, problem.dtype)) == current]
     tried = _tanh_candidates(backend, current) + (presets[presets.index(tighter[0]) + 1:] if tighter else presets)
