@@ -144,10 +144,33 @@ def test_a_kernel_rounding_its_inputs_is_judged_with_the_input_term(capsys, tmp_
 
 
 @pytest.mark.parametrize("stem", ["fa1_global_stats", "struct_args", "template_seq", "split_combine",
-                                  "causal_only", "fp16_inputs"])
+                                  "causal_only", "fp16_inputs", "latent_dims"])
 def test_style_specs_stay_short(stem):
     """Lines of spec (keys and tables, no comments or blanks) each style needs: docs/targets.md lists them."""
     lines = [line for line in (KERNELS / f"{stem}.toml").read_text().splitlines()
              if line.strip() and not line.lstrip().startswith("#")]
     tomllib.loads("\n".join(lines))
     assert len(lines) <= 20, len(lines)
+
+
+def test_a_kernel_with_its_own_value_head_dim_is_told_dv(capsys, tmp_path):
+    """latent_dims.cu takes D and D_v as template arguments ({D}, {Dv}); with head-dims-v declared,
+    problems with D_v != D are drawn and pass, and the same kernel told D for D_v fails on them."""
+    backend = SpecKernelBackend(KERNELS / "latent_dims.cu", KERNELS / "latent_dims.toml")
+    assert set(backend.spec.instantiations()) == {"latent_attention<64, 64>", "latent_attention<64, 32>"}
+    q, k = (np.random.default_rng(1).standard_normal((1, 2, n, 64)).astype(np.float16) for n in (5, 9))
+    v = np.random.default_rng(2).standard_normal((1, 2, 9, 32)).astype(np.float16)
+    out, lse = backend.run(AttentionProblem(q, k, v, causal=True))
+    assert out.shape == (1, 2, 5, 32)
+    assert check_attention(out, AttentionProblem(q, k, v, causal=True), precision=backend.precision("fp16"),
+                           lse=lse).passed
+    options = ("--property", "oracle_agreement", "--max-examples", "6")
+    code, out = _check(capsys, tmp_path, "latent_dims", *options)
+    assert code == 0 and "PASS oracle_agreement" in out, out
+    spec = _changed(tmp_path, "latent_dims", "<{D}, {Dv}>", "<{D}, {D if Dv == D else 48}>")  # D_v told wrong
+    code, out = _check(capsys, tmp_path, "latent_dims", *options, spec=spec)
+    assert code == 1 and "FAIL oracle_agreement" in out and " Dv=32 " in out, out
+    # declared, but nothing passes D_v to the kernel: refused, naming the fix
+    spec = _changed(tmp_path, "latent_dims", "<{D}, {Dv}>", "<{D}, {D}>")
+    code, out = _check(capsys, tmp_path, "latent_dims", *options, spec=spec)
+    assert code == 2 and "no parameter or entry reads Dv" in out, out

@@ -163,13 +163,13 @@ class SpecKernelBackend(Backend):
         """What the spec does for `problem`: its scratch buffers, filled, and each launch's entry, grid,
         block, shared memory and arguments; the outputs' shapes."""
         spec = self.spec
-        B, H, Nq, D = problem.out_shape
-        values = spec.names((B, H, problem.kv_heads, Nq, problem.nk, D), problem.dtype, causal=problem.causal,
-                            scale=problem.scale_value)
+        B, H, Nq, Dv = problem.out_shape
+        values = spec.names((B, H, problem.kv_heads, Nq, problem.nk, problem.head_dim), problem.dtype,
+                            causal=problem.causal, scale=problem.scale_value, head_dim_v=Dv)
         return SpecPlan(
             launches=[self._planned(launch, values, problem.dtype) for launch in spec.launch],
             scratch={name: s.allocate(values, f"{spec.origin}: scratch.{name}") for name, s in spec.scratch.items()},
-            o_shape=(B, Nq, H, D) if spec.layout == "bshd" else (B, H, Nq, D),
+            o_shape=(B, Nq, H, Dv) if spec.layout == "bshd" else (B, H, Nq, Dv),
             o_dtype=numpy_dtype(self.precision(problem.dtype).output),
             lse_shape=(B, H, Nq) if spec.has_lse else None)
 

@@ -49,7 +49,7 @@ from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.kernels import expressions
 from fa_verify.kernels.abi import StructLayout
-from fa_verify.limits import Limits, parse_limits
+from fa_verify.limits import ANY_HEAD_DIM_V, Limits, parse_limits
 from fa_verify.precision import PrecisionModel
 
 #: The buffers a kernel may take, and their shapes' names.
@@ -59,9 +59,10 @@ NULL = "null"
 LAYOUTS = ("bhsd", "bshd")
 #: The C element type of each dtype, for {T} in `entry`.
 C_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}
-#: Names spec expressions may use (strides are in elements, of the layout's contiguous tensors).
+#: Names spec expressions may use (strides are in elements, of the layout's contiguous tensors;
+#: Dv is v's and the output's head dim, D unless the limits declare head-dims-v).
 NAMES = (
-    "B", "H", "Hkv", "Nq", "Nk", "D", "scale", "causal", "causal_offset", "group", "itemsize",
+    "B", "H", "Hkv", "Nq", "Nk", "D", "Dv", "scale", "causal", "causal_offset", "group", "itemsize",
     *(f"{t}_stride_{axis}" for t in ("q", "k", "v", "o") for axis in ("b", "h", "n")),
     "lse_stride_b", "lse_stride_h",
 )  # fmt: skip
@@ -305,14 +306,17 @@ class KernelSpec:
 
     def instantiations(self) -> dict:
         """{entry: its Launch} of the entries known before any problem is drawn: those whose
-        placeholders read only the head dim, for every dtype and head dim the limits allow (built
-        together, once). An entry over another dimension is instantiated per drawn value
-        (`Launch.entry_for`)."""
-        found = {}
+        placeholders read only the head dims, for every dtype and (D, Dv) the limits allow (built
+        together, once). An entry over another dimension, or over Dv drawn freely
+        (head-dims-v = "any"), is instantiated per drawn value (`Launch.entry_for`)."""
+        limits, found = self.limits, {}
+        dims = [(d, dv) for d in limits.head_dims or (0,)
+                for dv in dict.fromkeys((d, *(limits.head_dims_v if isinstance(limits.head_dims_v, tuple) else ())))]
         for launch in self.launch:
-            if launch.entry_names() <= {"D"}:
-                dims = self.limits.head_dims if "D" in launch.entry_names() else (0,)
-                found.update({launch.entry_for({"D": d}, dtype): launch for dtype in self.limits.dtypes for d in dims})
+            if launch.entry_names() <= {"D", "Dv"} and not ("Dv" in launch.entry_names()
+                                                           and limits.head_dims_v == ANY_HEAD_DIM_V):
+                found.update({launch.entry_for({"D": d, "Dv": dv}, dtype): launch
+                              for dtype in limits.dtypes for d, dv in dims})
         return found
 
     def signature(self, launch: Launch) -> list:
@@ -329,16 +333,19 @@ class KernelSpec:
                 kinds.append("float" if isinstance(value, float) else "int")
         return kinds
 
-    def names(self, shape, dtype: str, causal: bool = False, scale: float | None = None) -> dict:
-        """The values of NAMES for a problem of `shape` (B, H, Hkv, Nq, Nk, D) and `dtype`."""
+    def names(self, shape, dtype: str, causal: bool = False, scale: float | None = None,
+              head_dim_v: int | None = None) -> dict:
+        """The values of NAMES for a problem of `shape` (B, H, Hkv, Nq, Nk, D), v's head dim
+        `head_dim_v` (default D) and `dtype`."""
         B, H, Hkv, Nq, Nk, D = shape
-        values = {"B": B, "H": H, "Hkv": Hkv, "Nq": Nq, "Nk": Nk, "D": D,
+        Dv = D if head_dim_v is None else head_dim_v
+        values = {"B": B, "H": H, "Hkv": Hkv, "Nq": Nq, "Nk": Nk, "D": D, "Dv": Dv,
                   "scale": 1.0 / math.sqrt(D) if scale is None else float(scale), "causal": int(bool(causal)),
                   "causal_offset": Nk - Nq if causal and self.causal_alignment == "bottom-right" else 0,
                   "group": H // Hkv, "itemsize": 4 if dtype == "fp32" else 2,
                   "lse_stride_b": H * Nq, "lse_stride_h": Nq}
-        for tensor, heads, n in (("q", H, Nq), ("k", Hkv, Nk), ("v", Hkv, Nk), ("o", H, Nq)):
-            strides = (heads * n * D, n * D, D) if self.layout == "bhsd" else (n * heads * D, D, heads * D)
+        for tensor, heads, n, d in (("q", H, Nq, D), ("k", Hkv, Nk, D), ("v", Hkv, Nk, Dv), ("o", H, Nq, Dv)):
+            strides = (heads * n * d, n * d, d) if self.layout == "bhsd" else (n * heads * d, d, heads * d)
             values.update({f"{tensor}_stride_{axis}": s for axis, s in zip("bhn", strides)})
         return values
 
@@ -495,9 +502,11 @@ class KernelSpec:
         if any("D" in launch.entry_names() for launch in self.launch) and limits.head_dims is None:
             raise InvalidArgumentError(f"{where}: entry uses {{D}} but limits.head-dims is missing; declare the "
                                        "head dims it is instantiated for, e.g. head-dims = [64, 128]")
-        if limits.head_dims_v is not None:  # the expressions and instantiations name one D
-            raise InvalidArgumentError(f"{where}: limits.head-dims-v is not supported in a kernel spec yet (its "
-                                       "expressions and {D} name one head dim for q, k and v); drop it")
+        if limits.head_dims_v is not None and not self.uses("Dv", "v_stride_b", "v_stride_h", "v_stride_n",
+                                                            "o_stride_b", "o_stride_h", "o_stride_n"):
+            raise InvalidArgumentError(f"{where}: limits.head-dims-v declares D_v != D but no parameter or entry "
+                                       "reads Dv (or v's or o's strides), so the kernel cannot be told it: pass Dv "
+                                       "(e.g. entry = 'attention<{T}, {D}, {Dv}>'), or drop head-dims-v")
         if not self.has_lse:
             limits = replace(limits, lse=False) if limits.lse is None else limits
             if limits.lse:
