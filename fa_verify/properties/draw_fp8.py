@@ -86,23 +86,34 @@ def _page_sizes(backend) -> tuple:
     return tuple(backend.page_sizes) if backend.page_sizes else PAGED_FP8_PAGE_SIZES
 
 
+def _fitted(problem: RaggedProblem, backend) -> RaggedProblem:
+    """The batch with q_descale 1 where only that keeps it within what `backend` runs (a function
+    that takes no q_descale: `ragged_callable`); else as it is."""
+    if backend.supports(problem) is None:
+        return problem
+    unit = problem.with_scales(q_descale=np.ones(1, np.float32))
+    return unit if backend.supports(unit) is None else problem
+
+
 def paged_fp8_strategy(prop, backend, selection):
     formats = _formats(backend, selection)
     if not formats:
         return f"{backend.name} runs none of the FP8 formats {', '.join(FP8_DTYPES)} the selection allows"
     wanted = {"any": (False, True), "causal": (True,), "non-causal": (False,)}[prop.masking]
-    probe = lambda c: make_paged_fp8_problem((3,), 2, formats[0], 0, page_size=_page_sizes(backend)[0], causal=c)  # noqa: E731
+    probe = lambda c: _fitted(make_paged_fp8_problem((3,), 2, formats[0], 0, page_size=_page_sizes(backend)[0],  # noqa: E731
+                                                     causal=c), backend)
     causal = [c for c in wanted if c in selection.causal and backend.supports(probe(c)) is None]
     if not causal:
         return f"needs {prop.masking} problems, which the selection (--causal) or {backend.name} excludes"
-    return paged_fp8_problems(tuple(formats), tuple(causal), backend.page_sizes, backend.splits).filter(
-        lambda p: backend.supports(p) is None)
+    return paged_fp8_problems(tuple(formats), tuple(causal), backend.page_sizes, backend.splits).map(
+        lambda p: _fitted(p, backend)).filter(lambda p: backend.supports(p) is None)
 
 
 def paged_edge_problems(prop, backend, selection) -> tuple[list, tuple]:
     formats = _formats(backend, selection)
-    found = [make_paged_fp8_problem(lengths, nq, formats[i % len(formats)], i, heads=heads,
-                                    page_size=_page_sizes(backend)[i % len(_page_sizes(backend))], **options)
+    found = [_fitted(make_paged_fp8_problem(lengths, nq, formats[i % len(formats)], i, heads=heads,
+                                            page_size=_page_sizes(backend)[i % len(_page_sizes(backend))], **options),
+                     backend)
              for i, (lengths, nq, heads, options) in enumerate(PAGED_EDGE_CASES)] if formats else []
     kept = [p for p in found if backend.supports(p) is None]
     notes = ((f"{len(found) - len(kept)} paged FP8 edge cases outside what {backend.name} runs",)
