@@ -399,7 +399,8 @@ def test_registry():
     row = table[names.index("naive-same-precision")]
     assert set(row) == {"name", "available", "reason", "kinds", "layout", "dtypes", "precision", "features", "splits",
                         "notes"}
-    assert row["kinds"] == ["dense"] and table[names.index("split-kv-cpu")]["kinds"] == ["paged"]
+    assert row["kinds"] == ["dense"] and table[names.index("split-kv-cpu")]["kinds"] == ["paged", "paged-fp8"]
+    assert table[names.index("split-kv-varlen-cpu")]["kinds"] == ["varlen"]
     fp8 = table[names.index("numpy-fa3-fp8")]
     assert fp8["kinds"] == ["fp8"] and fp8["precision"]["e4m3"] == PrecisionModel.fa3_fp8("e4m3").as_dict()
     paged_fp8 = table[names.index("numpy-paged-fp8")]

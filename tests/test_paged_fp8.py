@@ -3,7 +3,8 @@ problems, its scales ([1] or [B, Hkv]) sliced per sequence and checked under the
 protocol's names, its draws, the numpy reference and the callable protocol, and the suite
 killing a target that ignores k_scale / v_scale.
 
-The 20-seed campaign is slow (about a minute on 2 shared cores):
+The 20-seed campaigns are slow (the numpy reference about a minute on 2 shared cores, the
+split_kv.cu kernel and its mutant about two):
     PYTHONPATH=. python3 -m pytest -n 0 -m slow tests/test_paged_fp8.py -s
 """
 
@@ -16,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import seed as hypothesis_seed
 
+from fa_verify.backends.cuda_kernels import cpu_runner_availability
 from fa_verify.backends.numpy_fp8 import NumpyPagedFP8Backend
 from fa_verify.backends.ragged_callable import RaggedCallableBackend
 from fa_verify.dtypes import finfo, round_to
@@ -261,3 +263,20 @@ def test_ignoring_k_scale_and_v_scale_is_killed_on_20_seeds_with_no_false_positi
     assert table["honest"] == {}
     assert sorted(table["kv_scales_ignored"]) == list(range(20))
     assert all({"fp8_agreement", "kv_scale_sensitivity"} <= set(f) for f in table["kv_scales_ignored"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cpu_runner_availability().available, reason=cpu_runner_availability().reason)
+def test_split_kv_fp8_cache_passes_and_its_kv_scales_ignored_mutant_is_killed_on_20_seeds():
+    """kernels/split_kv.cu's FP8 KV cache entries on the CUDA-on-CPU runner, and the mutant of
+    kernels/mutants/mutants.toml that drops k_scale / v_scale there (about 2 minutes)."""
+    from fa_verify.judge.mutants import mutant_backend, unmutated_backend
+    from fa_verify.kernels.mutants import load_mutants
+
+    [mutant] = [m for m in load_mutants(families=["split_kv"]) if m.name == "split-kv-fp8-kv-scales-ignored"]
+    table = paged_campaign(range(20), examples=20,
+                           backends={"honest": unmutated_backend(mutant), "mutant": mutant_backend(mutant)})
+    print(table)
+    assert table["honest"] == {}
+    assert sorted(table["mutant"]) == list(range(20))
+    assert all({"fp8_agreement", "kv_scale_sensitivity"} <= set(f) for f in table["mutant"].values())

@@ -86,6 +86,11 @@ def _page_sizes(backend) -> tuple:
     return tuple(backend.page_sizes) if backend.page_sizes else PAGED_FP8_PAGE_SIZES
 
 
+def _head_dims(backend) -> tuple:
+    """The declared head dims (split_kv.cu: 64, 128), else small ones."""
+    return tuple(backend.limits.head_dims) if backend.limits.head_dims else (8, 16, 32)
+
+
 def _fitted(problem: RaggedProblem, backend) -> RaggedProblem:
     """The batch with q_descale 1 where only that keeps it within what `backend` runs (a function
     that takes no q_descale: `ragged_callable`); else as it is."""
@@ -101,18 +106,20 @@ def paged_fp8_strategy(prop, backend, selection):
         return f"{backend.name} runs none of the FP8 formats {', '.join(FP8_DTYPES)} the selection allows"
     wanted = {"any": (False, True), "causal": (True,), "non-causal": (False,)}[prop.masking]
     probe = lambda c: _fitted(make_paged_fp8_problem((3,), 2, formats[0], 0, page_size=_page_sizes(backend)[0],  # noqa: E731
-                                                     causal=c), backend)
+                                                     head_dim=_head_dims(backend)[0], causal=c), backend)
     causal = [c for c in wanted if c in selection.causal and backend.supports(probe(c)) is None]
     if not causal:
         return f"needs {prop.masking} problems, which the selection (--causal) or {backend.name} excludes"
-    return paged_fp8_problems(tuple(formats), tuple(causal), backend.page_sizes, backend.splits).map(
+    return paged_fp8_problems(tuple(formats), tuple(causal), backend.page_sizes, backend.splits,
+                              head_dims=_head_dims(backend)).map(
         lambda p: _fitted(p, backend)).filter(lambda p: backend.supports(p) is None)
 
 
 def paged_edge_problems(prop, backend, selection) -> tuple[list, tuple]:
     formats = _formats(backend, selection)
     found = [_fitted(make_paged_fp8_problem(lengths, nq, formats[i % len(formats)], i, heads=heads,
-                                            page_size=_page_sizes(backend)[i % len(_page_sizes(backend))], **options),
+                                            page_size=_page_sizes(backend)[i % len(_page_sizes(backend))],
+                                            head_dim=_head_dims(backend)[i % len(_head_dims(backend))], **options),
                      backend)
              for i, (lengths, nq, heads, options) in enumerate(PAGED_EDGE_CASES)] if formats else []
     kept = [p for p in found if backend.supports(p) is None]

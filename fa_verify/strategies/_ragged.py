@@ -228,12 +228,12 @@ def make_paged_fp8_problem(seqlens_k, nq: int, fmt: str, seed: int, *, heads: tu
 
 @st.composite
 def paged_fp8_problems(draw, formats=FP8_DTYPES, causal=(False, True), page_sizes: tuple | None = None,
-                       splits: bool = False, max_batch: int = 3, max_nq: int = 4):
-    """Paged batches of FP8 sequences in `formats` (see the module's doc); `page_sizes` and
-    `splits` as a target declares them (`ragged_problems`)."""
+                       splits: bool = False, max_batch: int = 3, max_nq: int = 4, head_dims: tuple = (8, 16, 32)):
+    """Paged batches of FP8 sequences in `formats` (see the module's doc); `page_sizes`, `splits`
+    and `head_dims` as a target declares them (`ragged_problems`)."""
     fmt = draw(st.sampled_from(formats))
     H, Hkv = draw(st.sampled_from([(2, 1), (4, 2), (2, 2), (1, 1)]))
-    head_dim = draw(st.sampled_from((8, 16, 32)))
+    head_dim = draw(st.sampled_from(tuple(head_dims)))
     batch = draw(st.integers(1, max_batch))
     page_size = draw(st.sampled_from(tuple(page_sizes) if page_sizes else PAGED_FP8_PAGE_SIZES))
     seqlens_k = [draw(st.sampled_from(PAGED_FP8_KEYS)) if _in_share(draw, PAGED_FP8_EDGE_SHARE)
