@@ -192,6 +192,23 @@ def test_split_kv_matches_the_oracle_per_sequence(name):
 
 
 @needs_cpu_runner
+@pytest.mark.parametrize("options", [dict(logit_spread=6.0), dict(offset_gap=7.3), dict(spread="saturating")],
+                         ids=["wide-logits", "p-offset", "saturating"])
+def test_the_fp8_cache_entries_compute_fa3s_fp8_model_bit_for_bit(options):
+    """One split of 32-key tiles is fp8_emulation's FP8 forward at block_n = 32 (the scale folded as
+    fl(fl(scale q_d) k_d), P 2^8 in e4m3 with subnormal P at wide logits, v's descale last): out
+    bit for bit, the LSE within a few fp32 ulps (its log and sums in another order)."""
+    from fa_verify.backends.numpy_fp8 import NumpyPagedFP8Backend
+
+    problem = make_paged_fp8_problem((257, 5, 64), 2, "e4m3", 1, heads=(4, 2), head_dim=64, page_size=16,
+                                     causal=True, num_splits=1, **options)
+    out, lse = SplitKvCpuBackend("paged").run(problem)
+    model_out, model_lse = NumpyPagedFP8Backend(block_n=BLOCK_N).run(problem.replace(num_splits=0))
+    assert np.array_equal(out.view(np.uint16), model_out.view(np.uint16))
+    assert np.abs(lse - model_lse).max() <= 4e-6
+
+
+@needs_cpu_runner
 def test_rows_that_see_no_key_get_zero_and_minus_inf():
     problem = case("varlen-masked-rows-split2")  # sequence 1: 6 rows, 3 keys: rows 0..2 see none
     out, lse = SplitKvCpuBackend("varlen").run(problem)
