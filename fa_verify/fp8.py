@@ -71,7 +71,7 @@ class FP8Problem(OnePart):
         object.__setattr__(self, "output_dtype", dtype_name(self.output_dtype))
         stored = self.stored  # validates shapes, causal, scale and finiteness as a dense problem does
         for name in DESCALES:
-            object.__setattr__(self, name, _checked_descale(name, getattr(self, name), stored))
+            object.__setattr__(self, name, checked_descale(name, getattr(self, name), stored.batch, stored.kv_heads))
 
     @classmethod
     def from_float(cls, q, k, v, dtype="e4m3", **kwargs) -> "FP8Problem":
@@ -153,9 +153,10 @@ def _format_name(dtype) -> str | None:
         return None
 
 
-def _checked_descale(name: str, x, stored: AttentionProblem) -> np.ndarray:
-    """`x` as float32 of shape [B, Hkv] or [1], finite and > 0."""
-    shapes = ((stored.batch, stored.kv_heads), (1,))
+def checked_descale(name: str, x, batch: int, kv_heads: int) -> np.ndarray:
+    """`x` as float32 of shape [B, Hkv] or [1], finite and > 0; errors name it `name` (a paged
+    batch's `k_scale` is checked under that name before it is sliced per sequence)."""
+    shapes = ((batch, kv_heads), (1,))
     try:
         values = np.asarray(x, dtype=np.float64)
     except (TypeError, ValueError):

@@ -18,6 +18,15 @@ Layouts (flash-attn 2's `flash_attn_varlen_func` and `flash_attn_with_kvcache`):
   and may hold anything; pages may be shared by sequences (their keys must then agree). Output
   [B, Nq, H, D], LSE [B, H, Nq].
 LSE: natural log, float32. Empty sequences (Nq_b or Nk_b = 0) are not supported.
+
+FP8 KV cache (the kind "paged-fp8"): the sequences of a paged batch may instead be FP8 problems
+(`fa_verify.fp8.FP8Problem` with B = 1: FlashAttention-3's convention, q, k_cache and v_cache
+stored in e4m3 or e5m2 and true value = stored x scale), each judged by the FP8 oracle, error
+model and ensemble as a dense FP8 problem is. The batch's scales are float32 of shape [1] (per
+tensor, as FP8 KV caches carry them) or [B, Hkv] (FlashAttention-3's descales), passed by the
+paged protocol's names `q_descale`, `k_scale`, `v_scale` (`PAGED_SCALES`); sequence b's
+descales are the [1] values or row b. Pages shared by sequences share stored values; with
+[B, Hkv] scales their true values may differ per sequence, as in a real cache.
 `num_splits` is the split-KV count asked of a kernel (0: the kernel's own choice).
 """
 
@@ -30,14 +39,19 @@ from functools import cached_property
 
 import numpy as np
 
-from fa_verify.dtypes import dtype_name, numpy_dtype
+from fa_verify.dtypes import FP8_DTYPES, dtype_name, numpy_dtype
 from fa_verify.errors import InvalidArgumentError, InvalidProblemError
+from fa_verify.fp8 import DESCALES, FP8Problem, checked_descale
 from fa_verify.outputs import attention_outputs
 from fa_verify.problem import FEATURES, FINITE_ATTENTION, AttentionProblem
 
 LAYOUTS = ("varlen", "paged")
 #: Options every sequence must share (alibi_slopes may differ: a [B, H] batch's rows).
 SHARED_OPTIONS = ("causal", "causal_alignment", "scale", "window_size", "softcap")
+#: The problem types a batch's sequences may be, by their kind (all of one type per batch).
+PART_TYPES = {"dense": AttentionProblem, "fp8": FP8Problem}
+#: The descales of FP8 sequences, by the paged protocol's keyword for the batch's array.
+PAGED_SCALES = dict(zip(DESCALES, ("q_descale", "k_scale", "v_scale")))
 
 
 
@@ -115,7 +129,7 @@ class PageLayout:
 class RaggedProblem:
     """B sequences of different lengths in one layout (see the module's doc)."""
 
-    #: the sequences, each an AttentionProblem with batch 1
+    #: the sequences, each an AttentionProblem (or, paged, each an FP8Problem) with batch 1
     sequences: tuple
     #: "varlen" or "paged"
     layout: str
@@ -132,14 +146,20 @@ class RaggedProblem:
         object.__setattr__(self, "sequences", sequences)
         if not sequences:
             raise InvalidProblemError("a ragged problem needs at least one sequence")
+        part_type = type(sequences[0]) if type(sequences[0]) in PART_TYPES.values() else AttentionProblem
         for b, seq in enumerate(sequences):
-            if not isinstance(seq, AttentionProblem) or seq.batch != 1:
+            if type(seq) is not part_type or seq.batch != 1:
                 raise InvalidProblemError(
-                    f"sequence {b} must be an AttentionProblem with batch 1, got "
-                    f"{seq.describe() if isinstance(seq, AttentionProblem) else type(seq).__name__}")
+                    f"sequence {b} must be an {part_type.__name__} with batch 1 (all sequences of one type: "
+                    f"{' or '.join(t.__name__ for t in PART_TYPES.values())}), got "
+                    f"{seq.describe() if isinstance(seq, tuple(PART_TYPES.values())) else type(seq).__name__}")
         _check_shared(sequences)
         if self.layout not in LAYOUTS:
             raise InvalidProblemError(f"layout={self.layout!r}; use one of {LAYOUTS}")
+        if part_type is FP8Problem and self.layout != "paged":
+            raise InvalidProblemError(
+                "FP8 sequences are supported in the paged layout (an FP8 KV cache, flash_attn_with_kvcache's "
+                "q_descale / k_scale / v_scale); pass layout='paged' with pages=PageLayout(...)")
         n = self.num_splits
         if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral) or n < 0:
             raise InvalidProblemError(f"num_splits={n!r} must be an integer >= 0 (0: the kernel's own choice)")
@@ -189,8 +209,11 @@ class RaggedProblem:
 
     @classmethod
     def from_paged(cls, q, k_cache, v_cache, block_table, cache_seqlens, alibi_slopes=None,
-                   num_splits: int = 0, tags: tuple = (), **options) -> "RaggedProblem":
-        """From flash_attn_with_kvcache's inputs (see from_varlen for `options`)."""
+                   num_splits: int = 0, tags: tuple = (), q_descale=None, k_scale=None, v_scale=None,
+                   **options) -> "RaggedProblem":
+        """From flash_attn_with_kvcache's inputs (see from_varlen for `options`). An FP8 cache
+        (q, k_cache, v_cache in e4m3 or e5m2) takes its scales, float32 [1] or [B, Hkv] (None: 1),
+        and FP8Problem's options (causal, causal_alignment, scale, output_dtype)."""
         q = _array("q", q, 4, "[B, Nq, H, D]")
         k_cache, v_cache = (_array(name, x, 4, "[num_blocks, page_size, Hkv, D]")
                             for name, x in (("k_cache", k_cache), ("v_cache", v_cache)))
@@ -211,11 +234,18 @@ class RaggedProblem:
         _check_nonempty(np.full(B, q.shape[1]), seqlens, "q's Nq / cache_seqlens")
         _check_pages(pages, seqlens)
         slopes = _per_sequence_slopes(alibi_slopes, B)
+        scales = _batch_scales(dtype_name(k_cache.dtype), B, k_cache.shape[2], q_descale=q_descale, k_scale=k_scale,
+                               v_scale=v_scale)
+        if scales and alibi_slopes is not None:
+            raise InvalidProblemError("alibi_slopes: FP8 sequences have no variants (FlashAttention-3's FP8 kernel)")
         sequences = []
         for b in range(B):
             page, slot = pages.key_slots(b, int(seqlens[b]))
-            sequences.append(AttentionProblem(_dense(q[b]), _dense(k_cache[page, slot]), _dense(v_cache[page, slot]),
-                                              alibi_slopes=slopes[b], **options))
+            q_b, k_b, v_b = _dense(q[b]), _dense(k_cache[page, slot]), _dense(v_cache[page, slot])
+            if scales:
+                sequences.append(FP8Problem(q_b, k_b, v_b, **sequence_scales(scales, b), **options))
+            else:
+                sequences.append(AttentionProblem(q_b, k_b, v_b, alibi_slopes=slopes[b], **options))
         return cls(tuple(sequences), "paged", pages=pages, num_splits=num_splits, tags=tags)
 
     # --- the layout's inputs ---------------------------------------------------------------
@@ -239,7 +269,33 @@ class RaggedProblem:
             fill_value = np.asarray(fill, dtype=np.float64).astype(dtype)
         k_cache, v_cache = (np.where(used[..., None, None], x, fill_value) for x in (k_cache, v_cache))
         return {"q": np.stack([_packed(s.q) for s in self.sequences]), "k_cache": k_cache, "v_cache": v_cache,
-                "block_table": self.pages.block_table.copy(), "cache_seqlens": np.asarray(self.seqlens_k, np.int32)}
+                "block_table": self.pages.block_table.copy(), "cache_seqlens": np.asarray(self.seqlens_k, np.int32),
+                **self.scales()}
+
+    def scales(self) -> dict:
+        """An FP8 batch's scales by the paged protocol's names (`PAGED_SCALES`), float32: [1] when
+        every sequence has the same per-tensor value, else [B, Hkv]; {} for other sequences."""
+        if self.first.kind != "fp8":
+            return {}
+        found = {}
+        for name, keyword in PAGED_SCALES.items():
+            per_sequence = [getattr(seq, name) for seq in self.sequences]
+            if all(x.shape == (1,) and x[0] == per_sequence[0][0] for x in per_sequence):
+                found[keyword] = per_sequence[0].copy()
+            else:
+                found[keyword] = np.concatenate([seq.descale(name) for seq in self.sequences]).astype(np.float32)
+        return found
+
+    def with_scales(self, **scales) -> "RaggedProblem":
+        """The batch with some of its scales (paged keywords: q_descale, k_scale, v_scale; [1] or
+        [B, Hkv]) replaced, sliced per sequence."""
+        unknown = set(scales) - set(PAGED_SCALES.values())
+        if self.first.kind != "fp8" or unknown:
+            raise InvalidArgumentError(f"with_scales takes {', '.join(PAGED_SCALES.values())} of an FP8 batch, got "
+                                       f"{', '.join(sorted(scales))} for a {self.kind} problem")
+        checked = {name: checked_descale(name, x, self.batch, self.kv_heads) for name, x in scales.items()}
+        return self.replace(sequences=tuple(seq.replace(**sequence_scales(checked, b))
+                                            for b, seq in enumerate(self.sequences)))
 
     def inputs(self) -> dict:
         """The layout's inputs (paged: unused cache slots hold `cache_fill`), the same arrays on
@@ -254,7 +310,7 @@ class RaggedProblem:
     def saved(self) -> tuple[dict, dict]:
         """(parameters, arrays) that `from_saved` rebuilds it from: each sequence's, the layout,
         split count and page table."""
-        parameters = {"layout": self.layout, "num_splits": self.num_splits,
+        parameters = {"layout": self.layout, "num_splits": self.num_splits, "part_kind": self.first.kind,
                       "tags": [list(t) for t in self.tags], "sequences": []}
         arrays = {}
         for b, seq in enumerate(self.sequences):
@@ -268,7 +324,8 @@ class RaggedProblem:
 
     @classmethod
     def from_saved(cls, parameters: dict, arrays) -> "RaggedProblem":
-        sequences = tuple(AttentionProblem.from_saved(seq, arrays, f"s{b}_")
+        part_type = PART_TYPES[parameters.get("part_kind", "dense")]
+        sequences = tuple(part_type.from_saved(seq, arrays, f"s{b}_")
                           for b, seq in enumerate(parameters["sequences"]))
         pages = (PageLayout(block_table=arrays["block_table"], **parameters["pages"])
                  if "pages" in parameters else None)
@@ -280,11 +337,13 @@ class RaggedProblem:
 
     @property
     def kind(self) -> str:
-        return self.layout
+        """The layout ("varlen", "paged"), or "paged-fp8" for a batch of FP8 sequences."""
+        return self.layout if self.first.kind == "dense" else f"{self.layout}-{self.first.kind}"
 
     def outputs(self, precision) -> tuple:
-        """What a run returns (`fa_verify.outputs`): out and the LSE (optional), in the layout's shapes."""
-        return attention_outputs(self, precision)
+        """What a run returns (`fa_verify.outputs`): out (in the sequences' output dtype) and the
+        LSE (optional), in the layout's shapes."""
+        return attention_outputs(self, precision.replace(output=self.first.outputs(precision)[0].dtype))
 
     @property
     def out_label(self) -> str:
@@ -419,7 +478,8 @@ class RaggedProblem:
         return len(self.sequences)
 
     @property
-    def first(self) -> AttentionProblem:
+    def first(self):
+        """Sequence 0 (an AttentionProblem, or an FP8Problem)."""
         return self.sequences[0]
 
     # What every sequence shares (checked at construction), read from the first.
@@ -484,8 +544,9 @@ class RaggedProblem:
 
     def describe(self) -> str:
         """One line: layout, lengths, pages, splits and the shared options."""
-        dense = self.first.describe()
+        dense = self.first.describe().split(" descales ")[0]  # an FP8 sequence's descales: the batch's below
         shared = dense[dense.index(" H="):].replace(f" Nq={self.first.nq} Nk={self.first.nk}", "")
+        shared += "".join(f" {name}{list(x.shape)}" for name, x in self.scales().items())
         lengths = f"seqlens_q={list(self.seqlens_q)} seqlens_k={list(self.seqlens_k)}"
         pages = (f" page_size={self.pages.page_size} num_blocks={self.pages.num_blocks}"
                  f" max_blocks={self.pages.max_blocks}" if self.pages else "")
@@ -500,8 +561,9 @@ def _check_shared(sequences) -> None:
             ("H", first.heads, seq.heads), ("Hkv", first.kv_heads, seq.kv_heads),
             ("D", first.head_dim, seq.head_dim), ("D_v", first.head_dim_v, seq.head_dim_v), ("dtype", first.dtype, seq.dtype))
             if a != c]
-        differs += [f"{name} {getattr(first, name)!r} vs {getattr(seq, name)!r}" for name in SHARED_OPTIONS
-                    if getattr(first, name) != getattr(seq, name)]
+        differs += [f"{name} {getattr(first, name)!r} vs {getattr(seq, name)!r}"
+                    for name in SHARED_OPTIONS + ("output_dtype",)
+                    if getattr(first, name, None) != getattr(seq, name, None)]
         if not _same_optional(first.sinks, seq.sinks):
             differs.append("sinks")
         if (first.alibi_slopes is None) != (seq.alibi_slopes is None):
@@ -510,6 +572,26 @@ def _check_shared(sequences) -> None:
             raise InvalidProblemError(
                 f"sequence {b} disagrees with sequence 0 on {', '.join(differs)}; the sequences of a "
                 "batch share H, Hkv, D, the dtype and the options (only ALiBi slopes may differ)")
+
+
+def _batch_scales(dtype: str, batch: int, kv_heads: int, **scales) -> dict:
+    """A paged cache's scales (`PAGED_SCALES`' keywords) checked under their own names, float32
+    [1] or [B, Hkv] (None: 1); {} for a cache that is not FP8 (which must be given none)."""
+    given = [name for name, x in scales.items() if x is not None]
+    if dtype not in FP8_DTYPES:
+        if given:
+            raise InvalidProblemError(
+                f"{given[0]} is for an FP8 cache (k_cache and v_cache in {' or '.join(FP8_DTYPES)}), but k_cache is "
+                f"{dtype}; leave it out, or store the cache in FP8")
+        return {}
+    return {name: checked_descale(name, np.ones(1, np.float32) if x is None else x, batch, kv_heads)
+            for name, x in scales.items()}
+
+
+def sequence_scales(scales: dict, b: int) -> dict:
+    """Sequence b's descales (FP8Problem's names) from the batch's scales (paged keywords)."""
+    return {name: scales[keyword] if scales[keyword].shape == (1,) else scales[keyword][b:b + 1]
+            for name, keyword in PAGED_SCALES.items() if keyword in scales}
 
 
 def _same_optional(a, b) -> bool:

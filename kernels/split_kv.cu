@@ -35,10 +35,23 @@
 //    o = sum_s w_s o_s / sum_s w_s, a sink adding e^(sink - M) to the sum (a split that saw no
 //    key weighs 0; a row no split saw gets o = 0 and lse = -inf, or the sink), o rounded to T into out [total_q, H, D] and lse into the layout's LSE:
 //    varlen [H, total_q], paged [B, H, Nq].
+// FP8 KV cache (paged only: split_kv_paged_<e4m3|e5m2>_d<D>), FlashAttention-3's FP8 convention:
+// q, k_cache, v_cache stored in FP8 with float32 descales q_descale, k_descale, v_descale, each
+// [B, Hkv] (the host broadcasts a per-tensor k_scale / v_scale [1]); true value = stored x
+// descale, q's read at the kv head of its group. The q.k descales fold into the softmax scale,
+// (scale qd) kd; P = exp(s - m) 2^8 is rounded once to e4m3 (P_OFFSET_LOG2 = 8) with the row sum
+// from fp32 P; a split's output is acc / l times v's descale, its pair (m, l 2^-8) so that the
+// LSE needs no compensation. The combine writes bf16. Other entries pass null descales (1) and
+// round P to T with no offset: their arithmetic is unchanged.
 // The host side (tile sizes, grids, shared memory, scratch, num_splits' heuristic) is
-// fa_verify/kernels/split_kv.py. Precision model: PrecisionModel.flash(dtype).
+// fa_verify/kernels/split_kv.py. Precision model: PrecisionModel.flash(dtype) (FP8: fa3_fp8).
 
 #include "fa_common.cuh"
+#include <cuda_fp8.h>
+
+FA_DEVICE float to_float(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
+FA_DEVICE float to_float(__nv_fp8_e5m2 x) { return static_cast<float>(x); }
+template <> FA_DEVICE __nv_fp8_e4m3 from_float<__nv_fp8_e4m3>(float x) { return __nv_fp8_e4m3(x); }
 
 #define SPLIT_KV_PARAMS(T)                                                                           \
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                       \
@@ -46,11 +59,13 @@
         const int* __restrict__ cu_seqlens_q, const int* __restrict__ seqlens_k,                     \
         const int* __restrict__ block_table, int B, int H, int Hkv, int max_seqlen_k, int max_blocks, \
         int page_size, int num_splits, float scale, int causal, int window_left, int window_right,   \
-        float softcap, const float* __restrict__ alibi_slopes, int alibi_batch_stride
+        float softcap, const float* __restrict__ alibi_slopes, int alibi_batch_stride,              \
+        const float* __restrict__ q_descale, const float* __restrict__ k_descale,                    \
+        const float* __restrict__ v_descale
 #define SPLIT_KV_ARGS                                                                                \
     q, k, v, o_partial, lse_partial, cu_seqlens_q, seqlens_k, block_table, B, H, Hkv, max_seqlen_k,  \
         max_blocks, page_size, num_splits, scale, causal, window_left, window_right, softcap,        \
-        alibi_slopes, alibi_batch_stride
+        alibi_slopes, alibi_batch_stride, q_descale, k_descale, v_descale
 
 #define SPLIT_KV_COMBINE_PARAMS(T)                                                                   \
     const float* __restrict__ o_partial, const float* __restrict__ lse_partial, T* __restrict__ o,   \
@@ -82,7 +97,8 @@ template <bool PAGED> FA_DEVICE size_t lse_index(int b, int h, int H, int q_star
     return PAGED ? (static_cast<size_t>(b) * H + h) * Nq + i : static_cast<size_t>(h) * total_q + q_start + i;
 }
 
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS, bool PAGED>
+// P is rounded to P_T after multiplying it by 2^P_OFFSET_LOG2 (FP8: e4m3 and 8; else T and 0).
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS, bool PAGED, typename P_T, int P_OFFSET_LOG2>
 __device__ void split_kv_partial(SPLIT_KV_PARAMS(T)) {
     static_assert(THREADS % 32 == 0 && THREADS >= BLOCK_M, "one softmax thread per query row");
     static_assert(THREADS % BLOCK_N == 0 && (BLOCK_M * BLOCK_N) % THREADS == 0, "S tile split");
@@ -113,6 +129,11 @@ __device__ void split_kv_partial(SPLIT_KV_PARAMS(T)) {
     const int offset = Nk - Nq;                        // bottom-right diagonal of the sequence
     const int right = causal ? 0 : window_right;
     const float slope = alibi_slopes ? alibi_slopes[b * alibi_batch_stride + h] : 0.0f;
+    // FP8: the q.k descales folded into the softmax scale, v's applied to the split's output
+    const size_t group = static_cast<size_t>(b) * Hkv + kv_h;
+    const float qk_scale = q_descale ? (scale * q_descale[group]) * k_descale[group] : scale;
+    const float v_scale = v_descale ? v_descale[group] : 1.0f;
+    constexpr float P_OFFSET = static_cast<float>(1 << P_OFFSET_LOG2);
 
     // This split's keys: the same tile range in every sequence, cut at the sequence's own end.
     const int tiles_per_split = ((max_seqlen_k + BLOCK_N - 1) / BLOCK_N + num_splits - 1) / num_splits;
@@ -162,7 +183,7 @@ __device__ void split_kv_partial(SPLIT_KV_PARAMS(T)) {
                     const bool allowed = key < n_end && window_key_lo(diag, window_left) <= key &&
                                          key < window_key_hi(diag, right, Nk);
                     // flash-attn 2's order: scale, then the soft cap, then the ALiBi bias.
-                    float x = s[i] * scale;
+                    float x = s[i] * qk_scale;
                     if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
                     x -= slope * fabsf(static_cast<float>(diag - key));
                     Ss[r * LDS + j] = allowed ? x : -INFINITY;
@@ -178,9 +199,9 @@ __device__ void split_kv_partial(SPLIT_KV_PARAMS(T)) {
                 const float m_new = fmaxf(m_i, m_tile);
                 const float shift = fa_softmax_shift(m_new);
                 const float alpha = expf(m_i - shift);
-                const float p_sum =
-                    fa_exp_row<BLOCK_N>(s_row, shift, [&](int j, float p) { s_row[j] = round_through<T>(p); });
-                l_i = alpha * l_i + p_sum;
+                const float p_sum = fa_exp_row<BLOCK_N>(
+                    s_row, shift, [&](int j, float p) { s_row[j] = round_through<P_T>(p * P_OFFSET); });
+                l_i = alpha * l_i + p_sum * P_OFFSET;
                 m_i = m_new;
                 row_alpha[tid] = alpha;
             }
@@ -209,7 +230,7 @@ __device__ void split_kv_partial(SPLIT_KV_PARAMS(T)) {
             if (q0 + tid < Nq) {
                 const size_t at = (static_cast<size_t>(split) * H + h) * total_q + q_start + q0 + tid;
                 lse_partial[at] = m_i;
-                lse_partial[static_cast<size_t>(num_splits) * H * total_q + at] = l_i;
+                lse_partial[static_cast<size_t>(num_splits) * H * total_q + at] = l_i / P_OFFSET;
             }
         }
         __syncthreads();
@@ -221,7 +242,7 @@ __device__ void split_kv_partial(SPLIT_KV_PARAMS(T)) {
             float* o_row = o_partial + ((static_cast<size_t>(split) * total_q + q_start + q0 + r) * H + h) * D;
 #pragma unroll
             for (int c = 0; c < O_COLS; ++c)
-                if (lane + 32 * c < D) o_row[lane + 32 * c] = l_r > 0.0f ? acc[i][c] / l_r : 0.0f;
+                if (lane + 32 * c < D) o_row[lane + 32 * c] = l_r > 0.0f ? acc[i][c] / l_r * v_scale : 0.0f;
         }
         __syncthreads();  // the next query tile overwrites Q and row_l
     }
@@ -261,10 +282,10 @@ __device__ void split_kv_combine(SPLIT_KV_COMBINE_PARAMS(T)) {
 // Entries per (layout, dtype, D), with the tile configuration fa_verify/kernels/split_kv.py lists.
 #define SPLIT_KV_ENTRY(DT, T, D, BLOCK_M, BLOCK_N, THREADS)                                              \
     extern "C" __global__ void __launch_bounds__(THREADS) split_kv_varlen_##DT##_d##D(SPLIT_KV_PARAMS(T)) { \
-        split_kv_partial<T, D, BLOCK_M, BLOCK_N, THREADS, false>(SPLIT_KV_ARGS);                          \
+        split_kv_partial<T, D, BLOCK_M, BLOCK_N, THREADS, false, T, 0>(SPLIT_KV_ARGS);                    \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) split_kv_paged_##DT##_d##D(SPLIT_KV_PARAMS(T)) {  \
-        split_kv_partial<T, D, BLOCK_M, BLOCK_N, THREADS, true>(SPLIT_KV_ARGS);                           \
+        split_kv_partial<T, D, BLOCK_M, BLOCK_N, THREADS, true, T, 0>(SPLIT_KV_ARGS);                     \
     }                                                                                                      \
     extern "C" __global__ void split_kv_combine_varlen_##DT##_d##D(SPLIT_KV_COMBINE_PARAMS(T)) {            \
         split_kv_combine<T, D, false>(SPLIT_KV_COMBINE_ARGS);                                             \
@@ -273,6 +294,18 @@ __device__ void split_kv_combine(SPLIT_KV_COMBINE_PARAMS(T)) {
         split_kv_combine<T, D, true>(SPLIT_KV_COMBINE_ARGS);                                              \
     }
 
+// An FP8 KV cache's entries (paged): P in e4m3 offset by 2^8, the combine's output bf16.
+#define SPLIT_KV_FP8_ENTRY(DT, T, D, BLOCK_M, BLOCK_N, THREADS)                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS) split_kv_paged_##DT##_d##D(SPLIT_KV_PARAMS(T)) {  \
+        split_kv_partial<T, D, BLOCK_M, BLOCK_N, THREADS, true, __nv_fp8_e4m3, 8>(SPLIT_KV_ARGS);         \
+    }                                                                                                      \
+    extern "C" __global__ void split_kv_combine_paged_##DT##_d##D(SPLIT_KV_COMBINE_PARAMS(__nv_bfloat16)) { \
+        split_kv_combine<__nv_bfloat16, D, true>(SPLIT_KV_COMBINE_ARGS);                                  \
+    }
+#define SPLIT_KV_FOR_EACH_FP8(X, ...) X(e4m3, __nv_fp8_e4m3, __VA_ARGS__) X(e5m2, __nv_fp8_e5m2, __VA_ARGS__)
+
 // (D, BLOCK_M, BLOCK_N, THREADS)
 FA_FOR_EACH_DTYPE(SPLIT_KV_ENTRY, 64, 16, 32, 128)
 FA_FOR_EACH_DTYPE(SPLIT_KV_ENTRY, 128, 16, 32, 128)
+SPLIT_KV_FOR_EACH_FP8(SPLIT_KV_FP8_ENTRY, 64, 16, 32, 128)
+SPLIT_KV_FOR_EACH_FP8(SPLIT_KV_FP8_ENTRY, 128, 16, 32, 128)

@@ -30,3 +30,9 @@ def test_saturation_finite(fp8_search):
 
 def test_fp8_head_independence(fp8_search):
     fp8_search("fp8_head_independence")
+
+
+def test_kv_scale_sensitivity(fp8_search):
+    """An FP8 KV cache's k_scale / v_scale (paged batches of FP8 sequences: numpy-paged-fp8, or
+    --fa-layout paged functions naming k_scale and v_scale)."""
+    fp8_search("kv_scale_sensitivity")

@@ -391,7 +391,7 @@ def test_registry():
     ragged = {"numpy-ragged-varlen", "numpy-ragged-paged", *(f"split-kv{layout}-{runner}" for layout in ("", "-varlen")
                                                                for runner in ("cpu", "pycuda"))}
     backward = {"numpy-fa2-backward", "fa2-bwd-cpu", "fa2-bwd-det-cpu", "fa2-bwd-pycuda"}
-    assert set(names[5:]) == kernels | ragged | backward | {"numpy-fa3-fp8"}
+    assert set(names[5:]) == kernels | ragged | backward | {"numpy-fa3-fp8", "numpy-paged-fp8"}
     assert isinstance(get_backend("naive-fp32"), NaiveBackend)
     with pytest.raises(InvalidArgumentError, match="unknown; built-in backends: numpy-tiled, "):
         get_backend("cuda-fa2")
@@ -399,7 +399,10 @@ def test_registry():
     row = table[names.index("naive-same-precision")]
     assert set(row) == {"name", "available", "reason", "kinds", "layout", "dtypes", "precision", "features", "splits",
                         "notes"}
-    assert row["kinds"] == ["dense"] and table[names.index("split-kv-cpu")]["kinds"] == ["paged"]
+    assert row["kinds"] == ["dense"] and table[names.index("split-kv-cpu")]["kinds"] == ["paged", "paged-fp8"]
+    assert table[names.index("split-kv-varlen-cpu")]["kinds"] == ["varlen"]
     fp8 = table[names.index("numpy-fa3-fp8")]
     assert fp8["kinds"] == ["fp8"] and fp8["precision"]["e4m3"] == PrecisionModel.fa3_fp8("e4m3").as_dict()
+    paged_fp8 = table[names.index("numpy-paged-fp8")]
+    assert paged_fp8["kinds"] == ["paged-fp8"] and paged_fp8["dtypes"] == ["e4m3", "e5m2"]
     assert row["precision"]["bf16"] == PrecisionModel.same_precision("bf16").as_dict()

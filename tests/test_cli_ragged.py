@@ -37,7 +37,9 @@ def test_a_builtin_ragged_backend_is_checked_by_name(capsys):
     code, out, err = run_cli(capsys, "check", "split-kv-cpu", *QUICK)
     assert code == 0, out + err
     assert "PASS paged_contiguous: passed" in out
-    assert "PASS split-kv-cpu: 8 passed, 0 failed, 0 not applicable" in out
+    # 8 properties of paged batches and 2 of its FP8 KV cache (fp8_agreement, kv_scale_sensitivity)
+    assert "PASS split-kv-cpu: 10 passed, 0 failed, 0 not applicable" in out
+    assert "PASS kv_scale_sensitivity: passed" in out
 
 
 def test_a_buggy_varlen_function_fails_naming_the_sequence(capsys):

@@ -70,8 +70,8 @@ def test_unwritten_rows_name_the_sequences_left_unwritten():
 
 def test_ragged_properties_are_not_applicable_where_the_target_lacks_the_feature():
     varlen = _backend("varlen_global_seqlen_k")  # varlen, no num_splits, returns its output
-    for prop, why in (("page_placement", "a property of paged problems; ragged_kernels:varlen_global_seqlen_k runs "
-                                         "varlen problems"),
+    for prop, why in (("page_placement", "a property of paged and paged-fp8 problems; "
+                                         "ragged_kernels:varlen_global_seqlen_k runs varlen problems"),
                       ("split_invariance", "takes no num_splits"), ("unwritten_rows", "returns its output"),
                       ("oracle_agreement", "a property of dense problems")):
         outcome = search_property(varlen, prop, FEW)

@@ -142,14 +142,15 @@ def test_stub_driver_pycuda_compiles_every_kernel_for_sm80_and_sm90():
 
 def test_fake_driver_runs_split_kv_bit_identical_to_the_cpu_runner():
     """split-kv-pycuda and split-kv-varlen-pycuda (two launches, int32 metadata, a null block
-    table for varlen, ALiBi slopes and sinks or null pointers, fp32 scratch) on the fake driver return what the -cpu backends return, bit
+    table for varlen, ALiBi slopes and sinks or null pointers, fp32 scratch, an FP8 cache's descales) on the fake driver return what the -cpu backends return, bit
     for bit, and leave no row unwritten."""
     answer = on_fake_driver("""
         sys.path.insert(0, "tests")
         from test_split_kv import case
         from fa_verify.backends.split_kv import SplitKvCpuBackend, SplitKvPyCudaBackend
         rows = {}
-        for name in ("paged-spec-p64-split3", "varlen-masked-rows-split2", "paged-alibi-sinks-p16-auto"):
+        for name in ("paged-spec-p64-split3", "varlen-masked-rows-split2", "paged-alibi-sinks-p16-auto",
+                     "paged-fp8-e4m3-tensor-scales-split3"):
             problem = case(name)
             gpu = SplitKvPyCudaBackend(problem.layout).run(problem)
             cpu = SplitKvCpuBackend(problem.layout).run(problem)
@@ -158,7 +159,7 @@ def test_fake_driver_runs_split_kv_bit_identical_to_the_cpu_runner():
         answer(rows=rows)
     """)
     assert answer["rows"] == {"paged-spec-p64-split3": [True, 0], "varlen-masked-rows-split2": [True, 0],
-                              "paged-alibi-sinks-p16-auto": [True, 0]}
+                              "paged-alibi-sinks-p16-auto": [True, 0], "paged-fp8-e4m3-tensor-scales-split3": [True, 0]}
 
 
 @pytest.mark.slow  # nvcc builds fa2_bwd.cu's cubin first: ~70 s on a fresh machine (.ci/run's slow pass runs it)

@@ -130,7 +130,7 @@ def test_every_built_in_backend_has_its_family():
     assert {name for name, f in families.items() if f == NUMPY} == {"numpy-tiled", "naive-same-precision",
                                                                     "naive-fp32", "numpy-ragged-varlen",
                                                                     "numpy-ragged-paged", "numpy-fa2-backward",
-                                                                    "numpy-fa3-fp8"}
+                                                                    "numpy-fa3-fp8", "numpy-paged-fp8"}
     assert {name for name, f in families.items() if f == KERNELS} == set(families) - {
         name for name, f in families.items() if f in (TORCH, NUMPY)}
     assert family_of("my_module:attention") == OTHER

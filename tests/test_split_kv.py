@@ -23,6 +23,10 @@ from fa_verify.kernels.mutants import load_mutants
 from fa_verify.problem import AttentionProblem
 from fa_verify.properties import Selection
 from fa_verify.ragged import PageLayout, RaggedProblem
+from fa_verify.fp8_error_model import fp8_error_bound
+from fa_verify.oracle.fp8 import reference_fp8
+from fa_verify.properties.fp8 import _agreement as fp8_agreement
+from fa_verify.strategies import make_paged_fp8_problem
 from fa_verify.verdict import check_attention
 
 CPU = cpu_runner_availability()
@@ -33,10 +37,15 @@ BLOCK_N = split_kv.CONFIGS[64].block_n
 
 
 def ragged(layout, lens, *, H=4, Hkv=2, D=64, dtype="fp16", causal=True, page_size=16, splits=0, seed=0,
-           alibi=False, **variants):
+           alibi=False, per_tensor=False, **variants):
     """A ragged problem of sequences (Nq_b, Nk_b) with standard normal inputs; paged problems get a
     shuffled page table with spare pages (entries past a sequence's pages are random). variants:
-    window_size, softcap, sinks as AttentionProblem takes them; alibi: random slopes per sequence."""
+    window_size, softcap, sinks as AttentionProblem takes them; alibi: random slopes per sequence.
+    An FP8 dtype makes a paged FP8 KV cache (`strategies.make_paged_fp8_problem`; one Nq), its
+    scales [1] if per_tensor, else [B, Hkv]."""
+    if dtype in split_kv.FP8_DTYPES:
+        return make_paged_fp8_problem([nk for _, nk in lens], lens[0][0], dtype, seed, heads=(H, Hkv), head_dim=D,
+                                      page_size=page_size, per_tensor=per_tensor, causal=causal, num_splits=splits)
     rng = np.random.default_rng(seed)
     if "sinks" in variants:
         variants["sinks"] = np.asarray(variants["sinks"], np.float32)
@@ -73,6 +82,11 @@ CASES = {
     "varlen-window-softcap-split3": ("varlen", [(4, 150), (6, 3)],
                                      dict(splits=3, causal=False, window_size=(40, 2), softcap=1.5)),
     "paged-alibi-sinks-p16-auto": ("paged", [(2, 257), (2, 20)], dict(alibi=True, sinks=[3.0, -2.0, 0.0, 9.0])),
+    # an FP8 KV cache: per-tensor and [B, Hkv] scales, e4m3 and e5m2, keys one past 8 tiles
+    "paged-fp8-e4m3-tensor-scales-split3": ("paged", [(2, 257), (2, 5), (2, 64)],
+                                            dict(dtype="e4m3", per_tensor=True, splits=3)),
+    "paged-fp8-e5m2-head-scales-d128-auto": ("paged", [(1, 129), (1, 300)],
+                                             dict(dtype="e5m2", D=128, page_size=32, causal=False)),
 }
 
 
@@ -86,6 +100,12 @@ def failures_of(problem: RaggedProblem, run) -> list[str]:
     found = [f"sequence {b} row {i} never written" for b, i in problem.unwritten_rows(out)[:3]]
     precision = split_kv.precision(problem.dtype)
     for b, (seq, (o, l)) in enumerate(zip(problem.sequences, problem.split(out, lse))):
+        if seq.kind == "fp8":  # the FP8 oracle, error model and ensemble (fa_verify.properties.fp8)
+            ref = reference_fp8(seq)
+            failure, _ = fp8_agreement("fp8_agreement", seq, (o, l), ref, fp8_error_bound(seq, precision, ref))
+            if failure:
+                found.append(f"sequence {b} ({seq.describe()}): {failure.detail}")
+            continue
         verdict = check_attention(o, seq, lse=l, precision=precision)
         if not verdict.passed:
             found.append(f"sequence {b} ({seq.describe()}): {verdict.message().splitlines()[0]}")
@@ -101,8 +121,9 @@ def case(name) -> RaggedProblem:
 
 def test_configs_match_the_instantiations_in_the_source():
     text = split_kv.SPLIT_KV.source_path.read_text()
-    lines = re.findall(r"^FA_FOR_EACH_DTYPE\(SPLIT_KV_ENTRY, (\d+), (\d+), (\d+), (\d+)\)", text, re.M)
-    assert {int(d): split_kv.TileConfig(int(m), int(n), int(t)) for d, m, n, t in lines} == split_kv.CONFIGS
+    for pattern in (r"^FA_FOR_EACH_DTYPE\(SPLIT_KV_ENTRY, ", r"^SPLIT_KV_FOR_EACH_FP8\(SPLIT_KV_FP8_ENTRY, "):
+        lines = re.findall(pattern + r"(\d+), (\d+), (\d+), (\d+)\)", text, re.M)
+        assert {int(d): split_kv.TileConfig(int(m), int(n), int(t)) for d, m, n, t in lines} == split_kv.CONFIGS
 
 
 def test_auto_num_splits_fills_the_sms_within_the_key_tiles():
@@ -124,13 +145,29 @@ def test_plan_shapes_and_scratch_start_as_nan():
     assert list(plan.buffers["cu_seqlens_q"]) == [0, 4, 8, 12]
     assert len(plan.split.args) == len(split_kv.SPLIT_SIGNATURE)
     assert len(plan.combine.args) == len(split_kv.COMBINE_SIGNATURE)
+    assert all(plan.buffers[name] is None for name in ("q_descale", "k_descale", "v_descale"))
+
+
+def test_an_fp8_cache_plans_its_scales_as_b_by_hkv_descales_and_a_bf16_output():
+    problem = case("paged-fp8-e4m3-tensor-scales-split3")
+    out, lse = np.empty(problem.out_shape, np.uint16), np.empty(problem.lse_shape, np.float32)
+    plan = split_kv.plan(problem, problem.inputs(), out, lse)
+    assert plan.split.entry == "split_kv_paged_e4m3_d64" and plan.combine.entry == "split_kv_combine_paged_e4m3_d64"
+    scales = problem.scales()
+    for descale, name in (("q_descale", "q_descale"), ("k_descale", "k_scale"), ("v_descale", "v_scale")):
+        x = plan.buffers[descale]
+        assert x.shape == (3, 2) and x.dtype == np.float32 and np.all(x == scales[name][0]), descale
+    assert plan.buffers["q"].dtype == np.uint8 and split_kv.precision("e4m3").output == "bf16"
+    backend = SplitKvCpuBackend("paged")
+    assert backend.kinds == ("paged", "paged-fp8") and SplitKvCpuBackend("varlen").kinds == ("varlen",)
+    assert "e4m3" in backend.dtypes and "e4m3" not in SplitKvCpuBackend("varlen").dtypes
 
 
 def test_unsupported_problems_are_named():
     backend = SplitKvCpuBackend("paged")
     assert "D in {64, 128}" in backend.supports(ragged("paged", [(1, 8)], D=32))
     assert "no entry for D=32" in split_kv.supports(ragged("paged", [(1, 8)], D=32))
-    assert "runs paged problems, not varlen ones" in backend.supports(ragged("varlen", [(1, 8)]))
+    assert "runs paged and paged-fp8 problems, not varlen ones" in backend.supports(ragged("varlen", [(1, 8)]))
     top_left = RaggedProblem(tuple(s.replace(causal_alignment="top-left") for s in ragged("varlen", [(1, 8)]).sequences),
                              "varlen")
     assert "bottom-right" in SplitKvCpuBackend("varlen").supports(top_left)
@@ -152,6 +189,23 @@ def test_split_kv_matches_the_oracle_per_sequence(name):
     problem = case(name)
     backend = SplitKvCpuBackend(problem.layout)
     assert failures_of(problem, lambda p, inputs: backend.run(p)) == []
+
+
+@needs_cpu_runner
+@pytest.mark.parametrize("options", [dict(logit_spread=6.0), dict(offset_gap=7.3), dict(spread="saturating")],
+                         ids=["wide-logits", "p-offset", "saturating"])
+def test_the_fp8_cache_entries_compute_fa3s_fp8_model_bit_for_bit(options):
+    """One split of 32-key tiles is fp8_emulation's FP8 forward at block_n = 32 (the scale folded as
+    fl(fl(scale q_d) k_d), P 2^8 in e4m3 with subnormal P at wide logits, v's descale last): out
+    bit for bit, the LSE within a few fp32 ulps (its log and sums in another order)."""
+    from fa_verify.backends.numpy_fp8 import NumpyPagedFP8Backend
+
+    problem = make_paged_fp8_problem((257, 5, 64), 2, "e4m3", 1, heads=(4, 2), head_dim=64, page_size=16,
+                                     causal=True, num_splits=1, **options)
+    out, lse = SplitKvCpuBackend("paged").run(problem)
+    model_out, model_lse = NumpyPagedFP8Backend(block_n=BLOCK_N).run(problem.replace(num_splits=0))
+    assert np.array_equal(out.view(np.uint16), model_out.view(np.uint16))
+    assert np.abs(lse - model_lse).max() <= 4e-6
 
 
 @needs_cpu_runner

@@ -27,9 +27,9 @@ RUNNERS = ("pycuda", "cpu")
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
-    """A contiguous array as the kernel reads it: fp16/bf16 as their uint16 bits."""
+    """A contiguous array as the kernel reads it: fp16/bf16 as their uint16 bits, FP8 as uint8."""
     x = np.ascontiguousarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x
+    return x.view({1: np.uint8, 2: np.uint16}[x.dtype.itemsize]) if x.dtype.itemsize < 4 else x
 
 
 class KernelBackend(Backend):

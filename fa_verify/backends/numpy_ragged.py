@@ -13,13 +13,14 @@ from fa_verify.backends.base import Backend, parse_precision
 from fa_verify.backends.numpy_tiled import tiled_attention
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.precision import PrecisionModel
-from fa_verify.problem import FEATURES, AttentionProblem
-from fa_verify.ragged import LAYOUTS
+from fa_verify.problem import FEATURES
+from fa_verify.ragged import LAYOUTS, PAGED_SCALES, sequence_scales
 
 
-def sequences_of(problem, inputs: dict) -> list[AttentionProblem]:
-    """Each sequence as a dense problem with B = 1, its q, k, v read from the layout's `inputs`
-    (cu_seqlens, or block_table and cache_seqlens) and its options from the problem."""
+def sequences_of(problem, inputs: dict) -> list:
+    """Each sequence as a problem with B = 1 (dense, or FP8), its q, k, v read from the layout's
+    `inputs` (cu_seqlens, or block_table and cache_seqlens), an FP8 batch's descales from its
+    scales (q_descale, k_scale, v_scale: [1] or row b of [B, Hkv]), its options from the problem."""
     if problem.layout == "varlen":
         cu_q, cu_k = inputs["cu_seqlens_q"], inputs["cu_seqlens_k"]
         parts = [(inputs["q"][cu_q[b]:cu_q[b + 1]], inputs["k"][cu_k[b]:cu_k[b + 1]],
@@ -30,8 +31,10 @@ def sequences_of(problem, inputs: dict) -> list[AttentionProblem]:
             j = np.arange(inputs["cache_seqlens"][b])
             page, slot = inputs["block_table"][b, j // page_size], j % page_size
             parts.append((inputs["q"][b], inputs["k_cache"][page, slot], inputs["v_cache"][page, slot]))
-    return [seq.replace(**{name: np.ascontiguousarray(x.transpose(1, 0, 2))[None] for name, x in zip("qkv", part)})
-            for seq, part in zip(problem.sequences, parts)]
+    scales = {keyword: inputs[keyword] for keyword in PAGED_SCALES.values() if keyword in inputs}
+    return [seq.replace(**{name: np.ascontiguousarray(x.transpose(1, 0, 2))[None] for name, x in zip("qkv", part)},
+                        **sequence_scales(scales, b))
+            for b, (seq, part) in enumerate(zip(problem.sequences, parts))]
 
 
 class NumpyRaggedBackend(Backend):

@@ -14,7 +14,11 @@ The scale is flash-attn's keyword softmax_scale (the dense protocol's `scale`). 
 signature names are passed, as flash-attn spells them: window_size, softcap, alibi_slopes ([H] or
 [B, H]), sinks (the variants, as in the dense protocol; `features=` narrows them),
 return_softmax_lse=True (then the function returns (out, lse)), num_splits (then it is a
-split-KV target: problems ask for 0 = its own choice, 1, 2, ... splits). A function with an `out`
+split-KV target: problems ask for 0 = its own choice, 1, 2, ... splits), k_scale and v_scale (then a
+paged function also runs FP8 KV caches, kind "paged-fp8": q, k_cache and v_cache come as
+ml_dtypes float8 arrays, e4m3fn or e5m2, with float32 scales [1] per tensor or [B, Hkv], true
+value = stored x scale, and q's descale as q_descale when the signature names it; without it, only
+batches whose q_descale is 1 are run). A function with an `out`
 parameter (and optionally `lse`) is given sentinel-filled buffers of the layout's shapes to
 write (`buffers.output_buffers`): rows it leaves unwritten are reported with their sequence.
 With isolate=True it runs in a worker process as `CallableBackend` does (a crash, a hang or a
@@ -39,14 +43,14 @@ from fa_verify.backends.user_callable import (
     variant_parameters,
 )
 from fa_verify.conventions import of as conventions_of
-from fa_verify.dtypes import DTYPE_NAMES, dtype_name
+from fa_verify.dtypes import DTYPE_NAMES, FP8_DTYPES, dtype_name
 from fa_verify.errors import BackendOutputError, InvalidArgumentError
 from fa_verify.guards import guarded
 from fa_verify.isolation import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 from fa_verify.limits import Limits, parse_limits
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import FEATURES
-from fa_verify.ragged import LAYOUTS, RaggedProblem
+from fa_verify.ragged import LAYOUTS, PAGED_SCALES, RaggedProblem
 
 #: The positional arguments of each layout, in flash-attn's order; the rest go by keyword.
 POSITIONAL = {"varlen": ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
@@ -70,18 +74,29 @@ class RaggedCallableBackend(Backend):
         self._precision = "flash" if precision is None else precision
         parse_precision(self._precision, "fp32")  # reject a bad spec now, not at the first run
         self.limits = limits if isinstance(limits, Limits) else parse_limits(limits or {}, prefix="limits.")
+        keywords = _keywords(fn)
+        #: the scales of an FP8 cache it takes (PAGED_SCALES' keywords its signature names)
+        self.takes_scales = tuple(k for k in PAGED_SCALES.values() if k in keywords)
+        fp8_cache = layout == "paged" and {"k_scale", "v_scale"} <= set(self.takes_scales)
+        # scales without a default: the function runs FP8 caches only
+        fp8_only = fp8_cache and not set(self.takes_scales) <= _keywords(fn, with_default=True)
+        self.kinds = ("paged-fp8",) if fp8_only else (layout, "paged-fp8") if fp8_cache else (layout,)
+        allowed = DTYPE_NAMES + FP8_DTYPES if fp8_cache else DTYPE_NAMES
         dtypes = self.limits.dtypes if dtypes is None else dtypes
-        self.dtypes = tuple(dtype_name(d) for d in (DTYPE_NAMES if dtypes is None else dtypes))
+        self.dtypes = tuple(dtype_name(d) for d in ((FP8_DTYPES if fp8_only else allowed) if dtypes is None else dtypes))
+        if not self.dtypes or not set(self.dtypes) <= set(allowed):
+            raise InvalidArgumentError(f"dtypes={dtypes!r} must be a non-empty subset of {allowed}"
+                                       + ("" if "paged-fp8" in self.kinds else
+                                          " (FP8 formats: a paged function whose signature names k_scale and "
+                                          "v_scale)"))
         self.fn, self.layout, self.array = fn, layout, array
         check_signature(fn, name or _qualified_name(fn), layout, POSITIONAL[layout],
                         ("causal", "softmax_scale", *output_parameters(fn),
-                         *(("cache_seqlens", "block_table") if layout == "paged" else ())))
-        self.kinds = (layout,)
+                         *(("cache_seqlens", "block_table") if layout == "paged" else ()), *self.takes_scales))
         self.declared_precision = True
         self.name = name or _qualified_name(fn)
         self.features = variant_parameters(fn, features)
         self.fills = output_parameters(fn)
-        keywords = _keywords(fn)
         self.splits = "num_splits" in keywords
         self._asks_lse = "return_softmax_lse" in keywords
         self.writes_buffers = bool(self.fills)
@@ -100,6 +115,15 @@ class RaggedCallableBackend(Backend):
     def availability(self):
         return torch_availability() if self.array == "torch" else AVAILABLE
 
+    def supports(self, problem) -> str | None:
+        """Backend.supports; and an FP8 batch's q_descale must be 1 for a function taking none."""
+        reason = super().supports(problem)
+        q_descale = problem.input_arrays().get("q_descale") if reason is None else None
+        if q_descale is not None and "q_descale" not in self.takes_scales and np.any(q_descale != 1):
+            return (f"{self.name} takes no q_descale (its signature does not name it): it runs FP8 batches whose "
+                    "q_descale is 1 only")
+        return reason
+
     def _run(self, problem: RaggedProblem):
         if self._worker is None:
             return self._call(problem, problem.inputs())
@@ -114,7 +138,8 @@ class RaggedCallableBackend(Backend):
         arrays = {name: to_torch(x) if self.array == "torch" and isinstance(x, np.ndarray) else x
                   for name, x in inputs.items()}
         buffers = output_buffers(problem, self.precision(problem.dtype).output)[:len(self.fills)]
-        keywords = {name: arrays[name] for name in inputs if name not in POSITIONAL[self.layout]}
+        keywords = {name: arrays[name] for name in inputs if name not in POSITIONAL[self.layout]
+                    and (name in self.takes_scales or name not in PAGED_SCALES.values())}
         keywords.update(causal=problem.causal, softmax_scale=problem.first.scale_value,
                         **self._variant_arguments(problem),
                         **({"return_softmax_lse": True} if self._asks_lse else {}),
@@ -150,11 +175,12 @@ class RaggedCallableBackend(Backend):
         return to_numpy(x)
 
 
-def _keywords(fn) -> set:
-    """The parameter names `fn` takes by keyword (none for a builtin without a signature)."""
+def _keywords(fn, with_default: bool = False) -> set:
+    """The parameter names `fn` takes by keyword (none for a builtin without a signature); only
+    those with a default if `with_default`."""
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return set()
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {p.name for p in parameters if p.kind in keyword}
+    return {p.name for p in parameters if p.kind in keyword and (not with_default or p.default is not p.empty)}

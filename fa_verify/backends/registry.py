@@ -7,7 +7,7 @@ from fa_verify.backends.base import Backend
 from fa_verify.backends.cuda_kernels import CpuKernelBackend, PyCudaKernelBackend
 from fa_verify.backends.naive import NaiveBackend
 from fa_verify.backends.numpy_backward import NumpyBackwardBackend
-from fa_verify.backends.numpy_fp8 import NumpyFP8Backend
+from fa_verify.backends.numpy_fp8 import NumpyFP8Backend, NumpyPagedFP8Backend
 from fa_verify.backends.numpy_ragged import numpy_ragged_backends
 from fa_verify.backends.numpy_tiled import NumpyTiledBackend
 from fa_verify.backends.split_kv import split_kv_backends
@@ -33,6 +33,7 @@ _BUILTINS = (
     lambda: PyCudaKernelBackend("naive16"),
     NumpyBackwardBackend,
     NumpyFP8Backend,
+    NumpyPagedFP8Backend,
 )
 
 

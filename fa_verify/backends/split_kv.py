@@ -13,6 +13,7 @@ outside out or LSE is a BackendOutputError.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 
@@ -45,7 +46,11 @@ class SplitKvBackend(Backend):
     limits = Limits(dtypes=split_kv.DTYPES, head_dims=tuple(split_kv.CONFIGS), lse=True)
 
     def __init__(self, layout: str = "paged"):
-        self.kinds = (layout,)
+        # a paged kernel also runs FP8 KV caches (kind "paged-fp8": split_kv.FP8_DTYPES)
+        self.kinds = (layout, "paged-fp8") if layout == "paged" else (layout,)
+        if layout == "paged":
+            self.dtypes = split_kv.DTYPES + split_kv.FP8_DTYPES
+            self.limits = replace(self.limits, dtypes=self.dtypes)
         self.name = f"{split_kv.LABEL}{'' if layout == 'paged' else '-varlen'}-{self.runner}"
 
     def precision(self, dtype) -> PrecisionModel:

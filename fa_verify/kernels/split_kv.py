@@ -6,7 +6,10 @@ A ragged problem (fa_verify.ragged.RaggedProblem) runs as
    (row max, row sum) pair lse_partial [2, num_splits, H, total_q] (kernels/split_kv.cu says why);
 2. `split_kv_combine_<layout>_<dtype>_d<D>`, grid (B, H): the LSE-weighted merge into out
    [total_q, H, D] (the problem dtype) and LSE (varlen [H, total_q], paged [B, H, Nq]).
-A paged problem's q [B, Nq, H, D] is passed as packed rows with cu_seqlens_q = b * Nq.
+A paged problem's q [B, Nq, H, D] is passed as packed rows with cu_seqlens_q = b * Nq. An FP8
+KV cache (kind "paged-fp8", `FP8_DTYPES`, paged only) runs `split_kv_paged_<e4m3|e5m2>_d<D>`
+with its scales broadcast to [B, Hkv] (q_descale, k_scale as k_descale, v_scale as v_descale;
+null for the other dtypes) and a bf16 output: FlashAttention-3's FP8 model (`precision`).
 `num_splits` = 0 asks for the kernel's own choice (`auto_num_splits`). Runners (the CUDA-on-CPU
 runner, PyCUDA) take a `SplitKvPlan` and need nothing else; the kernel's ABI is in the .cu.
 """
@@ -24,6 +27,8 @@ from fa_verify.precision import PrecisionModel
 
 NAME, LABEL, SOURCE = "split_kv", "split-kv", "split_kv.cu"
 DTYPES = ("fp16", "bf16", "fp32")
+#: The FP8 KV cache's formats (paged entries only).
+FP8_DTYPES = ("e4m3", "e5m2")
 #: Tile configuration per head dimension: (query rows, keys per tile, threads); matches the
 #: `FA_FOR_EACH_DTYPE(SPLIT_KV_ENTRY, D, ...)` lines of split_kv.cu (tests/test_split_kv.py checks).
 CONFIGS = {64: TileConfig(16, 32, 128), 128: TileConfig(16, 32, 128)}
@@ -34,7 +39,7 @@ HEURISTIC_SMS = 108
 #: combine's reads outweigh the gain).
 MAX_AUTO_SPLITS = 32
 #: Parameter kinds of the split entries and of the combine entries (the CPU runner's signatures).
-SPLIT_SIGNATURE = ("ptr",) * 8 + ("int",) * 7 + ("float", "int", "int", "int", "float", "ptr", "int")
+SPLIT_SIGNATURE = ("ptr",) * 8 + ("int",) * 7 + ("float", "int", "int", "int", "float", "ptr", "int") + ("ptr",) * 3
 COMBINE_SIGNATURE = ("ptr",) * 5 + ("int",) * 3 + ("ptr",)
 #: The variants the kernel implements (keys of fa_verify.problem.FEATURES).
 FEATURES = ("window", "softcap", "alibi", "sinks")
@@ -42,7 +47,8 @@ LAYOUTS = ("varlen", "paged")
 
 
 def precision(dtype) -> PrecisionModel:
-    """FA2's: fp32 scores and accumulators, P rounded to the input dtype; partials in fp32."""
+    """FA2's: fp32 scores and accumulators, P rounded to the input dtype; partials in fp32 (FP8:
+    FlashAttention-3's FP8 model, P offset by 2^8 in e4m3, bf16 output)."""
     return PrecisionModel.flash(dtype)
 
 
@@ -58,10 +64,10 @@ def signatures() -> dict[str, list[str]]:
     """{entry: signature} of every entry, as CpuKernelModule takes them."""
     found = {}
     for d in CONFIGS:
-        for dtype in DTYPES:
-            for layout in LAYOUTS:
-                found[split_entry(layout, dtype, d)] = list(SPLIT_SIGNATURE)
-                found[combine_entry(layout, dtype, d)] = list(COMBINE_SIGNATURE)
+        for layout, dtype in [(layout, dtype) for dtype in DTYPES for layout in LAYOUTS] + [
+                ("paged", dtype) for dtype in FP8_DTYPES]:
+            found[split_entry(layout, dtype, d)] = list(SPLIT_SIGNATURE)
+            found[combine_entry(layout, dtype, d)] = list(COMBINE_SIGNATURE)
     return found
 
 
@@ -84,8 +90,9 @@ def auto_num_splits(batch: int, heads: int, max_seqlen_k: int, block_n: int) -> 
 
 def supports(problem, shared_limit: int | None = None) -> str | None:
     """None if split_kv.cu runs `problem` (a RaggedProblem), else why not."""
-    if problem.dtype not in DTYPES:
-        return f"{NAME} has no {problem.dtype} entry (it has {', '.join(DTYPES)})"
+    if problem.dtype not in DTYPES + (FP8_DTYPES if problem.layout == "paged" else ()):
+        return (f"{NAME} has no {problem.layout} {problem.dtype} entry (it has {', '.join(DTYPES)}, and "
+                f"{', '.join(FP8_DTYPES)} for a paged FP8 KV cache)")
     if problem.head_dim not in CONFIGS:
         return f"{NAME} has no entry for D={problem.head_dim} (it has D in {', '.join(map(str, CONFIGS))})"
     if problem.first.causal and problem.first.causal_alignment != "bottom-right":
@@ -161,6 +168,10 @@ def plan(problem, inputs: dict, out, lse) -> SplitKvPlan:
         "cu_seqlens_q": np.ascontiguousarray(cu_seqlens_q, dtype=np.int32),
         "seqlens_k": np.ascontiguousarray(seqlens_k, dtype=np.int32),
         "block_table": None if block_table is None else np.ascontiguousarray(block_table, dtype=np.int32),
+        # an FP8 cache's scales ([1] or [B, Hkv]) as the [B, Hkv] descales the kernel reads; None otherwise
+        **{descale: None if name not in inputs else np.ascontiguousarray(np.broadcast_to(inputs[name], (B, Hkv)),
+                                                                          dtype=np.float32)
+           for descale, name in (("q_descale", "q_descale"), ("k_descale", "k_scale"), ("v_descale", "v_scale"))},
         "o_partial": np.full((splits, total_q, H, D), np.nan, np.float32),
         "lse_partial": np.full((2, splits, H, total_q), np.nan, np.float32),
         "out": out, "lse": lse,
@@ -177,7 +188,8 @@ def plan(problem, inputs: dict, out, lse) -> SplitKvPlan:
         split_entry(layout, dtype, D), (splits, H, B), (cfg.threads, 1, 1), shared_bytes(D), SPLIT_SIGNATURE,
         ("q", "k", "v", "o_partial", "lse_partial", "cu_seqlens_q", "seqlens_k", "block_table",
          B, H, Hkv, problem.max_seqlen_k, max_blocks, page_size, splits, scale, int(problem.causal),
-         left, right, float(problem.softcap), "alibi_slopes", alibi_batch_stride))
+         left, right, float(problem.softcap), "alibi_slopes", alibi_batch_stride, "q_descale", "k_descale",
+         "v_descale"))
     combine = KernelLaunch(
         combine_entry(layout, dtype, D), (B, H, 1), (COMBINE_THREADS, 1, 1), 0, COMBINE_SIGNATURE,
         ("o_partial", "lse_partial", "out", "lse", "cu_seqlens_q", B, H, splits, "sinks"))
@@ -193,7 +205,7 @@ class SplitKvKernel:
     name: str = NAME
     label: str = LABEL
     source: str = SOURCE
-    dtypes: tuple = DTYPES
+    dtypes: tuple = DTYPES + FP8_DTYPES
 
     @property
     def source_path(self):

@@ -1,8 +1,16 @@
-"""Properties of FP8 attention (the kind "fp8": `fa_verify.fp8.FP8Problem`).
+"""Properties of FP8 attention (the kind "fp8": `fa_verify.fp8.FP8Problem`; and "paged-fp8", a
+paged batch of FP8 sequences: an FP8 KV cache, `fa_verify.ragged`).
 
 * fp8_agreement: out (and the LSE, if returned) within the target's FP8 error model
   (`fp8_error_model.fp8_error_bound`) of the certified reference of the true inputs, and out
-  within the honest FP8 ensemble's allowance (`fp8_ensemble`: K x its largest error + floor).
+  within the honest FP8 ensemble's allowance (`fp8_ensemble`: K x its largest error + floor);
+  a paged batch part by part (each sequence is an FP8 problem), reporting the sequence.
+* kv_scale_sensitivity (paged-fp8): the cache's k_scale or v_scale multiplied by a factor that
+  is no power of two (the whole per-tensor [1] scale, or one (sequence, kv head) of a [B, Hkv]
+  one): each sequence's outputs move as its reference's do (agreement on the changed batch, and
+  a change wherever the reference's exceeds both bounds), and where one entry changed, every
+  other sequence and kv head stays bitwise the same. Catches a cache's scales ignored, swapped
+  or read for the wrong sequence.
 * descale_sensitivity: one descale (q's, k's or v's) of one (batch, kv head) multiplied by a
   factor that is no power of two: the outputs of every other group stay bitwise the same, and
   the group's outputs move as the reference's do (agreement on the changed problem, and a change
@@ -68,11 +76,24 @@ def _agreement(name: str, problem, result, ref, bound):
     return None, worst
 
 
+def _in_part(problem, index: int) -> str:
+    """How a message about part `index` begins ("" for a problem of one part)."""
+    label = problem.part_label(index)
+    return f"{label}: " if label else ""
+
+
 def check_fp8_agreement(backend, problem):
     """out (and LSE) agree with the certified reference of the true inputs within the FP8 error model."""
+    name = "fp8_agreement"
     backend = as_backend(backend)
-    failure, worst = _agreement("fp8_agreement", problem, backend.run(problem), *_judged(backend, problem))
-    return failure or passed("fp8_agreement", problem, worst_ratio=worst)
+    worst = 0.0
+    for i, (part, result) in enumerate(zip(problem.parts(), problem.split(*backend.run(problem)))):
+        failure, part_worst = _agreement(name, part, result, *_judged(backend, part))
+        worst = max(worst, part_worst)
+        if failure:
+            return failed(name, problem, _in_part(problem, i) + failure.detail, worst_ratio=worst,
+                          part=i if len(problem.parts()) > 1 else None)
+    return passed(name, problem, worst_ratio=worst)
 
 
 def _group_rows(problem, b: int, kv_head: int) -> np.ndarray:
@@ -219,3 +240,53 @@ def check_fp8_head_independence(backend, problem, *, seed: int = 0):
     failure = _identical_elsewhere(name, problem, backend.run(base), backend.run(derived), ~rows,
                                    f"changing every other (batch, kv head)'s inputs changed batch {b}, kv head {kv_head}")
     return failure or passed(name, problem)
+
+
+#: The scales of an FP8 KV cache that kv_scale_sensitivity changes (the paged protocol's names).
+KV_SCALES = ("k_scale", "v_scale")
+
+
+def check_kv_scale_sensitivity(backend, problem, *, seed: int = 0):
+    """Changing an FP8 KV cache's k_scale or v_scale moves each sequence's outputs as its reference's, and no other's."""
+    name = "kv_scale_sensitivity"
+    backend = as_backend(backend)
+    rng = np.random.default_rng(seed)
+    keyword, factor = KV_SCALES[int(rng.integers(2))], SENSITIVITY_FACTORS[int(rng.integers(4))]
+    changed = problem.scales()[keyword].copy()
+    b = kv_head = None
+    if changed.shape == (1,):
+        changed *= np.float32(factor)
+        what = f"{keyword} x {factor}"
+    else:
+        b, kv_head = int(rng.integers(problem.batch)), int(rng.integers(problem.kv_heads))
+        changed[b, kv_head] = np.float32(changed[b, kv_head] * factor)
+        what = f"{keyword}[{b}, {kv_head}] x {factor}"
+    derived = problem.with_scales(**{keyword: changed})
+    reason = unsupported(backend, problem, derived)
+    if reason:
+        return not_applicable(name, problem, reason)
+    before, after = problem.split(*backend.run(problem)), derived.split(*backend.run(derived))
+    worst = 0.0
+    for i, (part, part_after) in enumerate(zip(problem.parts(), derived.parts())):
+        if b is not None:  # one entry changed: everything outside its (sequence, kv head) stays
+            rows = _group_rows(part, 0, kv_head) if i == b else np.zeros(part.lse_shape, bool)
+            failure = _identical_elsewhere(name, part, before[i], after[i], rows,
+                                           f"changing {what} changed another (sequence, kv head)'s output")
+            if failure:
+                return failed(name, problem, _in_part(problem, i) + failure.detail, part=i)
+            if i != b:
+                continue
+        (ref, bound), (ref_after, bound_after) = _judged(backend, part), _judged(backend, part_after)
+        failure, part_worst = _agreement(name, part_after, after[i], ref_after, bound_after)
+        worst = max(worst, part_worst)
+        if failure:
+            return failed(name, problem, f"after {what}: {_in_part(problem, i)}{failure.detail}", worst_ratio=worst,
+                          part=i)
+        # where the reference moved by more than both bounds, a target that stood still is wrong
+        still = (np.abs(ref_after.out - ref.out) > bound.out + bound_after.out) & (before[i][0] == after[i][0])
+        if still.any():
+            index = tuple(int(x) for x in np.argwhere(still)[0])
+            return failed(name, problem, f"{_in_part(problem, i)}changing {what} moved the reference's out at "
+                                         f"{list(index)} from {ref.out[index]:.6g} to {ref_after.out[index]:.6g}, "
+                                         "but not the target's", part=i)
+    return passed(name, problem, worst_ratio=worst)

@@ -57,6 +57,7 @@ KINDS = {kind.name: kind for kind in (
     Kind("backward", BackwardProblem, draw_backward.as_backward, draw_backward.backward_strategy,
          draw_backward.edge_problems),
     Kind("fp8", FP8Problem, draw_fp8.as_fp8, draw_fp8.fp8_strategy, draw_fp8.edge_problems),
+    Kind("paged-fp8", RaggedProblem, draw_fp8.as_paged_fp8, draw_fp8.paged_fp8_strategy, draw_fp8.paged_edge_problems),
 )}
 
 

@@ -129,11 +129,11 @@ PROPERTIES = (
     # ragged batches (varlen, paged KV, split-KV: fa_verify.ragged)
     Property("ragged_agreement", ragged.check_ragged_agreement, kinds=RAGGED),
     Property("sequence_alone", ragged.check_sequence_alone, kinds=RAGGED),
-    Property("sequence_independence", ragged.check_sequence_independence, kinds=RAGGED),
-    Property("page_placement", ragged.check_page_placement, kinds=("paged",)),
+    Property("sequence_independence", ragged.check_sequence_independence, kinds=RAGGED + ("paged-fp8",)),
+    Property("page_placement", ragged.check_page_placement, kinds=("paged", "paged-fp8")),
     Property("paged_contiguous", ragged.check_paged_contiguous, kinds=("paged",),
              target_reason=ragged.no_contiguous_twin),
-    Property("unused_cache", ragged.check_unused_cache, kinds=("paged",)),
+    Property("unused_cache", ragged.check_unused_cache, kinds=("paged", "paged-fp8")),
     Property("split_invariance", ragged.check_split_invariance, kinds=RAGGED, target_reason=ragged.not_split),
     Property("unwritten_rows", ragged.check_unwritten_rows, kinds=RAGGED, target_reason=ragged.returns_its_output),
     # the backward pass (fa_verify.backward)
@@ -162,11 +162,12 @@ PROPERTIES = (
     Property("gradient_permutation", gradient_identities.check_gradient_permutation, kinds=("backward",),
              masking="non-causal", holds_under=("softcap", "sinks")),
     # FP8 inputs with descales (fa_verify.fp8)
-    Property("fp8_agreement", fp8.check_fp8_agreement, kinds=("fp8",), edge_cases=True),
+    Property("fp8_agreement", fp8.check_fp8_agreement, kinds=("fp8", "paged-fp8"), edge_cases=True),
     Property("descale_sensitivity", fp8.check_descale_sensitivity, kinds=("fp8",), edge_cases=True),
     Property("descale_rescaling", fp8.check_descale_rescaling, kinds=("fp8",)),
     Property("saturation_finite", fp8.check_saturation_finite, kinds=("fp8",)),
     Property("fp8_head_independence", fp8.check_fp8_head_independence, kinds=("fp8",)),
+    Property("kv_scale_sensitivity", fp8.check_kv_scale_sensitivity, kinds=("paged-fp8",), edge_cases=True),
 )
 
 PROPERTY_NAMES = tuple(p.name for p in PROPERTIES)

@@ -17,7 +17,8 @@ sinks (fa_verify.problem) for targets that implement them. `deep_shapes()` (Nq a
 their first tiles) and `long_key_shapes()` (Nk in the thousands, a few rows), paired with moderate
 scores and `small_rises()` by `deep_problems()` / `long_key_problems()`, are mixed into another
 strategy in fixed shares by `depth_shares()`. `ragged_problems(layout)` draws
-varlen and paged batches (fa_verify.ragged) with page tables and split counts.
+varlen and paged batches (fa_verify.ragged) with page tables and split counts;
+`paged_fp8_problems()` paged batches of FP8 sequences (an FP8 KV cache with k_scale / v_scale).
 `backward_problems(forwards)` pairs forward problems with upstream gradients (`DOUT_DISTRIBUTIONS`),
 a fixed share with rows `anti_aligned` to every key (very negative LSE), for backward targets;
 `make_backward_problem` is one of them without Hypothesis (a report sweep's points).
@@ -50,7 +51,13 @@ from fa_verify.strategies._problems import (
     scales,
     seeds,
 )
-from fa_verify.strategies._ragged import batch_signature, ragged_problems, revalued
+from fa_verify.strategies._ragged import (
+    batch_signature,
+    make_paged_fp8_problem,
+    paged_fp8_problems,
+    ragged_problems,
+    revalued,
+)
 from fa_verify.strategies._score_profiles import ScoreProfile, score_profiles
 from fa_verify.strategies._shapes import (
     COMMON_HEAD_DIMS,
@@ -103,7 +110,9 @@ __all__ = [
     "long_key_shapes",
     "make_backward_problem",
     "make_fp8_problem",
+    "make_paged_fp8_problem",
     "make_problem",
+    "paged_fp8_problems",
     "problems",
     "ragged_problems",
     "revalued",

@@ -7,6 +7,14 @@ and above the kernel's key tile, tables shuffled (and entries past each sequence
 and pages shared by sequences with a common prefix; split counts 1, 2, k and 0 (auto); the
 variants the target implements. Everything is drawn within a target's declared `Limits`
 (per sequence) and page sizes.
+
+`paged_fp8_problems(...)` draws paged batches of FP8 sequences (an FP8 KV cache, kind
+"paged-fp8") with `_fp8.py`'s draws: descales non-unit, distinct across q, k, v, sequences and
+heads, never powers of two; stored values subnormal, ordinary or at the format's saturation
+edge (448 in e4m3), with +-max and the smallest subnormals sprinkled in; logits where P's
+offset matters; cache lengths at and around multiples of 128 (`PAGED_FP8_KEYS`) in a fixed
+share; per-tensor scales ([1], as KV caches carry them) in `PER_TENSOR_KV_SHARE`, else [B, Hkv].
+`make_paged_fp8_problem` builds one from its choices without Hypothesis.
 """
 
 from __future__ import annotations
@@ -14,10 +22,21 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from fa_verify.dtypes import DTYPE_NAMES
+from fa_verify.dtypes import DTYPE_NAMES, FP8_DTYPES
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.limits import HEAD_LAYOUTS, Limits, _layout
 from fa_verify.ragged import LAYOUTS, PageLayout, RaggedProblem
+from fa_verify.fp8 import DESCALES
+from fa_verify.strategies._fp8 import (
+    LOGIT_SPREADS,
+    OFFSET_GAPS,
+    OFFSET_SHARE,
+    TILE_EDGE_KEYS,
+    VALUE_SPREADS,
+    _distinct,
+    _in_share,
+    make_fp8_problem,
+)
 from fa_verify.strategies._problems import make_problem
 from fa_verify.strategies._shapes import Shape
 from fa_verify.strategies._variants import DEFAULT_TILE, SOFTCAPS, alibi_slopes, sink_logits, window_sides
@@ -173,3 +192,59 @@ def revalued(problem: RaggedProblem, seed: int) -> RaggedProblem:
                 k[:, :, j], v[:, :, j] = first
         fresh.append(seq.replace(q=new.q, k=k, v=v, tags=new.tags))
     return problem.replace(sequences=tuple(fresh), tags=(("distribution", distribution), ("seed", seed)))
+
+
+#: Cache lengths of paged FP8 batches in the tile-edge share: at and around multiples of 128.
+PAGED_FP8_KEYS = TILE_EDGE_KEYS + (383, 384, 385)
+#: Share of cache lengths drawn from PAGED_FP8_KEYS (the others: 1 .. 64).
+PAGED_FP8_EDGE_SHARE = 0.4
+#: Share of batches with per-tensor scales ([1]); the others have [B, Hkv].
+PER_TENSOR_KV_SHARE = 0.5
+#: Page sizes drawn for a target that declares none (FlashAttention's paged KV takes multiples of 16).
+PAGED_FP8_PAGE_SIZES = (16, 64, 128, 256)
+
+
+def make_paged_fp8_problem(seqlens_k, nq: int, fmt: str, seed: int, *, heads: tuple = (2, 1), head_dim: int = 16,
+                           page_size: int = 64, per_tensor: bool = False, num_splits: int = 0,
+                           **fp8_options) -> RaggedProblem:
+    """A paged batch of FP8 sequences (`make_fp8_problem`'s, sequence b with seed + b; `fp8_options`
+    are its options), in a shuffled page table; scales per tensor (sequence 0's for all) or
+    [B, Hkv] (each sequence's own row, distinct across the batch)."""
+    H, Hkv = heads
+    rng = np.random.default_rng(seed)
+    sequences = [make_fp8_problem((1, H, Hkv, nq, nk, head_dim), fmt, seed + b, per_tensor=per_tensor,
+                                  **fp8_options) for b, nk in enumerate(seqlens_k)]
+    if per_tensor:
+        first = sequences[0]
+        sequences = [seq.replace(**{name: getattr(first, name) for name in DESCALES}) for seq in sequences]
+    else:
+        batch = _distinct(rng, [np.concatenate([getattr(seq, name) for seq in sequences]) for name in DESCALES])
+        sequences = [seq.replace(**{name: x[b:b + 1] for name, x in zip(DESCALES, batch)})
+                     for b, seq in enumerate(sequences)]
+    pages = PageLayout.contiguous(seqlens_k, page_size).shuffled(rng, seqlens_k)
+    tags = (("fp8", fmt), ("per_tensor", per_tensor), *(t for t in sequences[0].tags if t[0] not in ("fp8", "per_tensor")))
+    return RaggedProblem(tuple(sequences), "paged", pages=pages, num_splits=num_splits, tags=tags)
+
+
+@st.composite
+def paged_fp8_problems(draw, formats=FP8_DTYPES, causal=(False, True), page_sizes: tuple | None = None,
+                       splits: bool = False, max_batch: int = 3, max_nq: int = 4, head_dims: tuple = (8, 16, 32)):
+    """Paged batches of FP8 sequences in `formats` (see the module's doc); `page_sizes`, `splits`
+    and `head_dims` as a target declares them (`ragged_problems`)."""
+    fmt = draw(st.sampled_from(formats))
+    H, Hkv = draw(st.sampled_from([(2, 1), (4, 2), (2, 2), (1, 1)]))
+    head_dim = draw(st.sampled_from(tuple(head_dims)))
+    batch = draw(st.integers(1, max_batch))
+    page_size = draw(st.sampled_from(tuple(page_sizes) if page_sizes else PAGED_FP8_PAGE_SIZES))
+    seqlens_k = [draw(st.sampled_from(PAGED_FP8_KEYS)) if _in_share(draw, PAGED_FP8_EDGE_SHARE)
+                 else draw(st.integers(1, 64)) for _ in range(batch)]
+    nq = draw(st.integers(1, max_nq))
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    problem = make_paged_fp8_problem(
+        seqlens_k, nq, fmt, seed, heads=(H, Hkv), head_dim=head_dim, page_size=page_size,
+        per_tensor=_in_share(draw, PER_TENSOR_KV_SHARE), causal=draw(st.sampled_from(causal)),
+        spread=draw(st.sampled_from(tuple(VALUE_SPREADS))), logit_spread=draw(st.sampled_from(LOGIT_SPREADS)),
+        offset_gap=draw(st.sampled_from(OFFSET_GAPS)) if _in_share(draw, OFFSET_SHARE) else None,
+        num_splits=draw(st.sampled_from([0, 1, 2, 3])) if splits else 0)
+    sequences, pages = _paged(draw, list(problem.sequences), page_size, np.random.default_rng(seed))
+    return problem.replace(sequences=tuple(sequences), pages=pages)

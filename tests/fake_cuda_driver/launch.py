@@ -83,11 +83,14 @@ def _split_kv_entry(entry: str):
     signature = split_kv.signatures().get(entry)
     if signature is None:
         return None
-    element = np.float32 if entry.rsplit("_", 2)[1] == "fp32" else np.uint16
+    dtype = entry.rsplit("_", 2)[1]
+    element = {"fp32": np.float32, **{d: np.uint8 for d in split_kv.FP8_DTYPES}}.get(dtype, np.uint16)
     if entry.startswith(f"{split_kv.NAME}_combine_"):  # o_partial, lse_partial, o, lse, cu_seqlens_q, sinks
-        pointers = (np.float32, np.float32, element, np.float32, np.int32, np.float32)
-    else:  # q, k, v, o_partial, lse_partial, cu_seqlens_q, seqlens_k, block_table, alibi_slopes (null: unused)
-        pointers = (element,) * 3 + (np.float32, np.float32, np.int32, np.int32, np.int32, np.float32)
+        output = np.uint16 if dtype in split_kv.FP8_DTYPES else element  # an FP8 cache's output: bf16
+        pointers = (np.float32, np.float32, output, np.float32, np.int32, np.float32)
+    else:  # q, k, v, o_partial, lse_partial, cu_seqlens_q, seqlens_k, block_table, alibi_slopes, the three
+        # descales (null: unused)
+        pointers = (element,) * 3 + (np.float32, np.float32, np.int32, np.int32, np.int32, np.float32) + (np.float32,) * 3
     return cpu_module(), entry, signature, pointers
 
 
