@@ -190,8 +190,10 @@ FA_DEVICE void fa_store_output(const float (&acc)[O_ROWS][O_COLS], float m, floa
 
 // ---- entry points -------------------------------------------------------------------------------
 
-#define FA_PARAMS(T)                                                                               \
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o, \
+#define FA_PARAMS(T) FA_PARAMS_OUT(T, T)
+// The same with an output of another type O (fa3_fp8.cu: FP8 inputs, a bf16 output).
+#define FA_PARAMS_OUT(T, O)                                                                        \
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, O* __restrict__ o, \
         float* __restrict__ lse, int B, int H, int Hkv, int Nq, int Nk, float scale, int causal,  \
         int causal_offset
 #define FA_ARGS q, k, v, o, lse, B, H, Hkv, Nq, Nk, scale, causal, causal_offset
@@ -205,3 +207,8 @@ FA_DEVICE void fa_store_output(const float (&acc)[O_ROWS][O_COLS], float m, floa
 #define FA_FOR_EACH_HALF_DTYPE(X, ...)     \
     X(fp16, __half, __VA_ARGS__)           \
     X(bf16, __nv_bfloat16, __VA_ARGS__)
+
+// X(format_name, T, ...) once per FP8 format (a source using it includes <cuda_fp8.h>: fa3_fp8.cu).
+#define FA_FOR_EACH_FP8_DTYPE(X, ...)      \
+    X(e4m3, __nv_fp8_e4m3, __VA_ARGS__)    \
+    X(e5m2, __nv_fp8_e5m2, __VA_ARGS__)
