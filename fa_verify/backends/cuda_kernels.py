@@ -4,8 +4,10 @@ Runners: "pycuda" (a GPU, through a restartable PyCUDA worker process on the dev
 $FA_VERIFY_CUDA_DEVICE names) and "cpu" (the same
 source compiled by g++ through fa_verify's CUDA-on-CPU runner). Backend names are
 "<label>-<runner>": fa2-pycuda, fa2-cpu, wmma-pycuda, wmma-cpu, mma-ptx-pycuda, mma-ptx-cpu, naive-cuda-pycuda,
-naive-cuda-cpu, naive16-cuda-pycuda, naive16-cuda-cpu. The launch (entry, grid, block, dynamic shared memory) and the precision model
-come from the kernel catalogue, fa_verify.kernels.catalogue.
+naive-cuda-cpu, naive16-cuda-pycuda, naive16-cuda-cpu, and fa3-fp8-pycuda, fa3-fp8-cpu (FP8 problems: a family's
+`kind` is the kind of problem its backends run). The launch (entry, grid, block, dynamic shared memory, the
+trailing arguments: variants or descales) and the precision model come from the kernel catalogue,
+fa_verify.kernels.catalogue.
 """
 
 from __future__ import annotations
