@@ -6,7 +6,8 @@
 //       const T* q, const T* k, const T* v, T* o, float* lse,
 //       int B, int H, int Hkv, int Nq, int Nk, float scale, int causal, int causal_offset);
 //
-//   T = __half (fp16), __nv_bfloat16 (bf16) or float (fp32); q [B,H,Nq,D], k and v [B,Hkv,Nk,D],
+//   T = __half (fp16), __nv_bfloat16 (bf16) or float (fp32) (fa3_fp8.cu: __nv_fp8_e4m3 or
+//   __nv_fp8_e5m2 with a bf16 o, FA_PARAMS_OUT, and its descales after); q [B,H,Nq,D], k and v [B,Hkv,Nk,D],
 //   o [B,H,Nq,D], lse [B,H,Nq] (float32, natural log), all contiguous. Query head h reads key/value
 //   head h / (H / Hkv). Query i attends key j iff !causal || j <= i + causal_offset, where
 //   causal_offset = Nk - Nq aligns the mask bottom-right and 0 top-left (passed whether or not
