@@ -11,6 +11,8 @@ slow:
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -23,6 +25,7 @@ from fa_verify.kernels.mutants import load_mutants
 from fa_verify.properties import Selection, search_property
 from fa_verify.properties.draw_fp8 import EDGE_CASES
 from fa_verify.properties.fp8 import check_fp8_agreement
+from fa_verify.precision import FA3_P_OFFSET
 from fa_verify.properties.registry import properties_for
 from fa_verify.strategies import make_fp8_problem
 
@@ -43,6 +46,12 @@ def test_the_kernel_runs_the_fp8_kind_and_its_properties_are_the_fp8_ones():
     assert PROPERTIES == ["fp8_agreement", "descale_sensitivity", "descale_rescaling", "saturation_finite",
                           "fp8_head_independence"]
     assert FA3_FP8.head_dims == (8, 16, 32, 64, 128)  # the strategies' 8 .. 64, and FlashAttention-3's 128
+
+
+def test_the_kernels_p_offset_is_the_precision_models():
+    """P's offset in the source is the one the kernel is judged under (FlashAttention-3's 2^8)."""
+    found = re.findall(r"^constexpr int FA3_P_OFFSET = (\d+);$", FA3_FP8.source_path.read_text(), re.M)
+    assert [int(x) for x in found] == [FA3_P_OFFSET] == [BACKEND.precision("e4m3").p_offset]
 
 
 @pytest.mark.parametrize("name", PROPERTIES)
