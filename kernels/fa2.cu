@@ -22,6 +22,10 @@
 // FlashAttention-3's 192/128); the tiles are as wide as the wider of the two.
 // Precision model: PrecisionModel.flash(dtype). Shared memory holds the tiles in fp32 with
 // rows padded by one float (conflict-free strided reads); the catalogue computes its size.
+// What P is rounded to and what the epilogue does are the `Numerics` parameter's: Fa2Numerics<T>
+// (P rounded to T), or FlashAttention-3's FP8 (fa3_fp8.cu: P offset by 2^8 and rounded to e4m3,
+// v's descale and the LSE's compensation at the end), which instantiates this template with FP8
+// q, k, v and a bf16 output O.
 
 #include "fa_common.cuh"
 
@@ -37,6 +41,16 @@ __device__ __forceinline__ float fa2_tanh(float x) {
 #else
 __device__ __forceinline__ float fa2_tanh(float x) { return tanhf(x); }
 #endif
+
+// FA2's numerics: P = exp(s - m) rounded to T for P V, the row sum of the fp32 P, o = acc / l and
+// lse = m + log l as they are. A Numerics type has these members (fa3_fp8.cu's is the other).
+template <typename T>
+struct Fa2Numerics {
+    static FA_DEVICE float p_scale() { return 1.0f; }  // P's factor before rounding (the row sum's too)
+    static FA_DEVICE float round_p(float p) { return round_through<T>(p); }
+    template <int O_ROWS, int O_COLS>
+    static FA_DEVICE void finish(float (&)[O_ROWS][O_COLS], float&) {}  // acc and m before the epilogue
+};
 
 // fa2's parameters after the common ABI (FA_PARAMS).
 #define FA2_VARIANT_PARAMS                                                                      \
@@ -55,8 +69,9 @@ __device__ void fa2_load_kv(float* Ks, const T* k_head, float* Vs, const T* v_he
     }
 }
 
-template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS, int DV = D>
-__device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
+template <typename T, int D, int BLOCK_M, int BLOCK_N, int THREADS, int DV = D, typename O = T,
+          typename Numerics = Fa2Numerics<T>>
+__device__ void fa2_forward(FA_PARAMS_OUT(T, O), FA2_VARIANT_PARAMS, Numerics numerics = {}) {
     static_assert(THREADS % 32 == 0 && THREADS >= BLOCK_M, "one softmax thread per query row");
     static_assert(THREADS % BLOCK_N == 0 && (BLOCK_M * BLOCK_N) % THREADS == 0, "S tile split");
     static_assert(BLOCK_M % (THREADS / 32) == 0, "P V rows split over warps");
@@ -136,9 +151,10 @@ __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
             const float m_new = fmaxf(m_i, m_tile);
             const float shift = fa_softmax_shift(m_new);
             const float alpha = expf(m_i - shift);
-            // P = exp(S - m_new): the row sum takes fp32 P, P V takes P rounded to T (over S).
-            const float p_sum =
-                fa_exp_row<BLOCK_N>(s_row, shift, [&](int j, float p) { s_row[j] = round_through<T>(p); });
+            // P = exp(S - m_new): the row sum takes fp32 P, P V takes P rounded (over S); both
+            // times the numerics' P scale (a power of two: the sum scales exactly).
+            const float p_sum = numerics.p_scale() *
+                fa_exp_row<BLOCK_N>(s_row, shift, [&](int j, float p) { s_row[j] = numerics.round_p(p); });
             l_i = alpha * l_i + p_sum;
             m_i = m_new;
             row_alpha[tid] = alpha;
@@ -179,6 +195,7 @@ __device__ void fa2_forward(FA_PARAMS(T), FA2_VARIANT_PARAMS) {
     }
 
     // Epilogue: o = acc / l, lse = m + log l; rows that attended nothing get 0 and -inf.
+    numerics.finish(acc, m_i);
     fa_store_output<DV, BLOCK_M>(acc, m_i, l_i, row_l, o, lse, b, h, H, Nq, q0);
 }
 

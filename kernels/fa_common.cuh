@@ -6,7 +6,8 @@
 //       const T* q, const T* k, const T* v, T* o, float* lse,
 //       int B, int H, int Hkv, int Nq, int Nk, float scale, int causal, int causal_offset);
 //
-//   T = __half (fp16), __nv_bfloat16 (bf16) or float (fp32); q [B,H,Nq,D], k and v [B,Hkv,Nk,D],
+//   T = __half (fp16), __nv_bfloat16 (bf16) or float (fp32) (fa3_fp8.cu: __nv_fp8_e4m3 or
+//   __nv_fp8_e5m2 with a bf16 o, FA_PARAMS_OUT, and its descales after); q [B,H,Nq,D], k and v [B,Hkv,Nk,D],
 //   o [B,H,Nq,D], lse [B,H,Nq] (float32, natural log), all contiguous. Query head h reads key/value
 //   head h / (H / Hkv). Query i attends key j iff !causal || j <= i + causal_offset, where
 //   causal_offset = Nk - Nq aligns the mask bottom-right and 0 top-left (passed whether or not
@@ -190,8 +191,10 @@ FA_DEVICE void fa_store_output(const float (&acc)[O_ROWS][O_COLS], float m, floa
 
 // ---- entry points -------------------------------------------------------------------------------
 
-#define FA_PARAMS(T)                                                                               \
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o, \
+#define FA_PARAMS(T) FA_PARAMS_OUT(T, T)
+// The same with an output of another type O (fa3_fp8.cu: FP8 inputs, a bf16 output).
+#define FA_PARAMS_OUT(T, O)                                                                        \
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, O* __restrict__ o, \
         float* __restrict__ lse, int B, int H, int Hkv, int Nq, int Nk, float scale, int causal,  \
         int causal_offset
 #define FA_ARGS q, k, v, o, lse, B, H, Hkv, Nq, Nk, scale, causal, causal_offset
@@ -205,3 +208,8 @@ FA_DEVICE void fa_store_output(const float (&acc)[O_ROWS][O_COLS], float m, floa
 #define FA_FOR_EACH_HALF_DTYPE(X, ...)     \
     X(fp16, __half, __VA_ARGS__)           \
     X(bf16, __nv_bfloat16, __VA_ARGS__)
+
+// X(format_name, T, ...) once per FP8 format (a source using it includes <cuda_fp8.h>: fa3_fp8.cu).
+#define FA_FOR_EACH_FP8_DTYPE(X, ...)      \
+    X(e4m3, __nv_fp8_e4m3, __VA_ARGS__)    \
+    X(e5m2, __nv_fp8_e5m2, __VA_ARGS__)

@@ -386,7 +386,7 @@ def test_registry():
     names = [backend.name for backend in builtin_backends()]
     assert names[:5] == ["numpy-tiled", "naive-same-precision", "naive-fp32", "torch-sdpa-math",
                          "torch-sdpa-flash-cpu"]
-    kernels = {f"{family}-{runner}" for family in ("fa2", "wmma", "mma-ptx", "naive-cuda", "naive16-cuda")
+    kernels = {f"{family}-{runner}" for family in ("fa2", "wmma", "mma-ptx", "naive-cuda", "naive16-cuda", "fa3-fp8")
                for runner in ("cpu", "pycuda")}
     ragged = {"numpy-ragged-varlen", "numpy-ragged-paged", *(f"split-kv{layout}-{runner}" for layout in ("", "-varlen")
                                                                for runner in ("cpu", "pycuda"))}
@@ -405,4 +405,7 @@ def test_registry():
     assert fp8["kinds"] == ["fp8"] and fp8["precision"]["e4m3"] == PrecisionModel.fa3_fp8("e4m3").as_dict()
     paged_fp8 = table[names.index("numpy-paged-fp8")]
     assert paged_fp8["kinds"] == ["paged-fp8"] and paged_fp8["dtypes"] == ["e4m3", "e5m2"]
+    for runner in ("cpu", "pycuda"):  # our FP8 kernel, judged under the same model
+        kernel = table[names.index(f"fa3-fp8-{runner}")]
+        assert kernel["kinds"] == ["fp8"] and kernel["precision"] == fp8["precision"]
     assert row["precision"]["bf16"] == PrecisionModel.same_precision("bf16").as_dict()

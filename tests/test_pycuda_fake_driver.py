@@ -72,10 +72,11 @@ _LONG_BUILDS = ("fa2", "naive16", "wmma")
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in _LONG_BUILDS else f
-                                    for f in sorted(FAMILIES)])
+                                    for f in sorted(FAMILIES) if FAMILIES[f].kind == "dense"])
 def test_fake_driver_runs_every_family_bit_identical_to_the_cpu_runner(family):
     """Each -pycuda backend on the fake driver returns what its -cpu twin returns, bit for bit, and
-    passes the oracle (a family per test: the suite's workers share them)."""
+    passes the oracle (a family per test: the suite's workers share them; fa3_fp8's FP8 problems
+    below)."""
     answer = on_fake_driver(f"""
         from fa_verify.backends.cuda_kernels import CpuKernelBackend, PyCudaKernelBackend
         from fa_verify.kernels import FAMILIES
@@ -94,6 +95,29 @@ def test_fake_driver_runs_every_family_bit_identical_to_the_cpu_runner(family):
     assert len(answer["rows"]) == len(FAMILIES[family].dtypes)
     for dtype, same, passed in answer["rows"]:
         assert same and passed, (family, dtype, same, passed)
+
+
+def test_fake_driver_runs_the_fp8_kernel_bit_identical_to_the_cpu_runner():
+    """fa3-fp8-pycuda on the fake driver: FP8 inputs as bytes, the descales as device copies of
+    [B, Hkv] arrays (per-tensor ones broadcast), a bf16 output; what fa3-fp8-cpu returns, bit for
+    bit, within FA3's FP8 error model."""
+    answer = on_fake_driver("""
+        from fa_verify.backends.cuda_kernels import CpuKernelBackend, PyCudaKernelBackend
+        from fa_verify.properties.fp8 import check_fp8_agreement
+        from fa_verify.strategies import make_fp8_problem
+        rows = []
+        for fmt, options in (("e4m3", dict(causal=True)), ("e5m2", dict(per_tensor=True, offset_gap=7.3))):
+            p = make_fp8_problem((2, 4, 2, 70, 45, 64), fmt, len(rows), **options)
+            gpu, cpu = PyCudaKernelBackend("fa3_fp8"), CpuKernelBackend("fa3_fp8")
+            assert gpu.availability().available, gpu.availability().reason
+            (o, lse), (o2, lse2) = gpu.run(p), cpu.run(p)
+            same = o.tobytes() == o2.tobytes() and lse.tobytes() == lse2.tobytes()
+            rows.append([fmt, str(o.dtype), same, check_fp8_agreement(gpu, p).passed])
+        answer(rows=rows)
+    """)
+    assert [row[:2] for row in answer["rows"]] == [["e4m3", "bfloat16"], ["e5m2", "bfloat16"]]
+    for fmt, _, same, passed in answer["rows"]:
+        assert same and passed, fmt
 
 
 def test_fake_driver_runs_fa2_variants_bit_identical_to_the_cpu_runner():

@@ -4,8 +4,10 @@ Runners: "pycuda" (a GPU, through a restartable PyCUDA worker process on the dev
 $FA_VERIFY_CUDA_DEVICE names) and "cpu" (the same
 source compiled by g++ through fa_verify's CUDA-on-CPU runner). Backend names are
 "<label>-<runner>": fa2-pycuda, fa2-cpu, wmma-pycuda, wmma-cpu, mma-ptx-pycuda, mma-ptx-cpu, naive-cuda-pycuda,
-naive-cuda-cpu, naive16-cuda-pycuda, naive16-cuda-cpu. The launch (entry, grid, block, dynamic shared memory) and the precision model
-come from the kernel catalogue, fa_verify.kernels.catalogue.
+naive-cuda-cpu, naive16-cuda-pycuda, naive16-cuda-cpu, and fa3-fp8-pycuda, fa3-fp8-cpu (FP8 problems: a family's
+`kind` is the kind of problem its backends run). The launch (entry, grid, block, dynamic shared memory, the
+trailing arguments: variants or descales) and the precision model come from the kernel catalogue,
+fa_verify.kernels.catalogue.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class KernelBackend(Backend):
         self.name = f"{self.family.label}-{self.runner}"
         self.dtypes = self.family.dtypes
         self.features = self.family.features
+        self.kinds = (self.family.kind,)
         self.notes = self.family.notes
         # D_v != D where the family instantiates it (fa2's 192/128): the strategies draw those pairs
         self.limits = Limits(head_dims_v=self.family.head_dims_v)
@@ -53,7 +56,7 @@ class KernelBackend(Backend):
         return self.family.supports(problem)
 
     def _outputs(self, problem: AttentionProblem, o_bits: np.ndarray, lse: np.ndarray):
-        out = o_bits.view(numpy_dtype(problem.dtype)).reshape(problem.out_shape)
+        out = o_bits.view(numpy_dtype(self.family.output_dtype(problem.dtype))).reshape(problem.out_shape)
         return out, lse.reshape(problem.out_shape[:3])
 
 
@@ -127,13 +130,13 @@ def run_on_cpu(family: KernelFamily, problem: AttentionProblem, module=None,
     module = module or cpu_module(family, sanitize=sanitize)
     launch = family.launch(problem)
     q, k, v = inputs if inputs is not None else (_bits(x) for x in (problem.q, problem.k, problem.v))
-    o = GuardedOutput.allocate("o", problem.out_shape, _bits(problem.q).dtype)
+    o = GuardedOutput.allocate("o", problem.out_shape, _bits(np.empty(0, numpy_dtype(launch.output_dtype))).dtype)
     lse = GuardedOutput.allocate("lse", problem.out_shape[:3], np.float32)
     args = [q, k, v, Inside(o.buffer, o.offset), Inside(lse.buffer, lse.offset), *launch.scalars]
     if launch.scratch_dtype:
         scratch = np.zeros(max(1, launch.scratch_elements), dtype=numpy_dtype(launch.scratch_dtype))
         args.append(_bits(scratch))
-    args += launch.variant_arguments()  # None: a null pointer
+    args += launch.trailing_arguments()  # None: a null pointer
     # Opted in to what the launch needs, as the PyCUDA runner sets the attribute on the GPU.
     module.launch(launch.entry, launch.grid, launch.block, launch.shared_bytes, args,
                   shared_opt_in=launch.shared_bytes)  # writes o, lse

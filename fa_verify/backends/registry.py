@@ -31,6 +31,8 @@ _BUILTINS = (
     lambda: PyCudaKernelBackend("naive"),
     lambda: CpuKernelBackend("naive16"),
     lambda: PyCudaKernelBackend("naive16"),
+    lambda: CpuKernelBackend("fa3_fp8"),
+    lambda: PyCudaKernelBackend("fa3_fp8"),
     NumpyBackwardBackend,
     NumpyFP8Backend,
     NumpyPagedFP8Backend,

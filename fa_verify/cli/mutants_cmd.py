@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
                     "exploit declared out of reach of an in-process checker may survive.")
     cmd.add_argument("--family", action="append", metavar="FAMILY",
                      help="only mutants of this kernel family (repeatable: fa2, wmma, mma_ptx, naive, naive16, "
-                          "split_kv)")
+                          "fa3_fp8, split_kv, fa2_bwd)")
     cmd.add_argument("--mutant", action="append", metavar="NAME", help="only this mutant (repeatable)")
     cmd.add_argument("--exploits", action="store_true",
                      help="judge the exploit catalogue (fa_verify.judge.exploits) instead of the mutants")

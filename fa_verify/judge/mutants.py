@@ -24,7 +24,8 @@ def mutant_source(mutant: Mutant) -> Path:
     """The mutated source, in a folder of the runner's cache named by the mutant and the text it
     builds from (`cached_source`)."""
     family = mutant.kernel_family
-    return cached_source(mutant.name, family.source, mutant.mutate((kernels_dir() / family.source).read_text()))
+    return cached_source(mutant.name, family.source, mutant.mutate((kernels_dir() / family.source).read_text()),
+                         includes=getattr(family, "includes", ()))
 
 
 _MODULES: dict = {}

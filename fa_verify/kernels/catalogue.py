@@ -18,6 +18,12 @@ and, for families that implement the variants (fa2: `features`), VARIANT_SIGNATU
 (window_size with each side capped at Nq + Nk, softcap 0 = off, null pointers = off; alibi_batch_stride is H for [B, H]
 slopes, 0 for [H]). causal_offset is always the diagonal offset (Nk - Nq bottom-right, 0
 top-left): the window and ALiBi use it whether or not the problem is causal.
+A family of kind "fp8" (fa3_fp8: FP8 problems, fa_verify.fp8) takes q, k, v in its FP8 format
+(`<family>_<e4m3|e5m2>_d<D>`), writes a bf16 o, and takes the descales after the common ABI,
+
+    (const float* q_descale, const float* k_descale, const float* v_descale)
+
+each float32 [B, Hkv] (a per-tensor descale is passed broadcast to that shape).
 The catalogue is the Python half of each family: its tile configuration per head dimension, or
 per (D, D_v) pair (which must match the instantiation lines `FA_FOR_EACH_*DTYPE(<FAMILY>_ENTRY, D, ...)`
 and `FA_FOR_EACH_*DTYPE(<FAMILY>_ENTRY_V, D, D_v, ...)` of the
@@ -41,6 +47,7 @@ import numpy as np
 
 from fa_verify.dtypes import DTYPE_NAMES
 from fa_verify.errors import InvalidArgumentError
+from fa_verify.fp8 import DESCALES
 from fa_verify.precision import PrecisionModel
 from fa_verify.problem import AttentionProblem, unsupported_features
 
@@ -58,6 +65,10 @@ _ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 BASE_SIGNATURE = ("ptr",) * 5 + ("int",) * 5 + ("float", "int", "int")
 #: The variants' parameters after the common ABI, for families with `features`.
 VARIANT_SIGNATURE = ("int", "int", "float", "ptr", "int", "ptr")
+#: The descales' parameters after the common ABI, for families of kind "fp8".
+FP8_SIGNATURE = ("ptr",) * 3
+#: The kinds of problem a family runs: dense attention, or FP8 (fa_verify.fp8).
+FAMILY_KINDS = ("dense", "fp8")
 
 
 def kernels_dir() -> Path:
@@ -78,20 +89,22 @@ def kernels_dir() -> Path:
         f"set {KERNELS_DIR_ENV} to the folder that holds fa_common.cuh and the .cu files")
 
 
-def cached_source(label: str, file_name: str, text: str) -> Path:
-    """`text` saved as `file_name` beside a copy of fa_common.cuh, in a folder of the runner's cache
-    named by `label` and the text it builds from. A fixed path lets the content-addressed build cache
-    (whose units name their source) serve every process, test and later run; an edited kernel gets
-    a new folder."""
+def cached_source(label: str, file_name: str, text: str, includes: tuple = ()) -> Path:
+    """`text` saved as `file_name` beside a copy of fa_common.cuh (and of the kernels/ files named in
+    `includes`, which it includes), in a folder of the runner's cache named by `label` and the text it
+    builds from. A fixed path lets the content-addressed build cache (whose units name their source)
+    serve every process, test and later run; an edited kernel gets a new folder."""
     from fa_verify.cuda_cpu import default_cache_dir
 
-    common = (kernels_dir() / "fa_common.cuh").read_text()
-    folder = default_cache_dir().parent / "mutants" / f"{label}-{hashlib.sha256((text + common).encode()).hexdigest()[:16]}"
+    beside = {name: (kernels_dir() / name).read_text() for name in ("fa_common.cuh", *includes)}
+    digest = hashlib.sha256("".join((text, *beside.values())).encode()).hexdigest()[:16]
+    folder = default_cache_dir().parent / "mutants" / f"{label}-{digest}"
     if not (folder / file_name).is_file():
         # Written aside and renamed into place: a concurrent process never sees half a folder.
         folder.parent.mkdir(parents=True, exist_ok=True)
         staged = Path(tempfile.mkdtemp(prefix=f".{label}-", dir=folder.parent))
-        (staged / "fa_common.cuh").write_text(common)
+        for name, content in beside.items():
+            (staged / name).write_text(content)
         (staged / file_name).write_text(text)
         try:
             os.replace(staged, folder)
@@ -131,14 +144,22 @@ class Launch:
     scratch_elements: int = 0
     #: numpy-ready dtype name of the scratch elements ("fp32", "fp16", "bf16"), None without one
     scratch_dtype: str | None = None
-    #: the variants' arguments (VARIANT_SIGNATURE) for families with features, else empty:
-    #: window_left, window_right, softcap, alibi slopes, alibi_batch_stride, sinks; an array
-    #: argument is a tuple of its float32 values (flattened), or None for a null pointer
-    variant_args: tuple = ()
+    #: the arguments after the common ABI (and the scratch), the last of `signature`: for families
+    #: with features the variants' (VARIANT_SIGNATURE: window_left, window_right, softcap, alibi
+    #: slopes, alibi_batch_stride, sinks), for FP8 families the descales (FP8_SIGNATURE), else
+    #: none; an array argument is a tuple of its float32 values (flattened), or None for a null pointer
+    trailing_args: tuple = ()
+    #: the fa_verify dtype of o: the problem's dtype, or bf16 for FP8 families
+    output_dtype: str = ""
 
-    def variant_arguments(self) -> list:
-        """The variant arguments as the kernel takes them: array tuples as float32 arrays."""
-        return [np.array(a, dtype=np.float32) if isinstance(a, tuple) else a for a in self.variant_args]
+    def trailing_arguments(self) -> list:
+        """The trailing arguments as the kernel takes them: array tuples as float32 arrays."""
+        return [np.array(a, dtype=np.float32) if isinstance(a, tuple) else a for a in self.trailing_args]
+
+    @property
+    def trailing_signature(self) -> tuple[str, ...]:
+        """The parameter kinds of `trailing_args`."""
+        return self.signature[len(self.signature) - len(self.trailing_args):]
 
 
 @dataclass(frozen=True)
@@ -165,6 +186,10 @@ class KernelFamily:
     #: the variants it implements (keys of fa_verify.problem.FEATURES); its entries then take
     #: VARIANT_SIGNATURE's parameters
     features: tuple = ()
+    #: the kind of problem it runs (FAMILY_KINDS); "fp8": FP8 q, k, v, a bf16 o, FP8_SIGNATURE's descales
+    kind: str = "dense"
+    #: other kernels/ files its source includes (besides fa_common.cuh): a mutant's copy needs them
+    includes: tuple = ()
 
     # --- what exists --------------------------------------------------------------------------
     @property
@@ -195,7 +220,12 @@ class KernelFamily:
 
     @property
     def signature(self) -> tuple[str, ...]:
-        return BASE_SIGNATURE + (("ptr",) if self.scratch else ()) + (VARIANT_SIGNATURE if self.features else ())
+        trailing = VARIANT_SIGNATURE if self.features else FP8_SIGNATURE if self.kind == "fp8" else ()
+        return BASE_SIGNATURE + (("ptr",) if self.scratch else ()) + trailing
+
+    def output_dtype(self, dtype: str) -> str:
+        """The dtype of o for inputs of `dtype`: bf16 for FP8 families, else `dtype`."""
+        return "bf16" if self.kind == "fp8" else dtype
 
     def signatures(self) -> dict[str, list[str]]:
         """{entry: signature} for every entry, as the CPU runner's CpuKernelModule takes them."""
@@ -230,8 +260,12 @@ class KernelFamily:
 
     def supports(self, problem: AttentionProblem, shared_limit: int | None = None) -> str | None:
         """None if an entry of this family runs `problem`, else why not."""
+        if problem.kind != self.kind:
+            return f"{self.name} runs {self.kind} problems, not {problem.kind} ones"
         if problem.dtype not in self.dtypes:
             return f"{self.name} has no {problem.dtype} entry (it has {', '.join(self.dtypes)})"
+        if self.kind == "fp8" and problem.output_dtype != self.output_dtype(problem.dtype):
+            return f"{self.name} writes a {self.output_dtype(problem.dtype)} output, not {problem.output_dtype}"
         key = _key(problem.head_dim, problem.head_dim_v)
         if key not in self.configs:
             return f"{self.name} has no entry for {_spelled(key)} (it has {self.describe_head_dims()})"
@@ -256,15 +290,16 @@ class KernelFamily:
                                problem.head_dim, problem.dtype, causal=problem.causal,
                                causal_alignment=problem.causal_alignment, scale=problem.scale_value,
                                window_size=problem.window_size, softcap=problem.softcap,
-                               alibi_slopes=problem.alibi_slopes, sinks=problem.sinks, head_dim_v=problem.head_dim_v)
+                               alibi_slopes=problem.alibi_slopes, sinks=problem.sinks, head_dim_v=problem.head_dim_v,
+                               descales=tuple(problem.descale(n) for n in DESCALES) if self.kind == "fp8" else None)
 
     def launch_for(self, B: int, H: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: str, *,
                    causal: bool = False, causal_alignment: str = "bottom-right",
                    scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-                   alibi_slopes=None, sinks=None, head_dim_v: int | None = None) -> Launch:
+                   alibi_slopes=None, sinks=None, head_dim_v: int | None = None, descales=None) -> Launch:
         """The launch for these shapes (e.g. of torch tensors), without an AttentionProblem; head_dim_v:
         v's D_v (None: D). The variants, taken as given (AttentionProblem validates them), need a
-        family with features."""
+        family with features; an FP8 family needs `descales`, q's, k's and v's, each [B, Hkv]."""
         if dtype not in self.dtypes:
             raise InvalidArgumentError(f"{self.name} has no {dtype} entry (it has {', '.join(self.dtypes)})")
         if causal_alignment not in ("bottom-right", "top-left"):
@@ -275,12 +310,18 @@ class KernelFamily:
         scalars = (B, H, Hkv, Nq, Nk, scale, int(bool(causal)), causal_offset)
         scratch = B * H * Nq * Nk if self.scratch else 0
         scratch_dtype = None if not self.scratch else dtype if self.scratch == "input" else self.scratch
-        variant_args = ()
+        trailing = ()
+        if self.kind == "fp8":
+            if descales is None or len(descales) != 3:
+                raise InvalidArgumentError(f"{self.name} takes q's, k's and v's descales ([B, Hkv] each): "
+                                           f"descales={descales!r}")
+            trailing = tuple(tuple(map(float, np.broadcast_to(np.asarray(d, np.float32), (B, Hkv)).ravel()))
+                             for d in descales)
         if self.features:
             slopes, sinks = (None if x is None else np.asarray(x, dtype=np.float32) for x in (alibi_slopes, sinks))
             # A side of Nq + Nk keys or more reaches every key: capped there, it fits the kernel's int.
             left, right = (min(int(side), Nq + Nk) for side in window_size)
-            variant_args = (left, right, float(softcap),
+            trailing = (left, right, float(softcap),
                             None if slopes is None else tuple(map(float, slopes.ravel())),
                             H if slopes is not None and slopes.ndim == 2 else 0,
                             None if sinks is None else tuple(map(float, sinks.ravel())))
@@ -290,7 +331,7 @@ class KernelFamily:
         return Launch(entry=self.entry(dtype, D, head_dim_v), grid=(math.ceil(Nq / cfg.block_m), H, B),
                       block=(cfg.threads, 1, 1), shared_bytes=self.shared_bytes(D, dtype, head_dim_v),
                       signature=self.signature, scalars=scalars, scratch_elements=scratch,
-                      scratch_dtype=scratch_dtype, variant_args=variant_args)
+                      scratch_dtype=scratch_dtype, trailing_args=trailing, output_dtype=self.output_dtype(dtype))
 
 
 def _key(head_dim: int, head_dim_v: int | None):
@@ -395,8 +436,18 @@ NAIVE16 = KernelFamily(
           "the input dtype) gives an infinite error-model bound for most rows, so the ensemble "
           "rule judges it")
 
+FA3_FP8 = KernelFamily(
+    name="fa3_fp8", label="fa3-fp8", source="fa3_fp8.cu",
+    description="FlashAttention-3's FP8 forward on fa2's tile loop: e4m3/e5m2 q, k, v with [B, Hkv] "
+                "descales, q.k descales folded into the softmax scale, P = exp(s - m) 2^8 rounded to "
+                "e4m3, v's descale and the LSE's compensation at the end, bf16 output",
+    dtypes=("e4m3", "e5m2"),
+    configs={d: TileConfig(64, 32, 128) for d in (8, 16, 32, 64, 128)},
+    precision_model=PrecisionModel.fa3_fp8, smem_regions=_fa2_smem, kind="fp8", includes=("fa2.cu",),
+    notes="FP8 problems (fa_verify.fp8); a per-tensor descale ([1]) is passed broadcast to [B, Hkv]")
+
 #: Every kernel family, by name.
-FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (FA2, WMMA, MMA_PTX, NAIVE, NAIVE16)}
+FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (FA2, WMMA, MMA_PTX, NAIVE, NAIVE16, FA3_FP8)}
 
 
 def _fa2_tanh_approx_precision(dtype) -> PrecisionModel:

@@ -59,11 +59,13 @@ class Mutant:
         return source.replace(self.find, self.replace)
 
     def materialise(self, folder: str | Path) -> Path:
-        """Write the mutated source (and fa_common.cuh) into `folder`; return the source's path."""
+        """Write the mutated source (and fa_common.cuh, and the files it includes) into `folder`;
+        return the source's path."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         src = kernels_dir()
-        shutil.copyfile(src / "fa_common.cuh", folder / "fa_common.cuh")
+        for name in ("fa_common.cuh", *getattr(self.kernel_family, "includes", ())):
+            shutil.copyfile(src / name, folder / name)
         path = folder / self.kernel_family.source
         path.write_text(self.mutate((src / self.kernel_family.source).read_text()))
         return path

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from fa_verify.backends.base import Availability
+from fa_verify.dtypes import numpy_dtype
 from fa_verify.errors import (
     BackendUnavailableError,
     FaVerifyError,
@@ -56,7 +57,6 @@ from fa_verify.kernels.catalogue import (
     DEFAULT_SHARED_LIMIT,
     FAMILIES,
     NVCC_OPTIONS,
-    VARIANT_SIGNATURE,
     KernelFamily,
     Launch,
     kernels_dir,
@@ -340,9 +340,9 @@ class PyCudaKernels:
                  np.float32(scale), np.int32(causal), np.int32(offset)]
         if family.scratch:
             args.append(_pointer(scratch))
-        arrays = []  # the variants' arrays (ALiBi slopes, sinks), copied in for this launch
+        arrays = []  # the trailing arrays (ALiBi slopes, sinks; descales), copied in for this launch
         try:
-            for kind, value in zip(VARIANT_SIGNATURE, launch.variant_arguments()):
+            for kind, value in zip(launch.trailing_signature, launch.trailing_arguments()):
                 if kind == "ptr" and value is not None:
                     arrays.append(self.allocate(value.nbytes, launch.entry))
                     self._cuda.memcpy_htod(arrays[-1], value)
@@ -367,11 +367,13 @@ class PyCudaKernels:
 
     def run_numpy(self, family: KernelFamily, launch: Launch, q: np.ndarray, k: np.ndarray,
                   v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Copy numpy inputs in, launch, copy (o, lse) out. fp16/bf16 arrays may be uint16 views."""
+        """Copy numpy inputs in, launch, copy (o, lse) out. fp16/bf16 arrays may be uint16 views, FP8
+        arrays uint8 views; o comes back in the launch's output dtype (as uint16 bits for fp16/bf16)."""
         cuda = self._cuda
         B, H, Hkv, Nq, Nk = launch.scalars[:5]
         q, k, v = (np.ascontiguousarray(x) for x in (q, k, v))
-        o = np.empty(q.shape[:3] + v.shape[3:], q.dtype)  # [B, H, Nq, D_v]
+        o_dtype = numpy_dtype(launch.output_dtype)
+        o = np.empty(q.shape[:3] + v.shape[3:], np.uint16 if o_dtype.itemsize == 2 else o_dtype)  # [B, H, Nq, D_v]
         lse = np.empty((B, H, Nq), dtype=np.float32)
         sizes = [x.nbytes for x in (q, k, v, o, lse)]
         if launch.scratch_dtype:

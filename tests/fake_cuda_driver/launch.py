@@ -68,11 +68,13 @@ def _catalogued(entry: str):
     family = FAMILIES.get(family_name)
     if family is None or entry not in family.entries():
         return None
-    element = np.uint16 if dtype in ("fp16", "bf16") else np.float32
+    bits = {"fp16": np.uint16, "bf16": np.uint16, "e4m3": np.uint8, "e5m2": np.uint8}
+    element, out = bits.get(dtype, np.float32), bits.get(family.output_dtype(dtype), np.float32)
     scratch = (np.float32 if family.scratch == "fp32" else element,) if family.scratch else ()
-    variants = (np.float32, np.float32) if family.features else ()  # ALiBi slopes, sinks
+    trailing = ((np.float32, np.float32) if family.features  # ALiBi slopes, sinks
+                else (np.float32,) * 3 if family.kind == "fp8" else ())  # the descales
     return (cpu_module(family), entry, family.signature,
-            (element, element, element, element, np.float32) + scratch + variants)
+            (element, element, element, out, np.float32) + scratch + trailing)
 
 
 def _split_kv_entry(entry: str):
