@@ -27,9 +27,10 @@ RUNNERS = ("pycuda", "cpu")
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
-    """A contiguous array as the kernel reads it: fp16/bf16 as their uint16 bits."""
+    """A contiguous array as the kernel reads it: fp16/bf16 as their uint16 bits, the FP8
+    formats as their uint8 bits."""
     x = np.ascontiguousarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x
+    return x.view({2: np.uint16, 1: np.uint8}[x.dtype.itemsize]) if x.dtype.itemsize in (1, 2) else x
 
 
 class KernelBackend(Backend):
