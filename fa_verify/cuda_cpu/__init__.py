@@ -41,6 +41,10 @@ SUPPORTED = (
     "__any_sync, __all_sync, __activemask",
     "cuda_fp16.h / cuda_bf16.h: __half, __half2, __nv_bfloat16, __nv_bfloat162, conversions (_rn/_rz/_rd/_ru, "
     "bit-exact, NaN -> 0x7FFF), operators, __hadd/__hmul/__hfma/__hmax/..., hexp/hlog/hsqrt/...",
+    "cuda_fp8.h: __nv_fp8_storage_t/x2/x4, __nv_saturation_t, __nv_fp8_interpretation_t, __nv_cvt_{float,double,"
+    "halfraw,bfloat16raw}[2]_to_fp8[x2], __nv_cvt_fp8[x2]_to_halfraw[2], __nv_fp8{,x2,x4}_{e4m3,e5m2} (constructors "
+    "saturating, explicit widening conversions), bit-exact with CUDA's header (round to nearest even; SATFINITE "
+    "and NOSAT as CUDA has them)",
     "mma.h: nvcuda::wmma fragments m16n16k16/m32n8k16/m8n32k16, __half/__nv_bfloat16 inputs, float/__half "
     "accumulators, and m16n16k8 precision::tf32 inputs with float accumulators (wmma::__float_to_tf32 rounds "
     "as cvt.rna; mma_sync reads the inputs' 19 high bits), fill_fragment, load_matrix_sync, mma_sync, "
@@ -65,8 +69,8 @@ SUPPORTED = (
 UNSUPPORTED = (
     "any other inline assembly (the build error names the instruction), asm labels, __managed__ memory",
     "cooperative_groups' grid, multi-grid, cluster and coalesced groups and dynamic tiled_partition; "
-    "the use of cuda_pipeline (use cp.async PTX), cuda_awbarrier, cg::memcpy_async and cuda_fp8's types "
-    "(their headers may be included unused)",
+    "the use of cuda_pipeline (use cp.async PTX), cuda_awbarrier and cg::memcpy_async "
+    "(their headers may be included unused); cuda_fp8.h's e8m0, e2m1, e2m3, e3m2 (CUDA 12.8+) and fp8 arithmetic",
     "wmma with integer or sub-byte types; atomics on __half/__nv_bfloat16",
     "texture and surface objects, dynamic parallelism, host runtime API calls inside the source",
 )

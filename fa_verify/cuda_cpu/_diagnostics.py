@@ -23,7 +23,6 @@ _UNDECLARED = re.compile(
 )
 _NO_MATCH = re.compile(r"no matching function for call to [‘']([A-Za-z_][\w:]*)\(")
 _SHIM_REFUSAL = re.compile(r"fa_verify CUDA-on-CPU: ([^\"\n]+)")
-_FP8_USED = re.compile(r"fa_cpu_fp8_is_not_emulated|__nv_fp8\w*[^\n]*incomplete type")
 _MISSING_HEADER = re.compile(r"fatal error: ([^:\s]+): No such file or directory")
 _CUDA_LIKE = re.compile(
     r"^(__\w+|atomic\w+|cuda\w+|tex\w+|surf\w+|make_\w+|h2?\w+|nvcuda|wmma|cooperative_groups)$"
@@ -56,9 +55,6 @@ def hints(output: str, entries: Iterable[str]) -> list[str]:
         add(f"header <{match.group(1)}> is neither provided by the CUDA-on-CPU shim nor found in include_dirs")
     for match in _SHIM_REFUSAL.finditer(output):  # the shim's own #error / static_assert texts
         add(match.group(1).strip())
-    if _FP8_USED.search(output):  # include/cuda_fp8.h declares the fp8 types incomplete
-        add("fp8 (__nv_fp8_e4m3, __nv_fp8_e5m2, ...) is not emulated by the CUDA-on-CPU runner: including "
-            "<cuda_fp8.h> is fine, using its types is not")
     return found
 
 
