@@ -28,13 +28,15 @@ FP8_PROPERTIES = [p.name for p in properties_for(NumpyFP8Backend())]
 #: The dense properties that also run on FP8 problems (registry.DENSE_AND_FP8), in the suite's order.
 SHARED = ["key_permutation", "query_permutation", "batch_head_independence", "masked_key_independence",
           "fully_masked_rows", "nan_padding", "determinism", "reused_buffers"]
+#: The CUDA-on-CPU runner's checks, for FP8 kernels too (tests/test_fp8_kernel_spec.py runs them).
+RUNNER_CHECKS = ["races", "address_sanitizer"]
 
 
 def test_the_fp8_kind_is_one_line_of_kinds_and_shares_the_dense_properties_that_hold_on_it():
     assert KINDS["fp8"].problem_type is FP8Problem
-    assert FP8_PROPERTIES == SHARED + ["fp8_agreement", "descale_sensitivity", "descale_rescaling",
-                                       "saturation_finite", "fp8_head_independence"]
-    assert set(FP8_PROPERTIES) & {p.name for p in properties_for(NumpyTiledBackend())} == set(SHARED)
+    assert FP8_PROPERTIES == SHARED + RUNNER_CHECKS + ["fp8_agreement", "descale_sensitivity", "descale_rescaling",
+                                                       "saturation_finite", "fp8_head_independence"]
+    assert set(FP8_PROPERTIES) & {p.name for p in properties_for(NumpyTiledBackend())} == set(SHARED + RUNNER_CHECKS)
 
 
 #: FA3's FP8 kernel as a callable of FP8 problems only: nan_padding reaches a callable's arguments
@@ -42,7 +44,7 @@ def test_the_fp8_kind_is_one_line_of_kinds_and_shares_the_dense_properties_that_
 FA3_CALLABLE = CallableBackend(fp8_mutants.fa3_style, name="fp8_mutants:fa3_style", dtypes=("e4m3", "e5m2"))
 
 
-@pytest.mark.parametrize("name", FP8_PROPERTIES)
+@pytest.mark.parametrize("name", [p for p in FP8_PROPERTIES if p not in RUNNER_CHECKS])
 def test_fa3s_fp8_kernel_passes_every_fp8_property(name):
     backend = FA3_CALLABLE if name == "nan_padding" else NumpyFP8Backend()
     outcome = search_property(backend, name, Selection(max_examples=12))

@@ -120,11 +120,11 @@ PROPERTIES = (
     # A backward's dQ atomics race only across key tiles: its edge cases have several.
     Property("races", races.check_races, target_reason=races.not_checkable, max_examples=races.RACE_EXAMPLES,
              max_examples_reason="the race detector checks every memory access of the kernel",
-             kinds=("dense", "backward"), edge_cases=("backward",)),
+             kinds=("dense", "backward", "fp8"), edge_cases=("backward",)),
     Property("address_sanitizer", sanitizer.check_address_sanitizer, target_reason=sanitizer.not_checkable,
              max_examples=sanitizer.SANITIZER_EXAMPLES,
              max_examples_reason="the kernel's AddressSanitizer build runs several times slower",
-             kinds=("dense", "backward")),
+             kinds=("dense", "backward", "fp8")),
     Property("variant_agreement", variants.check_variant_agreement, features=tuple(FEATURES)),
     Property("feature_sensitivity", variants.check_feature_sensitivity, features=tuple(FEATURES)),
     Property("wide_window", variants.check_wide_window, features=("window",)),
