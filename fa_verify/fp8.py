@@ -121,24 +121,6 @@ class FP8Problem(OnePart):
     def unsupported_by(self, backend) -> str | None:
         return backend.limits.check(self)
 
-    def reference(self):
-        """The certified reference of the true inputs (`fa_verify.oracle.fp8.reference_fp8`)."""
-        from fa_verify.oracle.fp8 import reference_fp8
-
-        return reference_fp8(self)
-
-    def error_bound(self, precision, ref):
-        """The FP8 error model's bound (`fa_verify.fp8_error_model.fp8_error_bound`)."""
-        from fa_verify.fp8_error_model import fp8_error_bound
-
-        return fp8_error_bound(self, precision, ref)
-
-    def null_outputs(self, ref, precision) -> tuple:
-        """The trivial outputs of the null-model guard, in the problem's output dtype."""
-        from fa_verify.null_model import fp8_null_outputs
-
-        return fp8_null_outputs(self, ref, self.output_dtype)
-
     def saved(self, prefix: str = "") -> tuple[dict, dict]:
         parameters = {"dtype": self.dtype, "causal": self.causal, "causal_alignment": self.causal_alignment,
                       "scale": self.scale, "output_dtype": self.output_dtype, "tags": [list(t) for t in self.tags]}

@@ -316,24 +316,6 @@ class AttentionProblem(OnePart):
         """The arrays a target is given, which must come back unchanged."""
         return {"q": self.q, "k": self.k, "v": self.v}
 
-    def reference(self):
-        """The certified reference (`fa_verify.oracle.reference`)."""
-        from fa_verify.oracle import reference
-
-        return reference(self)
-
-    def error_bound(self, precision, ref):
-        """The bound on a kernel of `precision`'s error (`fa_verify.error_model.error_bound`)."""
-        from fa_verify.error_model import error_bound
-
-        return error_bound(self, precision, ref)
-
-    def null_outputs(self, ref, precision) -> tuple:
-        """The trivial outputs of the null-model guard, as a kernel of `precision` returns them."""
-        from fa_verify.null_model import null_outputs
-
-        return null_outputs(self, ref, precision.output)
-
     def unsupported_by(self, backend) -> str | None:
         """Why `backend` cannot run this problem beyond its dtypes and kinds, or None."""
         return unsupported_features(backend.name, self, backend.features) or backend.limits.check(self)

@@ -57,6 +57,9 @@ def test_an_fp8_spec_runs_fp8_problems_with_the_formats_c_types_and_one_byte_ite
     (dict(limits={"dtype": ["e4m3", "fp16"]}), r"limits.dtype=\['e4m3', 'fp16'\] mixes FP8 formats with fp16: .* "
                                                r"write one spec per kind"),
     (dict(types={"o": "fp32"}), r"types.o='fp32': an FP8 kernel's problems have a bf16 output"),
+    (dict(params={"q_descale": "q_scale"}), r"params\[3\]='q_scale' is no buffer \(q, k, v, o, lse, null\), struct or "
+                                            r"problem name: .*; an FP8 kernel's descales are q_descale, k_descale, "
+                                            r"v_descale, k_scale, v_scale"),
     (dict(scratch={"k_scale": {"size": 1}}), r"scratch.k_scale: name it with an identifier that is not a buffer "
                                              r"\(q, k, v, o, lse, q_descale, k_descale, v_descale, k_scale, v_scale\)"),
 ])

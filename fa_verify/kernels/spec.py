@@ -409,9 +409,11 @@ class KernelSpec:
                     raise InvalidArgumentError(f"{where}[{index}]={param!r} is listed twice")
                 parsed.append(param)
             elif isinstance(param, str) and param.isidentifier() and param not in NAMES:
+                descales = f"; an FP8 kernel's descales are {', '.join(DESCALE_BUFFERS)}" if "scale" in param else ""
                 raise InvalidArgumentError(
-                    f"{where}[{index}]={param!r} is no buffer ({', '.join(self.buffer_names)}), struct or problem "
-                    f"name: if the host allocates it, declare it: [scratch.{param}] size = ..., fill = ...")
+                    f"{where}[{index}]={param!r} is no buffer ({', '.join((*BUFFERS, *self.scratch, NULL))}), struct "
+                    f"or problem name: if the host allocates it, declare it: [scratch.{param}] size = ..., fill = ..."
+                    + descales)
             else:
                 parsed.append(expressions.parse(param, f"{where}[{index}]", NAMES))
         return tuple(parsed)
