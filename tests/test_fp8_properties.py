@@ -17,7 +17,7 @@ from fa_verify.fp8 import DESCALES, FP8Problem
 from fa_verify.properties import Selection, search_property
 from fa_verify.properties.kinds import KINDS
 from fa_verify.properties.registry import properties_for
-from fa_verify.strategies._fp8 import OFFSET_SHARE, TILE_EDGE_KEYS, TILE_EDGE_SHARE, make_fp8_problem
+from fa_verify.strategies._fp8 import HEAD_DIMS, OFFSET_SHARE, TILE_EDGE_KEYS, TILE_EDGE_SHARE, make_fp8_problem
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import fp8_mutants  # noqa: E402
@@ -94,6 +94,7 @@ def test_drawn_descales_are_never_unit_never_powers_of_two_and_all_distinct():
               "offset": np.mean([dict(p.tags)["offset_gap"] is not None for p in problems])}
     assert abs(shares["tile edge"] - TILE_EDGE_SHARE) < 0.2 and abs(shares["offset"] - OFFSET_SHARE) < 0.2, shares
     assert {p.dtype for p in problems} == {"e4m3", "e5m2"}
+    assert {p.head_dim for p in problems} == set(HEAD_DIMS)  # a target declaring none gets these
     assert any(p.q_descale.shape == (1,) for p in problems) and any(p.group_size > 1 for p in problems)
 
 

@@ -83,3 +83,14 @@ def test_fa_verify_check_array_torch_runs_fp8_problems(fn, code, monkeypatch, ca
                  "--max-examples", "4", "--no-isolate"]) == code
     output = capsys.readouterr().out
     assert ("PASS fp8_agreement" if code == 0 else "FAIL fp8_agreement") in output, output
+
+
+def test_the_same_torch_callable_runs_dense_problems_without_descales(monkeypatch, capsys):
+    from fa_verify.cli.main import main
+
+    monkeypatch.chdir(FIXTURES)
+    assert main(["check", "torch_fp8:attention", "--array", "torch", "--dtype", "bf16", "--dtype", "e5m2",
+                 "--property", "oracle_agreement", "--property", "fp8_agreement", "--max-examples", "3",
+                 "--no-isolate"]) == 0
+    output = capsys.readouterr().out
+    assert "PASS oracle_agreement" in output and "PASS fp8_agreement" in output, output
