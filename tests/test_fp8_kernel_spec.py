@@ -47,8 +47,9 @@ def test_an_fp8_spec_runs_fp8_problems_with_the_formats_c_types_and_one_byte_ite
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(params={"q_descale": "null"}), r"fp8.toml: params has no 'q_descale': an FP8 kernel is given each descale "
-                                         r"\(true value = stored value x descale\); pass 'q_descale' \(float32 \[B, Hkv\]\)"),
+    (dict(params={"q_descale": "null"}), r"fp8.toml: params has no 'q_descale': an FP8 kernel is given each "
+                                         r"descale \(true value = stored value x descale\); pass 'q_descale' "
+                                         r"\(float32 \[B, Hkv\]\)"),
     (dict(params={"v_descale": "null"}), r"params has no 'v_descale'.*pass 'v_descale' \(float32 \[B, Hkv\], or "
                                          r"'v_scale': float32 \[1\], per tensor\)"),
     (dict(params={"H": "k_scale"}), r"params passes both 'k_descale' and 'k_scale': one descale per tensor"),

@@ -512,9 +512,10 @@ class KernelSpec:
         fp8 = [d for d in dtypes if d in FP8_DTYPES]
         passed = list(self.descales_passed())
         if fp8 and len(fp8) < len(dtypes):
+            others = ", ".join(d for d in dtypes if d not in fp8)
             raise InvalidArgumentError(
-                f"{where}: limits.dtype={list(dtypes)!r} mixes FP8 formats with {', '.join(d for d in dtypes if d not in fp8)}: "
-                "an FP8 kernel takes descales that a kernel of other dtypes does not; write one spec per kind")
+                f"{where}: limits.dtype={list(dtypes)!r} mixes FP8 formats with {others}: an FP8 kernel takes "
+                "descales that a kernel of other dtypes does not; write one spec per kind")
         if passed and not fp8:
             raise InvalidArgumentError(
                 f"{where}: params passes {passed[0]!r}, a descale of FP8 inputs, but limits.dtype={list(dtypes)!r}; "
@@ -526,7 +527,8 @@ class KernelSpec:
             given = [n for n in names if n in passed]
             if len(given) > 1:
                 raise InvalidArgumentError(f"{where}: params passes both {given[0]!r} and {given[1]!r}: one descale "
-                                           f"per tensor; pass {given[0]!r} ([B, Hkv]) or {given[1]!r} (per tensor, [1])")
+                                           f"per tensor; pass {given[0]!r} ([B, Hkv]) or {given[1]!r} (per tensor, "
+                                           "[1])")
             if not given:
                 shapes = "float32 [B, Hkv]" + (f", or {names[1]!r}: float32 [1], per tensor" if len(names) > 1 else "")
                 raise InvalidArgumentError(
