@@ -147,3 +147,22 @@ def test_fa_verify_check_exercises_fp8_with_descales_when_the_function_takes_the
                  "oracle_agreement", "--dtype", "e4m3", "--max-examples", "3", "--no-isolate"]) == 0
     output = capsys.readouterr().out
     assert "PASS descale_sensitivity" in output and "N/A  oracle_agreement" in output
+
+
+def test_the_relations_judge_each_kind_by_its_own_reference_bound_and_null_outputs():
+    from fa_verify.error_model import error_bound
+    from fa_verify.fp8_error_model import fp8_error_bound
+    from fa_verify.oracle import reference
+    from fa_verify.oracle.fp8 import reference_fp8
+    from fa_verify.references import JUDGING, judging
+
+    fp8 = make_fp8_problem((1, 2, 1, 3, 5, 8), "e4m3", 0)
+    assert (judging(fp8).reference, judging(fp8).error_bound) == (reference_fp8, fp8_error_bound)
+    assert (judging(fp8.stored).reference, judging(fp8.stored).error_bound) == (reference, error_bound)
+    assert set(JUDGING) == {"dense", "fp8"}
+    nulls = judging(fp8).null_outputs(fp8, reference_fp8(fp8), NumpyFP8Backend().precision("e4m3"))
+    assert {n.out.dtype.name for n in nulls} == {"bfloat16"}  # the FP8 problem's output dtype
+    ragged = type("Ragged", (), {"kind": "varlen"})()
+    with pytest.raises(InvalidArgumentError, match="no reference and error bound for varlen problems here "
+                                                   r"\(kinds: dense, fp8\)"):
+        judging(ragged)
