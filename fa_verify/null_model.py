@@ -142,3 +142,23 @@ def batch_guard(guards) -> NullGuard:
     passing = tuple(name for name in tried
                     if all(name in g.passing for g in guards if name in g.tried))
     return NullGuard(tried=tried, passing=passing)
+
+
+def fp8_null_outputs(problem, ref: Reference, out_dtype) -> tuple[NullOutput, ...]:
+    """The trivial outputs of an FP8 problem (`fa_verify.fp8`), those of each (batch, kv head)
+    group's dense problem of stored values (`oracle.fp8.groups`) with the group's output times
+    its v descale, in `out_dtype`; one is the right answer only where it is in every group."""
+    from fa_verify.oracle import reference
+    from fa_verify.oracle.fp8 import groups
+
+    per_group = [(g, null_outputs(g.dense, reference(g.dense), "fp32")) for g in groups(problem)]
+    nulls = []
+    for i, first in enumerate(per_group[0][1]):
+        out, lse = np.zeros(ref.out.shape), np.zeros(ref.lse.shape)
+        exact_out = exact_lse = True
+        for g, found in per_group:
+            out[g.b, g.heads] = found[i].out[0].astype(np.float64) * g.v_descale
+            lse[g.b, g.heads] = found[i].lse[0]
+            exact_out, exact_lse = exact_out and found[i].exact_out, exact_lse and found[i].exact_lse
+        nulls.append(NullOutput(first.name, round_to(out, out_dtype), lse.astype(np.float32), exact_out, exact_lse))
+    return tuple(nulls)

@@ -17,7 +17,7 @@ from fa_verify.fp8 import DESCALES, FP8Problem
 from fa_verify.properties import Selection, search_property
 from fa_verify.properties.kinds import KINDS
 from fa_verify.properties.registry import properties_for
-from fa_verify.strategies._fp8 import OFFSET_SHARE, TILE_EDGE_KEYS, TILE_EDGE_SHARE, make_fp8_problem
+from fa_verify.strategies._fp8 import HEAD_DIMS, OFFSET_SHARE, TILE_EDGE_KEYS, TILE_EDGE_SHARE, make_fp8_problem
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import fp8_mutants  # noqa: E402
@@ -25,17 +25,61 @@ import fp8_mutants  # noqa: E402
 FP8_PROPERTIES = [p.name for p in properties_for(NumpyFP8Backend())]
 
 
-def test_the_fp8_kind_is_one_line_of_kinds_and_its_properties_are_its_own():
+#: The dense properties that also run on FP8 problems (registry.DENSE_AND_FP8), in the suite's order.
+SHARED = ["key_permutation", "query_permutation", "batch_head_independence", "masked_key_independence",
+          "fully_masked_rows", "nan_padding", "determinism", "reused_buffers"]
+#: The CUDA-on-CPU runner's checks, for FP8 kernels too (tests/test_fp8_kernel_spec.py runs them).
+RUNNER_CHECKS = ["races", "address_sanitizer"]
+
+
+def test_the_fp8_kind_is_one_line_of_kinds_and_shares_the_dense_properties_that_hold_on_it():
     assert KINDS["fp8"].problem_type is FP8Problem
-    assert FP8_PROPERTIES == ["fp8_agreement", "descale_sensitivity", "descale_rescaling", "saturation_finite",
-                              "fp8_head_independence"]
-    assert not set(FP8_PROPERTIES) & {p.name for p in properties_for(NumpyTiledBackend())}
+    assert FP8_PROPERTIES == SHARED + RUNNER_CHECKS + ["fp8_agreement", "descale_sensitivity", "descale_rescaling",
+                                                       "saturation_finite", "fp8_head_independence"]
+    assert set(FP8_PROPERTIES) & {p.name for p in properties_for(NumpyTiledBackend())} == set(SHARED + RUNNER_CHECKS)
 
 
-@pytest.mark.parametrize("name", FP8_PROPERTIES)
+#: FA3's FP8 kernel as a callable of FP8 problems only: nan_padding reaches a callable's arguments
+#: (the numpy backend copies its arrays: not applicable to it).
+FA3_CALLABLE = CallableBackend(fp8_mutants.fa3_style, name="fp8_mutants:fa3_style", dtypes=("e4m3", "e5m2"))
+
+
+@pytest.mark.parametrize("name", [p for p in FP8_PROPERTIES if p not in RUNNER_CHECKS])
 def test_fa3s_fp8_kernel_passes_every_fp8_property(name):
-    outcome = search_property(NumpyFP8Backend(), name, Selection(max_examples=12))
+    backend = FA3_CALLABLE if name == "nan_padding" else NumpyFP8Backend()
+    outcome = search_property(backend, name, Selection(max_examples=12))
     assert outcome.status == "passed", outcome
+    if name in ("key_permutation", "query_permutation"):  # judged within bounds: the null-model guard ran
+        assert outcome.informative > 0, outcome
+
+
+@pytest.mark.parametrize("mutant, name", [(m, p) for m, (_, props) in fp8_mutants.SUITE_MUTANTS.items()
+                                          for p in props])
+def test_each_shared_property_fails_the_fp8_bug_it_is_there_to_catch(mutant, name):
+    outcome = search_property(fp8_mutants.MutantFP8Backend(mutant), name, Selection(max_examples=20))
+    assert outcome.status == "failed", outcome
+    if mutant == "zeros":  # every example uninformative: zeros pass a relation between two runs
+        assert outcome.uninformative_only, outcome
+
+
+def test_nan_padding_catches_an_fp8_callable_that_reads_past_its_keys():
+    reads_past = CallableBackend(fp8_mutants.fa3_style_reads_past_k, name="fp8_mutants:fa3_style_reads_past_k",
+                                 dtypes=("e4m3",))
+    outcome = search_property(reads_past, "nan_padding", Selection(max_examples=5))
+    assert outcome.status == "failed" and "reads outside its inputs" in outcome.failure.detail, outcome
+
+
+def test_the_fp8_null_outputs_are_the_groups_trivial_outputs_times_their_v_descale():
+    from fa_verify.null_model import fp8_null_outputs
+    from fa_verify.oracle.fp8 import reference_fp8
+
+    p = make_fp8_problem((2, 2, 1, 3, 6, 8), "e4m3", 0)
+    nulls = {n.name: n for n in fp8_null_outputs(p, reference_fp8(p), "fp32")}
+    assert set(nulls) == {"zeros", "uniform attention", "queries shifted by one row", "another q"}
+    v_true = p.v.astype(np.float64) * p.descale("v_descale")[:, :, None, None]
+    mean = np.repeat(v_true.mean(axis=2, keepdims=True), p.group_size, axis=1)
+    np.testing.assert_allclose(nulls["uniform attention"].out, np.broadcast_to(mean, p.out_shape), rtol=2e-7)
+    assert not any(n.exact_out for n in nulls.values())
 
 
 def test_drawn_descales_are_never_unit_never_powers_of_two_and_all_distinct():
@@ -50,6 +94,7 @@ def test_drawn_descales_are_never_unit_never_powers_of_two_and_all_distinct():
               "offset": np.mean([dict(p.tags)["offset_gap"] is not None for p in problems])}
     assert abs(shares["tile edge"] - TILE_EDGE_SHARE) < 0.2 and abs(shares["offset"] - OFFSET_SHARE) < 0.2, shares
     assert {p.dtype for p in problems} == {"e4m3", "e5m2"}
+    assert {p.head_dim for p in problems} == set(HEAD_DIMS)  # a target declaring none gets these
     assert any(p.q_descale.shape == (1,) for p in problems) and any(p.group_size > 1 for p in problems)
 
 
@@ -102,3 +147,22 @@ def test_fa_verify_check_exercises_fp8_with_descales_when_the_function_takes_the
                  "oracle_agreement", "--dtype", "e4m3", "--max-examples", "3", "--no-isolate"]) == 0
     output = capsys.readouterr().out
     assert "PASS descale_sensitivity" in output and "N/A  oracle_agreement" in output
+
+
+def test_the_relations_judge_each_kind_by_its_own_reference_bound_and_null_outputs():
+    from fa_verify.error_model import error_bound
+    from fa_verify.fp8_error_model import fp8_error_bound
+    from fa_verify.oracle import reference
+    from fa_verify.oracle.fp8 import reference_fp8
+    from fa_verify.references import JUDGING, judging
+
+    fp8 = make_fp8_problem((1, 2, 1, 3, 5, 8), "e4m3", 0)
+    assert (judging(fp8).reference, judging(fp8).error_bound) == (reference_fp8, fp8_error_bound)
+    assert (judging(fp8.stored).reference, judging(fp8.stored).error_bound) == (reference, error_bound)
+    assert set(JUDGING) == {"dense", "fp8"}
+    nulls = judging(fp8).null_outputs(fp8, reference_fp8(fp8), NumpyFP8Backend().precision("e4m3"))
+    assert {n.out.dtype.name for n in nulls} == {"bfloat16"}  # the FP8 problem's output dtype
+    ragged = type("Ragged", (), {"kind": "varlen"})()
+    with pytest.raises(InvalidArgumentError, match="no reference and error bound for varlen problems here "
+                                                   r"\(kinds: dense, fp8\)"):
+        judging(ragged)

@@ -490,6 +490,29 @@ def test_spec_keys_drive_pycuda_as_they_drive_the_cpu_runner(stem, shape, dtype)
     assert answer == {"same": True, "passed": True}
 
 
+@pytest.mark.slow
+def test_an_fp8_kernel_spec_drives_pycuda_as_it_drives_the_cpu_runner():
+    """fp8_rows.cu (cuda_fp8.h's __nv_fp8_e4m3 / e5m2, compiled by nvcc against NVIDIA's own header)
+    with its descale pointers through PyCUDA: bit-identical to the CPU runner's emulation, and agreeing."""
+    kernels = REPO / "tests" / "cuda_cpu_kernels"
+    source, spec = kernels / "fp8_rows.cu", kernels / "fp8_rows.toml"
+    answer = on_fake_driver(f"""
+        from fa_verify.backends.spec_kernel import SpecKernelBackend
+        from fa_verify.backends.spec_pycuda import SpecPyCudaBackend
+        from fa_verify.properties.fp8 import check_fp8_agreement
+        from fa_verify.strategies._fp8 import make_fp8_problem
+        gpu, cpu = SpecPyCudaBackend({str(source)!r}, {str(spec)!r}), SpecKernelBackend({str(source)!r}, {str(spec)!r})
+        rows = []
+        for fmt, causal in (("e4m3", True), ("e5m2", False)):
+            p = make_fp8_problem((2, 4, 2, 5, 20, 16), fmt, 3, causal=causal)
+            (o, lse), (o2, lse2) = gpu.run(p), cpu.run(p)
+            rows.append([fmt, o.tobytes() == o2.tobytes() and lse.tobytes() == lse2.tobytes(),
+                         check_fp8_agreement(gpu, p).passed])
+        answer(rows=rows)
+    """, spec=f"{source}{os.pathsep}{spec}")
+    assert answer["rows"] == [["e4m3", True, True], ["e5m2", True, True]]
+
+
 def test_check_runs_a_spec_on_pycuda_with_its_shared_memory_opt_in():
     """`check kernel.cu --spec kernel.toml --runner pycuda`: raw_pointer_flash asks for 64 KiB of dynamic shared
     memory, which launches only after the spec's opt-in (cuFuncSetAttribute) as on a GPU."""

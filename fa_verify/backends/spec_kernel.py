@@ -49,6 +49,7 @@ class SpecKernelBackend(Backend):
         self.limits = self.spec.limits
         self.judged_under = self.spec.conventions
         self.dtypes = self.limits.dtypes
+        self.kinds = self.spec.kinds
         self.notes = f"{self.source.name} launched by its kernel spec on the CUDA-on-CPU runner ({self.spec.arch})"
         self._modules: dict = {}  # (racecheck, entry or None) -> CpuKernelModule
         self._sanitized = None
@@ -71,6 +72,10 @@ class SpecKernelBackend(Backend):
                 and problem.causal_alignment != self.spec.causal_alignment:
             reason = (f"{self.name} implements {self.spec.causal_alignment} causal masking; the problem needs "
                       f"{problem.causal_alignment}")
+        for buffer, descale in self.spec.descales_passed().items():
+            if reason is None and buffer.endswith("_scale") and getattr(problem, descale).size != 1:
+                reason = (f"{self.name} takes {buffer} (one descale per tensor): the problem's {descale} is per "
+                          f"(batch, kv head), shape {list(getattr(problem, descale).shape)}")
         return reason
 
     def sanitized(self) -> "SpecKernelBackend":
@@ -134,13 +139,20 @@ class SpecKernelBackend(Backend):
             arrays.append(_bits(_layout(x, self.spec.layout)))
         return arrays
 
+    def _descales(self, problem) -> dict:
+        """The descale buffers the spec passes, float32: q_descale, k_descale, v_descale as
+        [B, Hkv] (a per-tensor descale repeated), k_scale and v_scale as the one value ([1])."""
+        return {buffer: np.ascontiguousarray(getattr(problem, descale) if buffer.endswith("_scale")
+                                             else problem.descale(descale), dtype=np.float32)
+                for buffer, descale in self.spec.descales_passed().items()}
+
     def _launch(self, problem: AttentionProblem, inputs: list, racecheck: bool = False):
         plan = self.plan(problem)
         o = GuardedOutput.allocate("o", plan.o_shape, plan.o_dtype)
         if self.spec.o_fill is not None:  # the host fills o before the first launch
             o.view[...] = self.spec.o_fill
         lse = GuardedOutput.allocate("lse", plan.lse_shape, np.float32) if plan.lse_shape else None
-        self._run_plan(plan, dict(zip("qkv", inputs)), o, lse, racecheck)
+        self._run_plan(plan, {**dict(zip("qkv", inputs)), **self._descales(problem)}, o, lse, racecheck)
         check_written(f"{self.name} on {self.runs_on}", *(b for b in (o, lse) if b is not None))
         return self.output(o.view), (lse.view if lse is not None else None)
 

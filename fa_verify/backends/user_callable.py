@@ -14,7 +14,8 @@ Problems using a variant the function does not take are not supported.
 
 FP8: a function whose signature names FlashAttention-3's `q_descale`, `k_descale` and
 `v_descale` also runs FP8 problems (`fa_verify.fp8`): q, k, v come as ml_dtypes float8 arrays
-(e4m3fn or e5m2), the descales by those keywords as float32 [B, Hkv] (or [1], per tensor), true
+(e4m3fn or e5m2; with array="torch", torch.float8_e4m3fn / float8_e5m2 tensors of the same
+bits), the descales by those keywords as float32 [B, Hkv] (or [1], per tensor), true
 value = stored value x descale, q's descale indexed by the kv head of its group; it returns out
 in the problem's output dtype (bf16 unless declared). On other problems it is called without them.
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from fa_verify.conventions import Conventions, parse_conventions
 from fa_verify.conventions import of as conventions_of
-from fa_verify.dtypes import DTYPE_NAMES, dtype_name, numpy_dtype
+from fa_verify.dtypes import DTYPE_NAMES, FP8_DTYPES, dtype_name, numpy_dtype
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.kernels import expressions
 from fa_verify.kernels.abi import StructLayout
@@ -54,11 +54,15 @@ from fa_verify.precision import PrecisionModel
 
 #: The buffers a kernel may take, and their shapes' names.
 BUFFERS = ("q", "k", "v", "o", "lse")
+#: The descale buffers an FP8 kernel takes (float32; `fa_verify.fp8`): FlashAttention-3's
+#: [B, Hkv] descales, or an FP8 KV cache's per-tensor k_scale / v_scale ([1]) for k and v.
+DESCALE_BUFFERS = ("q_descale", "k_descale", "v_descale", "k_scale", "v_scale")
 #: A null pointer in `params`.
 NULL = "null"
 LAYOUTS = ("bhsd", "bshd")
 #: The C element type of each dtype, for {T} in `entry`.
-C_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}
+C_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float", "e4m3": "__nv_fp8_e4m3",
+           "e5m2": "__nv_fp8_e5m2"}
 #: Names spec expressions may use (strides are in elements, of the layout's contiguous tensors;
 #: Dv is v's and the output's head dim, D unless the limits declare head-dims-v).
 NAMES = (
@@ -220,6 +224,7 @@ class KernelSpec:
             raise InvalidArgumentError(f"{where}: include-dirs={self.include_dirs!r} must be a list of folders")
         object.__setattr__(self, "include_dirs", tuple(self.include_dirs))
         object.__setattr__(self, "limits", self._limits())
+        self._check_descales()
         object.__setattr__(self, "conventions", conventions_of(self.conventions))
         for dtype in self.limits.dtypes:  # a bad precision is a spec error now, not at the first run
             try:
@@ -284,8 +289,19 @@ class KernelSpec:
 
     @property
     def buffer_names(self) -> tuple:
-        """What a pointer parameter may name: the problem's buffers, the scratch buffers, null."""
-        return (*BUFFERS, *self.scratch, NULL)
+        """What a pointer parameter may name: the problem's buffers (an FP8 kernel's descales
+        too), the scratch buffers, null."""
+        return (*BUFFERS, *DESCALE_BUFFERS, *self.scratch, NULL)
+
+    @property
+    def kinds(self) -> tuple:
+        """The kind of problem the kernel runs: FP8 when its limits declare FP8 formats."""
+        return ("fp8",) if set(self.limits.dtypes) <= set(FP8_DTYPES) else ("dense",)
+
+    def descales_passed(self) -> dict:
+        """{buffer name: the problem's descale it holds} of the descale buffers some launch passes:
+        q_descale -> q_descale, k_scale -> k_descale (per tensor), ..."""
+        return {b: f"{b[0]}_descale" for b in DESCALE_BUFFERS if self._passes(b)}
 
     def missing_entry(self, source_path) -> str | None:
         """Why some launch's entry names no kernel of the CUDA file at `source_path` (None: each does,
@@ -342,7 +358,7 @@ class KernelSpec:
         values = {"B": B, "H": H, "Hkv": Hkv, "Nq": Nq, "Nk": Nk, "D": D, "Dv": Dv,
                   "scale": 1.0 / math.sqrt(D) if scale is None else float(scale), "causal": int(bool(causal)),
                   "causal_offset": Nk - Nq if causal and self.causal_alignment == "bottom-right" else 0,
-                  "group": H // Hkv, "itemsize": 4 if dtype == "fp32" else 2,
+                  "group": H // Hkv, "itemsize": numpy_dtype(dtype).itemsize,
                   "lse_stride_b": H * Nq, "lse_stride_h": Nq}
         for tensor, heads, n, d in (("q", H, Nq, D), ("k", Hkv, Nk, D), ("v", Hkv, Nk, Dv), ("o", H, Nq, Dv)):
             strides = (heads * n * d, n * d, d) if self.layout == "bhsd" else (n * heads * d, d, heads * d)
@@ -400,9 +416,11 @@ class KernelSpec:
                     raise InvalidArgumentError(f"{where}[{index}]={param!r} is listed twice")
                 parsed.append(param)
             elif isinstance(param, str) and param.isidentifier() and param not in NAMES:
+                descales = f"; an FP8 kernel's descales are {', '.join(DESCALE_BUFFERS)}" if "scale" in param else ""
                 raise InvalidArgumentError(
-                    f"{where}[{index}]={param!r} is no buffer ({', '.join(self.buffer_names)}), struct or problem "
-                    f"name: if the host allocates it, declare it: [scratch.{param}] size = ..., fill = ...")
+                    f"{where}[{index}]={param!r} is no buffer ({', '.join((*BUFFERS, *self.scratch, NULL))}), struct "
+                    f"or problem name: if the host allocates it, declare it: [scratch.{param}] size = ..., fill = ..."
+                    + descales)
             else:
                 parsed.append(expressions.parse(param, f"{where}[{index}]", NAMES))
         return tuple(parsed)
@@ -419,9 +437,11 @@ class KernelSpec:
         if not isinstance(tables, dict):
             raise InvalidArgumentError(f"{self.origin}: {key} must be tables [{key}.NAME] with {what}")
         for name, table in tables.items():
-            if not isinstance(name, str) or not name.isidentifier() or name in (*BUFFERS, NULL, *NAMES):
+            if not isinstance(name, str) or not name.isidentifier() or name in (*BUFFERS, *DESCALE_BUFFERS, NULL,
+                                                                                  *NAMES):
                 raise InvalidArgumentError(f"{self.origin}: {key}.{name}: name it with an identifier that is not a "
-                                           f"buffer ({', '.join(BUFFERS)}), 'null' or a problem name")
+                                           f"buffer ({', '.join(BUFFERS + DESCALE_BUFFERS)}), 'null' or a problem "
+                                           "name")
             yield name, f"{self.origin}: {key}.{name}", table
 
     def _scratch(self) -> dict:
@@ -491,6 +511,40 @@ class KernelSpec:
                                                f"{', '.join(DTYPE_NAMES)}")
             types[name] = value
         return types
+
+    def _check_descales(self) -> None:
+        """An FP8 spec (limits.dtype of FP8 formats only) passes a descale for each of q, k and v,
+        and a spec of other dtypes passes none; o is written in bf16, the FP8 problem's output."""
+        where, dtypes = self.origin, self.limits.dtypes
+        fp8 = [d for d in dtypes if d in FP8_DTYPES]
+        passed = list(self.descales_passed())
+        if fp8 and len(fp8) < len(dtypes):
+            others = ", ".join(d for d in dtypes if d not in fp8)
+            raise InvalidArgumentError(
+                f"{where}: limits.dtype={list(dtypes)!r} mixes FP8 formats with {others}: an FP8 kernel takes "
+                "descales that a kernel of other dtypes does not; write one spec per kind")
+        if passed and not fp8:
+            raise InvalidArgumentError(
+                f"{where}: params passes {passed[0]!r}, a descale of FP8 inputs, but limits.dtype={list(dtypes)!r}; "
+                f"declare [limits] dtype = ['e4m3'] (or 'e5m2') for an FP8 kernel, or drop {passed[0]!r}")
+        if not fp8:
+            return
+        for tensor in "qkv":
+            names = [f"{tensor}_descale"] + ([f"{tensor}_scale"] if tensor != "q" else [])
+            given = [n for n in names if n in passed]
+            if len(given) > 1:
+                raise InvalidArgumentError(f"{where}: params passes both {given[0]!r} and {given[1]!r}: one descale "
+                                           f"per tensor; pass {given[0]!r} ([B, Hkv]) or {given[1]!r} (per tensor, "
+                                           "[1])")
+            if not given:
+                shapes = "float32 [B, Hkv]" + (f", or {names[1]!r}: float32 [1], per tensor" if len(names) > 1 else "")
+                raise InvalidArgumentError(
+                    f"{where}: params has no {names[0]!r}: an FP8 kernel is given each descale (true value = stored "
+                    f"value x descale); pass {names[0]!r} ({shapes}) in params or a struct's pointer field")
+        written = self.types.get("o", "input")
+        if written not in ("input", "bf16"):
+            raise InvalidArgumentError(f"{where}: types.o={written!r}: an FP8 kernel's problems have a bf16 output "
+                                       "(FlashAttention-3's); write o in bf16 (drop types.o or give 'bf16')")
 
     def _limits(self) -> Limits:
         where, limits = self.origin, self.limits

@@ -137,7 +137,7 @@ def capabilities(backend: Backend, as_kind=None) -> Capabilities:
     except (Exception, SystemExit):  # noqa: BLE001 - whatever the target itself raises, the examples report
         returns_lse = True
     features = tuple(f for f, switched_on in _FEATURE_PROBES.items() if runs(switched_on(probe)))
-    caps = Capabilities(name=backend.name, dtypes=tuple(backend.dtypes),
+    caps = Capabilities(name=backend.name, dtypes=tuple(dense),  # (its FP8 formats are the FP8 kind's to draw)
                         head_dims=None if len(dims) == len(_PROBED_HEAD_DIMS) else dims,
                         alignments=alignments, returns_lse=returns_lse, limits=limits, features=features,
                         head_dims_v=_head_dim_pairs(limits, runs, dtype))
@@ -217,7 +217,8 @@ def edge_problems(prop: Property, backend: Backend, selection: Selection, cases=
     if limits.declared:
         notes.append(f"{len(cases)} edge cases moved to {len(adapted_cases)} shapes within the declared limits")
     problems = [fst.make_problem(dist, shape, dtype, seed=0, causal=c, causal_alignment=a)
-                for shape, dist in adapted_cases for dtype in selection.dtypes for c, a in modes]
+                for shape, dist in adapted_cases for dtype in selection.dtypes if dtype in DTYPE_NAMES  # (not FP8)
+                for c, a in modes]
     return [p for p in problems if _runs(backend, p, as_kind)], tuple(notes)
 
 

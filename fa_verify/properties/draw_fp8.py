@@ -15,7 +15,7 @@ import numpy as np
 from fa_verify.dtypes import FP8_DTYPES
 from fa_verify.fp8 import DESCALES, FP8Problem
 from fa_verify.ragged import PageLayout, RaggedProblem
-from fa_verify.strategies._fp8 import fp8_problems, make_fp8_problem
+from fa_verify.strategies._fp8 import HEAD_DIMS, fp8_problems, make_fp8_problem
 from fa_verify.strategies._ragged import PAGED_FP8_PAGE_SIZES, make_paged_fp8_problem, paged_fp8_problems
 
 #: (B, H, Hkv, Nq, Nk, D), make_fp8_problem's options
@@ -42,10 +42,18 @@ def _formats(backend, selection) -> list:
     return [d for d in backend.dtypes if d in chosen]
 
 
+def _head_dims(backend) -> tuple:
+    """The head dims to draw: the target's declared ones, else `HEAD_DIMS`."""
+    declared = backend.limits.head_dims
+    return tuple(sorted(declared)) if declared else HEAD_DIMS
+
+
 def _causal_modes(prop, backend, selection, fmt) -> list:
     wanted = {"any": (False, True), "causal": (True,), "non-causal": (False,)}[prop.masking]
+    n = backend.limits.nearest_seq(2) or 2  # a probe within the declared limits
+    shape = (1, 1, 1, n, n, _head_dims(backend)[0])
     return [c for c in wanted if c in selection.causal
-            and backend.supports(make_fp8_problem((1, 1, 1, 2, 2, 8), fmt, 0, causal=c)) is None]
+            and backend.supports(make_fp8_problem(shape, fmt, 0, causal=c)) is None]
 
 
 def fp8_strategy(prop, backend, selection):
@@ -55,7 +63,8 @@ def fp8_strategy(prop, backend, selection):
     causal = _causal_modes(prop, backend, selection, formats[0])
     if not causal:
         return f"needs {prop.masking} problems, which the selection (--causal) or {backend.name} excludes"
-    return fp8_problems(tuple(formats), tuple(causal)).filter(lambda p: backend.supports(p) is None)
+    return fp8_problems(tuple(formats), tuple(causal), head_dims=_head_dims(backend)).filter(
+        lambda p: backend.supports(p) is None)
 
 
 def edge_problems(prop, backend, selection) -> tuple[list, tuple]:

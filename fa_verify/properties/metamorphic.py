@@ -27,11 +27,12 @@ import numpy as np
 
 from fa_verify.dtypes import finfo
 from fa_verify.error_model import error_bound
-from fa_verify.null_model import guard, null_outputs
+from fa_verify.null_model import guard
 from fa_verify.oracle import reference
 from fa_verify.properties._compare import exceeding
 from fa_verify.properties._result import PropertyResult, failed, not_applicable, passed
 from fa_verify.properties._subject import as_backend, unsupported
+from fa_verify.references import judging
 
 #: Largest |scale q.c| the score shift aims at: beyond exp's fp32 range for a kernel that
 #: forgets the max subtraction (e^89 overflows), well inside it for one that does not.
@@ -69,7 +70,8 @@ def _relation(name: str, backend, problem, related, what: str, comparisons) -> P
     if not bounded:  # nothing was judged: not a pass
         return not_applicable(name, problem, f"{what}: the error model has no finite bound there under "
                                              f"{precision.describe()}, so nothing can be judged")
-    nulls = null_outputs(related[1], reference(related[1]), precision.output)
+    judge = judging(related[1])
+    nulls = judge.null_outputs(related[1], judge.reference(related[1]), precision)
     null_guard = guard(nulls, lambda null: not mismatches((null.out, null.lse))[0],
                        judged=("out", "lse") if has_lse else ("out",))
     note = "" if has_lse else "no LSE returned: only the output was checked"
@@ -100,8 +102,9 @@ def check_key_permutation(backend, problem, *, seed: int = 0) -> PropertyResult:
 
     def comparisons(runs, precision):
         (out, lse), (out_p, lse_p) = runs
-        ref = reference(problem)  # the exact answer, and so its bounds, do not depend on key order
-        bound, bound_p = error_bound(problem, precision, ref), error_bound(derived, precision, ref)
+        judge = judging(problem)
+        ref = judge.reference(problem)  # the exact answer, and so its bounds, do not depend on key order
+        bound, bound_p = judge.error_bound(problem, precision, ref), judge.error_bound(derived, precision, ref)
         return [("O", out_p, out, bound.out + bound_p.out, None),
                 ("LSE", lse_p, lse, bound.lse + bound_p.lse, None)]
 
@@ -119,7 +122,8 @@ def check_query_permutation(backend, problem, *, seed: int = 0) -> PropertyResul
 
     def comparisons(runs, precision):
         (out, lse), (out_p, lse_p) = runs
-        bound = error_bound(problem, precision, reference(problem))  # row bounds permute with the rows
+        judge = judging(problem)
+        bound = judge.error_bound(problem, precision, judge.reference(problem))  # row bounds permute with the rows
         return [("O", out_p, out[:, :, perm], 2 * bound.out[:, :, perm], None),
                 ("LSE", lse_p, None if lse is None else lse[:, :, perm], 2 * bound.lse[:, :, perm], None)]
 

@@ -33,6 +33,9 @@ from fa_verify.properties._result import failed
 NON_FINITE = "non-finite output: "
 #: The kinds of ragged batch.
 RAGGED = ("varlen", "paged")
+#: The kinds of a dense property that also holds on FP8 problems, as it is (FP8Problem's shapes,
+#: masking, `replace`, reference, error bound and null outputs: docs/properties.md, "On FP8 problems").
+DENSE_AND_FP8 = ("dense", "fp8")
 
 
 @dataclass(frozen=True)
@@ -102,25 +105,26 @@ PROPERTIES = (
     Property("convex_hull", convexity.check_convex_hull),
     Property("constant_v", convexity.check_constant_v),
     Property("v_affinity", convexity.check_v_affinity),
-    Property("key_permutation", metamorphic.check_key_permutation, masking="non-causal"),
-    Property("query_permutation", metamorphic.check_query_permutation, masking="non-causal"),
+    Property("key_permutation", metamorphic.check_key_permutation, masking="non-causal", kinds=DENSE_AND_FP8),
+    Property("query_permutation", metamorphic.check_query_permutation, masking="non-causal", kinds=DENSE_AND_FP8),
     Property("score_shift", metamorphic.check_score_shift),
-    Property("batch_head_independence", independence.check_batch_head_independence),
-    Property("masked_key_independence", independence.check_masked_key_independence, masking="causal"),
+    Property("batch_head_independence", independence.check_batch_head_independence, kinds=DENSE_AND_FP8),
+    Property("masked_key_independence", independence.check_masked_key_independence, masking="causal",
+             kinds=DENSE_AND_FP8),
     Property("fully_masked_rows", masking.check_fully_masked_rows, masking="causal", needs_bottom_right=True,
-             unequal_seq="needs fewer keys than queries (rows that see no key)"),
-    Property("nan_padding", padding.check_nan_padding),
-    Property("determinism", independence.check_determinism),
-    Property("reused_buffers", independence.check_reused_buffers),
+             unequal_seq="needs fewer keys than queries (rows that see no key)", kinds=DENSE_AND_FP8),
+    Property("nan_padding", padding.check_nan_padding, kinds=DENSE_AND_FP8),
+    Property("determinism", independence.check_determinism, kinds=DENSE_AND_FP8),
+    Property("reused_buffers", independence.check_reused_buffers, kinds=DENSE_AND_FP8),
     Property("unbiased_rounding", rounding.check_unbiased_rounding, large=True),
     # A backward's dQ atomics race only across key tiles: its edge cases have several.
     Property("races", races.check_races, target_reason=races.not_checkable, max_examples=races.RACE_EXAMPLES,
              max_examples_reason="the race detector checks every memory access of the kernel",
-             kinds=("dense", "backward"), edge_cases=("backward",)),
+             kinds=("dense", "backward", "fp8"), edge_cases=("backward",)),
     Property("address_sanitizer", sanitizer.check_address_sanitizer, target_reason=sanitizer.not_checkable,
              max_examples=sanitizer.SANITIZER_EXAMPLES,
              max_examples_reason="the kernel's AddressSanitizer build runs several times slower",
-             kinds=("dense", "backward")),
+             kinds=("dense", "backward", "fp8")),
     Property("variant_agreement", variants.check_variant_agreement, features=tuple(FEATURES)),
     Property("feature_sensitivity", variants.check_feature_sensitivity, features=tuple(FEATURES)),
     Property("wide_window", variants.check_wide_window, features=("window",)),

@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 from fa_verify.dtypes import FP8_DTYPES, finfo, round_to
 from fa_verify.fp8 import DESCALES, FP8Problem
 
+#: Head dims drawn when a target declares none.
+HEAD_DIMS = (8, 16, 32, 64)
 #: Key lengths at and around multiples of 128.
 TILE_EDGE_KEYS = (127, 128, 129, 255, 256, 257)
 TILE_EDGE_SHARE = 0.3
@@ -121,15 +123,17 @@ def _in_share(draw, share: float) -> bool:
 
 
 @st.composite
-def fp8_problems(draw, formats=FP8_DTYPES, causal=(False, True), max_nq: int = 24, max_work: int = 300_000):
-    """FP8 problems in `formats`, of the causal modes in `causal` (see the module's doc)."""
+def fp8_problems(draw, formats=FP8_DTYPES, causal=(False, True), max_nq: int = 24, max_work: int = 300_000,
+                 head_dims=HEAD_DIMS):
+    """FP8 problems in `formats`, of the causal modes in `causal`, with head dims among `head_dims`
+    (see the module's doc)."""
     fmt = draw(st.sampled_from(formats))
     B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from((1, 2, 3)))
-    D = draw(st.sampled_from((8, 16, 32, 64)))
+    D = draw(st.sampled_from(tuple(head_dims)))
     nq = draw(st.integers(1, max_nq))
     edge = _in_share(draw, TILE_EDGE_SHARE)
     nk = draw(st.sampled_from(TILE_EDGE_KEYS)) if edge else draw(st.integers(1, 64))
-    while B * Hkv * G * nq * nk * D > max_work and D > 8:
+    while B * Hkv * G * nq * nk * D > max_work and D // 2 in head_dims:
         D //= 2
     offset = _in_share(draw, OFFSET_SHARE)
     return make_fp8_problem(

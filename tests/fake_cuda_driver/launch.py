@@ -146,9 +146,9 @@ def _spec_pointer_dtypes(backend, launch, dtype: str) -> list:
     """The element type of each pointer of `launch`'s `dtype` instantiation, struct fields included
     (None: a null pointer)."""
     from fa_verify.dtypes import numpy_dtype
-    from fa_verify.kernels.spec import NULL
+    from fa_verify.kernels.spec import DESCALE_BUFFERS, NULL
 
-    kinds = {"o": backend.precision(dtype).output, "lse": "fp32"}
+    kinds = {"o": backend.precision(dtype).output, "lse": "fp32", **{name: "fp32" for name in DESCALE_BUFFERS}}
     kinds.update({name: backend.spec.types.get(name, "input") for name in "qkv"})
     kinds.update({name: scratch.dtype for name, scratch in backend.spec.scratch.items()})
     found = []
@@ -161,7 +161,7 @@ def _spec_pointer_dtypes(backend, launch, dtype: str) -> list:
                 continue
             element = numpy_dtype(dtype if kinds[name] == "input" else kinds[name]) if kinds[name] in (
                 "input", "fp16", "bf16", "fp32") else np.dtype(kinds[name])
-            found.append(np.uint16 if element.itemsize == 2 else element)
+            found.append({2: np.uint16, 1: np.uint8}.get(element.itemsize, element))  # 16-bit and FP8 as their bits
     return found
 
 
