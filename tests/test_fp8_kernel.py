@@ -43,7 +43,10 @@ CAMPAIGN_SEEDS = range(20)
 
 def test_the_kernel_runs_the_fp8_kind_and_its_properties_are_the_fp8_ones():
     assert BACKEND.name == "fa3-fp8-cpu" and BACKEND.kinds == ("fp8",) and BACKEND.dtypes == ("e4m3", "e5m2")
-    assert PROPERTIES == ["fp8_agreement", "descale_sensitivity", "descale_rescaling", "saturation_finite",
+    assert PROPERTIES == ["key_permutation", "query_permutation", "batch_head_independence",
+                          "masked_key_independence", "fully_masked_rows", "nan_padding", "determinism",
+                          "reused_buffers", "races", "address_sanitizer",  # the dense ones that hold on FP8
+                          "fp8_agreement", "descale_sensitivity", "descale_rescaling", "saturation_finite",
                           "fp8_head_independence"]
     assert FA3_FP8.head_dims == (8, 16, 32, 64, 128)  # the strategies' 8 .. 64, and FlashAttention-3's 128
 
