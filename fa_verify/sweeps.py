@@ -163,7 +163,7 @@ def _seq_curve(lengths, head_dim=64, heads=4) -> list[tuple]:
 
 #: D_v != D_qk (DeepSeek's 192/128: q and k of D = 192, v and the output of 128), for the backends
 #: whose Limits declare the pair (`head_dims_v`); the others list the point as unsupported.
-DV_SHAPE = (1, 4, 4, 128, 128, 192, 128)
+DV_SHAPE = (1, 4, 4, 64, 64, 192, 128)
 
 #: The decode family: the error-vs-N family with one query (Nq = 1), over the quick lengths as Nk.
 DECODE_SHAPES = [(1, 4, 4, 1, n, 64) for n in QUICK_LENGTHS]
@@ -236,7 +236,7 @@ SWEEPS = {
     "quick": Sweep(
         "quick", f"every dtype and causal mode at {len(QUICK_LENGTHS)} sequence lengths N = "
         f"{', '.join(map(str, QUICK_LENGTHS))} (D = 64, MHA), GQA at D = 128 and MQA with Nq > Nk "
-        "(fully masked rows when causal), D = 192 with D_v = 128 at N = 128; normal inputs, one seed",
+        "(fully masked rows when causal), D = 192 with D_v = 128 at N = 64; normal inputs, one seed",
         grid(_seq_curve(QUICK_LENGTHS) + [(1, 8, 2, 256, 256, 128), (1, 4, 1, 100, 64, 96), DV_SHAPE]),
         budget_s=25.0,
         published=("fa3", "golden")),
