@@ -4,7 +4,8 @@ outputs that straddle it; the campaign over seeds on two mutants; a mutant of mu
 kernel runs FP8 problems joining the table with no new code; and (slow) the table of
 docs/results.md regenerated and compared.
 
-The 20-seed table is slow (1,244 s measured on 2 cores shared with four other jobs):
+The 20-seed table is slow (130 s on 2 cores with other jobs; 1,244 s under a heavier load before
+each seed's references were cached):
     PYTHONPATH=. python3 -m pytest -n 0 -m slow tests/test_fp8_table.py
 """
 
