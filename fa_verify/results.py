@@ -31,7 +31,7 @@ import numpy as np
 
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.problem import NO_WINDOW, used_features
-from fa_verify.strategies import Shape, make_backward_problem, make_problem
+from fa_verify.strategies import Shape, make_backward_problem, make_descaled_problem, make_problem
 
 #: Version of the record format; bump it when a field changes meaning or disappears.
 #: 2: the baseline rule's baseline_ratio became the ensemble rule's ensemble_ratio
@@ -83,9 +83,15 @@ class ProblemDescriptor(Shape):
     #: seed of `make_backward_problem` (None if drawn otherwise); None for a forward problem
     dout: str | None = None
     dout_seed: int | None = None
+    #: an FP8 problem's descale range (low, high) of `make_descaled_problem` (None if drawn
+    #: otherwise) and its output dtype; None for a problem of fp16/bf16/fp32 inputs
+    descales: tuple | None = None
+    output_dtype: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
+        if self.descales is not None:
+            object.__setattr__(self, "descales", tuple(float(x) for x in self.descales))
         # JSON gives lists; the key must be hashable
         object.__setattr__(self, "window_size", tuple(self.window_size))
         for name in ("alibi_slopes", "sinks"):
@@ -104,7 +110,8 @@ class ProblemDescriptor(Shape):
                    scale=problem.scale, distribution=tags.get("distribution"),
                    seed=tags.get("seed"), window_size=problem.window_size, softcap=problem.softcap,
                    alibi_slopes=_values(problem.alibi_slopes), sinks=_values(problem.sinks),
-                   dout=tags.get("dout"), dout_seed=tags.get("dout_seed"))
+                   dout=tags.get("dout"), dout_seed=tags.get("dout_seed"), descales=tags.get("descales"),
+                   output_dtype=getattr(problem, "output_dtype", None) if problem.kind == "fp8" else None)
 
     def key(self) -> tuple:
         """A hashable identity of the problem, for resuming and pairing records."""
@@ -117,8 +124,8 @@ class ProblemDescriptor(Shape):
     @property
     def kind(self) -> str:
         """The kind of problem (`fa_verify.properties.kinds`): "backward" with an upstream
-        gradient, else "dense"."""
-        return "dense" if self.dout is None else "backward"
+        gradient, "fp8" with an FP8 dtype, else "dense"."""
+        return "fp8" if self.output_dtype is not None else "dense" if self.dout is None else "backward"
 
     @property
     def features(self) -> tuple:
@@ -136,9 +143,13 @@ class ProblemDescriptor(Shape):
     def rebuild(self):
         """The AttentionProblem (BackwardProblem) again (needs a known distribution and seed,
         and dout seed)."""
-        if self.distribution is None or self.seed is None or (self.dout is not None and self.dout_seed is None):
+        if (self.distribution is None or self.seed is None or (self.dout is not None and self.dout_seed is None)
+                or (self.kind == "fp8" and self.descales is None)):
             raise InvalidArgumentError(
                 f"problem {self.shape} has no distribution/seed tags; it cannot be rebuilt")
+        if self.kind == "fp8":
+            return make_descaled_problem(self.distribution, self.shape, self.dtype, self.seed, self.descales,
+                                         causal=self.causal, output_dtype=self.output_dtype)
         problem = make_problem(self.distribution, self.shape, self.dtype, self.seed,
                                causal=self.causal, causal_alignment=self.causal_alignment,
                                scale=self.scale)

@@ -20,17 +20,21 @@ from itertools import product
 
 import numpy as np
 
+from fa_verify.dtypes import FP8_DTYPES
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.problem import NO_WINDOW, used_features
-from fa_verify.strategies import Shape, make_backward_problem, make_problem
+from fa_verify.strategies import Shape, make_backward_problem, make_descaled_problem, make_problem
 
 #: The kind of problem a sweep is made of unless it says otherwise (`fa_verify.properties.kinds`).
 PROBLEM_KIND = "dense"
 #: The kinds a sweep can be made of: a dense point is a forward problem, a backward point the
-#: same problem with an upstream gradient (`SweepPoint.dout`).
-KINDS = ("dense", "backward")
+#: same problem with an upstream gradient (`SweepPoint.dout`), an FP8 point the problem's values
+#: stored in an FP8 format under descales drawn from a range (`SweepPoint.descales`).
+KINDS = ("dense", "backward", "fp8")
 
 DTYPES = ("fp16", "bf16", "fp32")
+#: Every dtype a point can have, in the order points and columns sort by.
+ALL_DTYPES = DTYPES + FP8_DTYPES
 CAUSAL = (False, True)
 
 
@@ -83,10 +87,13 @@ class SweepPoint:
     #: a backward point's upstream gradient (a name of `DOUT_DISTRIBUTIONS`, drawn from `seed`);
     #: None for a forward point
     dout: str | None = None
+    #: an FP8 point's descale range (low, high): its q, k and v descales are drawn from U(low,
+    #: high) (`make_descaled_problem`); None for a point of fp16/bf16/fp32 inputs
+    descales: tuple | None = None
 
     @property
     def kind(self) -> str:
-        return PROBLEM_KIND if self.dout is None else "backward"
+        return "fp8" if self.descales is not None else PROBLEM_KIND if self.dout is None else "backward"
 
     @property
     def work(self) -> int:
@@ -96,10 +103,15 @@ class SweepPoint:
     @property
     def label(self) -> str:
         """What the progress line shows after the shape: the variants, a backward's dout."""
-        return " ".join(x for x in (self.variant.label, self.dout and f"dout={self.dout}") if x)
+        return " ".join(x for x in (self.variant.label, self.dout and f"dout={self.dout}",
+                                     self.descales and f"descales {self.descales[0]:g}-{self.descales[1]:g}") if x)
 
     def problem(self):
-        """The AttentionProblem the point runs (BackwardProblem for a backward point)."""
+        """The AttentionProblem the point runs (BackwardProblem for a backward point, FP8Problem
+        for an FP8 one)."""
+        if self.descales is not None:
+            return make_descaled_problem(self.distribution, self.shape, self.dtype, self.seed, self.descales,
+                                         causal=self.causal)
         forward = self.variant.apply(make_problem(self.distribution, self.shape, self.dtype, self.seed,
                                                   causal=self.causal))
         return forward if self.dout is None else make_backward_problem(forward, self.dout, self.seed)
@@ -126,17 +138,17 @@ class Sweep:
 
     def ordered(self) -> list[SweepPoint]:
         """Cheapest first, so that a budget cut leaves the largest shapes out, never a column."""
-        return sorted(self.points, key=lambda p: (p.work, p.shape.nq, DTYPES.index(p.dtype),
+        return sorted(self.points, key=lambda p: (p.work, p.shape.nq, ALL_DTYPES.index(p.dtype),
                                                   p.causal, p.distribution, p.seed, p.label))
 
 
 def grid(shapes, *, dtypes=DTYPES, causal=CAUSAL, distributions=("normal",), seeds=(0,),
-         variants=(DENSE,), douts=(None,)) -> tuple:
+         variants=(DENSE,), douts=(None,), descales=(None,)) -> tuple:
     """Every combination of the given shapes (6-tuples), dtypes, causal modes, distributions,
-    seeds, variants and upstream gradients (None: forward points)."""
-    return tuple(SweepPoint(Shape.coerce(s), d, c, dist, seed, variant, dout)
-                 for s, d, c, dist, seed, variant, dout in product(shapes, dtypes, causal, distributions,
-                                                                   seeds, variants, douts))
+    seeds, variants, upstream gradients (None: forward points) and descale ranges (FP8 points)."""
+    return tuple(SweepPoint(Shape.coerce(s), d, c, dist, seed, variant, dout, ranges)
+                 for s, d, c, dist, seed, variant, dout, ranges in product(shapes, dtypes, causal, distributions,
+                                                                           seeds, variants, douts, descales))
 
 
 #: The quick sweep's error-vs-N lengths: half octaves up to 256, where runs are cheap, then
@@ -148,6 +160,10 @@ def _seq_curve(lengths, head_dim=64, heads=4) -> list[tuple]:
     """The error-vs-N family: MHA, Nq = Nk."""
     return [(1, heads, heads, n, n, head_dim) for n in lengths]
 
+
+#: D_v != D_qk (DeepSeek's 192/128: q and k of D = 192, v and the output of 128), for the backends
+#: whose Limits declare the pair (`head_dims_v`); the others list the point as unsupported.
+DV_SHAPE = (1, 4, 4, 64, 64, 192, 128)
 
 #: The decode family: the error-vs-N family with one query (Nq = 1), over the quick lengths as Nk.
 DECODE_SHAPES = [(1, 4, 4, 1, n, 64) for n in QUICK_LENGTHS]
@@ -211,20 +227,25 @@ BACKWARD_LENGTHS = (16, 32, 64, 128, 256)
 BACKWARD_DOUTS = ("uniform-positive", "sparse", "loss-scaled")
 BACKWARD_SHAPE = (1, 2, 2, 128, 128, 64)
 
+#: The FP8 sweep's error-vs-N lengths, and its descale ranges: small descales put the stored
+#: values near e4m3's top (448), unit ones around 1, large ones down among its subnormals.
+FP8_LENGTHS = (16, 32, 64, 128, 256, 512)
+FP8_DESCALE_RANGES = ((1 / 64, 1 / 16), (0.5, 2.0), (16.0, 64.0))
+
 SWEEPS = {
     "quick": Sweep(
         "quick", f"every dtype and causal mode at {len(QUICK_LENGTHS)} sequence lengths N = "
         f"{', '.join(map(str, QUICK_LENGTHS))} (D = 64, MHA), GQA at D = 128 and MQA with Nq > Nk "
-        "(fully masked rows when causal); normal inputs, one seed",
-        grid(_seq_curve(QUICK_LENGTHS) + [(1, 8, 2, 256, 256, 128), (1, 4, 1, 100, 64, 96)]),
+        "(fully masked rows when causal), D = 192 with D_v = 128 at N = 64; normal inputs, one seed",
+        grid(_seq_curve(QUICK_LENGTHS) + [(1, 8, 2, 256, 256, 128), (1, 4, 1, 100, 64, 96), DV_SHAPE]),
         budget_s=25.0,
         published=("fa3", "golden")),
     "default": Sweep(
-        "default", "N = 16 ... 2048 (D = 64, MHA), D = 128 with GQA and MQA, Nq != Nk both ways; "
-        "normal and FA3-outlier inputs, two seeds",
+        "default", "N = 16 ... 2048 (D = 64, MHA), D = 128 with GQA and MQA, Nq != Nk both ways, "
+        "D = 192 with D_v = 128; normal and FA3-outlier inputs, two seeds",
         grid(_seq_curve((16, 64, 256, 1024, 2048))
              + [(1, 8, 2, 512, 512, 128), (1, 8, 1, 256, 256, 128),
-                (1, 4, 1, 100, 64, 96), (2, 4, 2, 64, 300, 32)],
+                (1, 4, 1, 100, 64, 96), (2, 4, 2, 64, 300, 32), DV_SHAPE],
              distributions=("normal", "fa3_outliers"), seeds=(0, 1)),
         budget_s=120.0,
         published=("fa3", "golden")),
@@ -272,6 +293,15 @@ SWEEPS = {
              douts=("normal",))
         + grid([BACKWARD_SHAPE], douts=BACKWARD_DOUTS),
         budget_s=40.0, kind="backward"),
+    "fp8": Sweep(
+        "fp8", f"FP8 inputs (e4m3, bf16 output) of the FP8 backends: N = {', '.join(map(str, FP8_LENGTHS))} "
+        "(D = 64, MHA), GQA at D = 128 and a decode step (Nq = 1, Nk = 257, MQA); the values of normal inputs "
+        "stored under descales drawn per (batch, kv head) from each range "
+        f"{', '.join(f'[{lo:g}, {hi:g}]' for lo, hi in FP8_DESCALE_RANGES)}; both causal modes, one seed; "
+        "the floor is the exact output rounded to bf16",
+        grid(_seq_curve(FP8_LENGTHS) + [(1, 8, 2, 256, 256, 128), (1, 4, 1, 1, 257, 64)], dtypes=("e4m3",),
+             descales=FP8_DESCALE_RANGES),
+        budget_s=60.0, kind="fp8"),
 }
 
 

@@ -56,7 +56,7 @@ def test_fa3s_fp8_kernel_passes_every_fp8_property(name):
 @pytest.mark.parametrize("mutant, name", [(m, p) for m, (_, props) in fp8_mutants.SUITE_MUTANTS.items()
                                           for p in props])
 def test_each_shared_property_fails_the_fp8_bug_it_is_there_to_catch(mutant, name):
-    outcome = search_property(fp8_mutants.MutantFP8Backend(mutant), name, Selection(max_examples=20))
+    outcome = search_property(fp8_mutants.SuiteMutantFP8Backend(mutant), name, Selection(max_examples=20))
     assert outcome.status == "failed", outcome
     if mutant == "zeros":  # every example uninformative: zeros pass a relation between two runs
         assert outcome.uninformative_only, outcome

@@ -260,3 +260,23 @@ def test_a_pair_wider_than_every_plain_head_dim_is_still_drawn():
 
     draw()
     assert seen == {(64, 64), (192, 128)}
+
+
+def test_the_quick_and_default_sweeps_run_192_128_on_the_backends_declaring_it():
+    """The report's default (quick) sweep and the default sweep have D = 192 with D_v = 128 for
+    every dtype and causal mode; a backend whose Limits declare the pair runs it, the others
+    list it as unsupported."""
+    from fa_verify.backends.naive import NaiveBackend
+    from fa_verify.backends.torch_sdpa import TorchSdpaBackend
+    from fa_verify.report.runner import plan_sweep
+    from fa_verify.sweeps import CAUSAL, DTYPES, SWEEPS, Sweep
+
+    for name in ("quick", "default"):
+        points = [p for p in SWEEPS[name].points if p.shape.head_dim_v != p.shape.head_dim]
+        assert {(p.shape.head_dim, p.shape.head_dim_v) for p in points} == {(192, 128)}, name
+        assert {(p.dtype, p.causal) for p in points} == {(d, c) for d in DTYPES for c in CAUSAL}, name
+    points = tuple(p for p in SWEEPS["quick"].points if p.shape.head_dim_v != p.shape.head_dim)
+    declares, does_not = NaiveBackend("same-precision"), TorchSdpaBackend("flash-cpu")
+    plan = plan_sweep(Sweep("dv", "", points, 1.0), [declares, does_not])
+    assert all(todo[declares.name] is None for _, _, todo in plan)
+    assert all("D_v=128 != D=192" in todo[does_not.name] for _, _, todo in plan)

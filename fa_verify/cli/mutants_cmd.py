@@ -39,6 +39,13 @@ def add_parser(sub) -> None:
                      help="judge the exploit catalogue (fa_verify.judge.exploits) instead of the mutants")
     cmd.add_argument("--exploit", action="append", metavar="NAME",
                      help="only this exploit (repeatable; implies --exploits)")
+    cmd.add_argument("--fp8", action="store_true",
+                     help="the FP8 judging table: the FP8 mutants (fa_verify.judge.fp8_mutants, and any mutant of "
+                          "mutants.toml whose kernel runs FP8 problems) and their correct kernels, each judged on "
+                          "every one of --seeds seeds by the suite and by the FP8 gates others use "
+                          "(fa_verify.judge.fp8_rules); prints seeds killed per target and rule")
+    cmd.add_argument("--markdown-into", default=None, metavar="PATH", type=not_a_folder,
+                     help="with --fp8: write the table into PATH between its markers (docs/results.md)")
     cmd.add_argument("--seeds", type=int_at_least(0), default=20, metavar="N",
                      help="Hypothesis seeds for the suite on the unmutated kernels (default 20; 0 skips "
                           "the false-positive runs)")
@@ -71,6 +78,10 @@ def _run(args) -> int:
     from fa_verify.judge.report import run_campaign
     from fa_verify.kernels.catalogue import get_family
 
+    if args.fp8:
+        return _run_fp8(args)
+    if args.markdown_into:
+        raise InvalidArgumentError("--markdown-into writes the FP8 judging table: use it with --fp8")
     if args.exploits or args.exploit:
         return _run_exploits(args)
     for family in args.family or ():
@@ -126,6 +137,33 @@ def _run_exploits(args) -> int:
                           rules=_rules(args), sanitizer=not args.no_sanitizer, stop_at_first=args.first_kill,
                           quiet=False, exploits=True, skipped=skipped)
     return _print(report, args)
+
+
+def _run_fp8(args) -> int:
+    """The FP8 judging table: the campaign over --seeds seeds (fa_verify.judge.over_seeds)."""
+    from fa_verify.errors import InvalidArgumentError
+    from fa_verify.judge.fp8_rules import FP8_RULES
+    from fa_verify.judge.over_seeds import fp8_mutants, run_over_seeds, write_between_markers
+
+    for option, given in (("--family", args.family), ("--exploits", args.exploits or args.exploit),
+                          ("--markdown", args.markdown)):
+        if given:
+            raise InvalidArgumentError(f"{option} does not apply to --fp8 (select with --mutant NAME; write "
+                                       "the table with --markdown-into PATH)")
+    if args.seeds < 1:
+        raise InvalidArgumentError("--fp8 judges over seeds: give --seeds 1 or more")
+    mutants = [m for m in fp8_mutants(args.mutants_file) if not args.mutant or m.name in args.mutant]
+    unknown = set(args.mutant or ()) - {m.name for m in mutants}
+    if unknown:
+        raise InvalidArgumentError(f"--mutant {sorted(unknown)[0]!r} is no FP8 mutant; FP8 mutants: "
+                                   + ", ".join(m.name for m in fp8_mutants(args.mutants_file)))
+    _, selection = _selection(args)
+    rules = [] if args.no_rules else [r for r in FP8_RULES if not args.rules or r.name in args.rules]
+    table = run_over_seeds(mutants, rules, range(args.seeds), dataclasses.replace(selection, shrink=False),
+                           quiet=False)
+    if args.markdown_into:
+        write_between_markers(args.markdown_into, table.markdown())
+    return _print(table, args)
 
 
 def _print(report, args) -> int:

@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
         "report", help="run a sweep of every backend and write an HTML error report",
         description="Runs every selected backend over a sweep of shapes x dtype x causal, judges "
                     "each output against the certified reference (the backward sweep: each "
-                    "gradient, on the backward backends), appends one record per run (per "
+                    "gradient, on the backward backends; the fp8 sweep: FP8 inputs with descales, on "
+                    "the FP8 backends), appends one record per run (per "
                     "gradient) to "
                     "OUT/results.jsonl as it goes, and renders OUT/index.html (self-contained), "
                     "OUT/summary.json and OUT/summary.md. The quick, default and thorough "
@@ -40,7 +41,8 @@ def add_parser(sub) -> None:
                           "applicable, with tables and figures per feature; decode: one query "
                           "against the quick lengths of keys, error against Nk; backward: the "
                           "gradients dq, dk, dv of the backward backends, each judged by fa_verify "
-                          "and by the rules others use, side by side)")
+                          "and by the rules others use, side by side; fp8: the FP8 backends' error per "
+                          "shape and descale range, the exact output rounded to bf16 as the floor)")
     cmd.add_argument("--out", default="reports", metavar="DIR", type=writable_folder,
                      help="output directory (default reports/)")
     cmd.add_argument("--from", dest="source", metavar="RESULTS", type=not_a_folder,

@@ -10,7 +10,9 @@ unmutated kernels over many seeds; `RULES` are the checking rules others use (fl
 defaults); `run_campaign` does all of it and makes the table `fa_verify mutants` prints.
 
 Modules: mutants (building a mutant, its backend), campaign (the suite as a mutant killer),
-rules (the other rules), report (the whole campaign and its table).
+rules (the other rules), report (the whole campaign and its table); for FP8: fp8_mutants (the
+emulated FP8 mutants), fp8_rules (the FP8 gates others use), over_seeds (the campaign once per
+seed: the FP8 judging table of `fa_verify mutants --fp8`).
 """
 
 from fa_verify.judge.campaign import (

@@ -16,6 +16,7 @@ from fa_verify.backends.backward_kernel import BackwardKernelBackend
 from fa_verify.backends.cuda_kernels import CpuKernelBackend
 from fa_verify.backends.split_kv import SplitKvCpuBackend
 from fa_verify.judge.exploits import Exploit
+from fa_verify.judge.fp8_mutants import EmulatedMutant
 from fa_verify.kernels.catalogue import cached_source, kernels_dir
 from fa_verify.kernels.mutants import Mutant
 
@@ -76,8 +77,9 @@ class RaggedMutantBackend(SplitKvCpuBackend):
 def mutant_backend(mutant: Mutant, sanitize: bool = False):
     """The backend running `mutant`: dense (MutantBackend), ragged (RaggedMutantBackend), or the
     backward kernel's (BackwardKernelBackend running the mutated text); an exploit's own target
-    (fa_verify.judge.exploits: None where it has no sanitizer build)."""
-    if isinstance(mutant, Exploit):
+    (fa_verify.judge.exploits) or an emulated FP8 mutant's (fa_verify.judge.fp8_mutants): None
+    where it has no sanitizer build."""
+    if isinstance(mutant, (Exploit, EmulatedMutant)):
         return mutant.backend(sanitize)
     if mutant.backward:
         text = mutant.mutate((kernels_dir() / mutant.kernel_family.source).read_text())
@@ -87,8 +89,9 @@ def mutant_backend(mutant: Mutant, sanitize: bool = False):
 
 def unmutated_backend(mutant: Mutant):
     """The backend of the kernel `mutant` edits, unedited: the control its kills are judged against
-    (an exploit's: the correct callable of its form)."""
-    if isinstance(mutant, Exploit):
+    (an exploit's: the correct callable of its form; an emulated FP8 mutant's: the honest numpy
+    FP8 forward)."""
+    if isinstance(mutant, (Exploit, EmulatedMutant)):
         return mutant.control_backend()
     if mutant.backward:
         return BackwardKernelBackend("cpu")

@@ -1,13 +1,15 @@
-"""The rules of the side-by-side, in table order: the forward's (fa_verify.judge.rules), then the
-gradients' (fa_verify.judge.gradient_rules); each judges the targets of its `kind`."""
+"""The rules of the side-by-side, in table order: the forward's (fa_verify.judge.rules), the
+gradients' (fa_verify.judge.gradient_rules), then the FP8 gates (fa_verify.judge.fp8_rules);
+each judges the targets of its `kind`."""
 
 from __future__ import annotations
 
 from fa_verify.errors import InvalidArgumentError
+from fa_verify.judge.fp8_rules import FP8_RULES
 from fa_verify.judge.gradient_rules import GRADIENT_RULES
 from fa_verify.judge.rules import FORWARD_RULES
 
-RULES = (*FORWARD_RULES, *GRADIENT_RULES)
+RULES = (*FORWARD_RULES, *GRADIENT_RULES, *FP8_RULES)
 RULE_NAMES = tuple(r.name for r in RULES)
 
 

@@ -53,16 +53,17 @@ def _judged(backend, problem):
     return ref, fp8_error_bound(problem, backend.precision(problem.dtype), ref)
 
 
-def _agreement(name: str, problem, result, ref, bound):
+def _agreement(name: str, problem, result, ref, bound, allowance=None):
     """(failed, saying what exceeds its bound (or the FP8 ensemble's allowance) and where, or
-    None; the largest error / bound)."""
+    None; the largest error / bound). allowance: `ensemble_allowance(problem, bound.precision,
+    ref)` when the caller has it already (the FP8 judging table judges one case many times)."""
     out, lse = result
     mismatch, worst = exceeding(out, ref.out, bound.out)
     if mismatch is not None:
         term = bound.dominant_out_term(mismatch.index)
         return failed(name, problem, f"{mismatch.describe('out')} (largest term: {term}; precision "
                                      f"{bound.precision.describe()})", worst_ratio=worst), worst
-    allowance, member, honest = ensemble_allowance(problem, bound.precision, ref)
+    allowance, member, honest = allowance or ensemble_allowance(problem, bound.precision, ref)
     error = normalised_error(out, ref)
     if error > allowance:
         return failed(name, problem, f"out: normalised error {error:.3g} > {DEFAULT_ENSEMBLE_FACTOR:g} x the honest "

@@ -3,7 +3,8 @@
 Rows bucket shapes by sequence length, head dim and head grouping rather than listing exact
 shapes, so that randomly generated problems (pytest, `fa_verify check`) group as well as a
 sweep's; the sweeps pick one shape per bucket. Problems with variants (window, softcap, ALiBi,
-sinks) get rows of their own, per combination of features, after the dense ones; a backward
+sinks) get rows of their own, per combination of features, after the dense ones, and FP8 problems
+per descale range (`ProblemDescriptor.descales`); a backward
 problem's gradients (records of dq, dk, dv) get a row each, after the bucket's output. Columns are
 dtype × causal.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa_verify.dtypes import DTYPE_NAMES
+from fa_verify.dtypes import DTYPE_NAMES, FP8_DTYPES
 from fa_verify.problem import FEATURES
 
 #: Upper ends of the sequence-length buckets (by max(Nq, Nk)); beyond the last, one open bucket.
@@ -20,6 +21,8 @@ SEQ_EDGES = (16, 64, 256, 1024, 4096)
 #: Upper ends of the head-dim buckets.
 HEAD_DIM_EDGES = (32, 64, 128)
 GROUPINGS = ("MHA", "GQA", "MQA")
+#: The dtypes of the table's columns and the figures' panels, in order: FP8 inputs after the others.
+REPORT_DTYPES = DTYPE_NAMES + FP8_DTYPES
 #: What a record's errors can be of (`Record.tensor`), in row order: the output, the gradients.
 TENSORS = ("out", "dq", "dk", "dv", "dsinks")
 
@@ -74,8 +77,18 @@ def bucket_of(problem, tensor: str = "out") -> Bucket:
     dim_index, dim = _range_label(problem.head_dim, HEAD_DIM_EDGES, "D")
     kind = grouping(problem.heads, problem.kv_heads)
     features = problem.features
-    return Bucket(variant_key(features), seq_index, dim_index, GROUPINGS.index(kind), seq, dim, kind,
-                  variant_name(features), TENSORS.index(tensor))
+    key, variant = variant_key(features), variant_name(features)
+    descales = getattr(problem, "descales", None)
+    if descales:  # an FP8 sweep's problem: a row per descale range
+        label = descale_label(descales)
+        key, variant = key + tuple(descales), (f"{variant} · {label}" if variant else label)
+    return Bucket(key, seq_index, dim_index, GROUPINGS.index(kind), seq, dim, kind, variant,
+                  TENSORS.index(tensor))
+
+
+def descale_label(descales) -> str:
+    """How the report names an FP8 problem's descale range: "descales 0.5–2"."""
+    return f"descales {descales[0]:g}–{descales[1]:g}"
 
 
 def variant_name(features) -> str:
@@ -95,7 +108,7 @@ class Column:
 
     @property
     def dtype(self) -> str:
-        return DTYPE_NAMES[self.dtype_index]
+        return REPORT_DTYPES[self.dtype_index]
 
     @property
     def label(self) -> str:
@@ -103,5 +116,5 @@ class Column:
 
 
 def column_of(problem) -> Column:
-    return Column(DTYPE_NAMES.index(problem.dtype), bool(problem.causal))
+    return Column(REPORT_DTYPES.index(problem.dtype), bool(problem.causal))
 

@@ -19,9 +19,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from fa_verify.dtypes import DTYPE_NAMES
 from fa_verify.report.aggregate import out_stat
-from fa_verify.report.buckets import TENSORS
+from fa_verify.report.buckets import REPORT_DTYPES, TENSORS, descale_label
 from fa_verify.report.families import by_family
 from fa_verify.report.yardsticks import LARGEST_BOUND_KEY
 from fa_verify.results import EXACTLY_ROUNDED, NAIVE_SAME_PRECISION
@@ -86,12 +85,15 @@ def curves(records) -> list[Curve]:
     result = []
     for kind, belongs, length, axis in KINDS:
         for tensor in sorted({r.tensor for r in records}, key=TENSORS.index):
-            for dtype in sorted({r.problem.dtype for r in records}, key=DTYPE_NAMES.index):
-                runs = [r for r in records if r.problem.dtype == dtype and r.tensor == tensor
-                        and r.out_errors is not None and belongs(r.problem) and r.problem.heads == r.problem.kv_heads]
-                curve = _curve(runs, kind, dtype, length, axis, tensor)
-                if curve is not None:
-                    result.append(curve)
+            for dtype in sorted({r.problem.dtype for r in records}, key=REPORT_DTYPES.index):
+                # FP8 problems: a curve per descale range (None for the others)
+                for descales in sorted({r.problem.descales for r in records}, key=lambda d: d or ()):
+                    runs = [r for r in records if r.problem.dtype == dtype and r.tensor == tensor
+                            and r.problem.descales == descales and r.out_errors is not None
+                            and belongs(r.problem) and r.problem.heads == r.problem.kv_heads]
+                    curve = _curve(runs, kind, dtype, length, axis, tensor)
+                    if curve is not None:
+                        result.append(curve)
     return result
 
 
@@ -99,7 +101,9 @@ def _curve(runs, kind: str, dtype: str, length, axis: str, tensor: str) -> Curve
     families = defaultdict(list)
     for r in runs:
         families[r.problem.head_dim, f"{r.problem.distribution} inputs"
-                 + (f", dout {r.problem.dout}" if r.problem.dout else ""), r.problem.variant].append(r)
+                 + (f", dout {r.problem.dout}" if r.problem.dout else "")
+                 + (f", {descale_label(r.problem.descales)}" if r.problem.descales else ""),
+                 r.problem.variant].append(r)
     if not families:
         return None
     (dim, dist, variant), family = max(

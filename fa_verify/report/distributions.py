@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from fa_verify.dtypes import DTYPE_NAMES
-from fa_verify.report.buckets import TENSORS
+from fa_verify.report.buckets import REPORT_DTYPES, TENSORS
 from fa_verify.report.families import FAMILIES, family_of
 from fa_verify.report.histogram import merge
 from fa_verify.report.yardsticks import exactly_rounded_share, merged_rounded_histogram
@@ -41,14 +40,14 @@ class DtypeDistributions:
 
 
 def distributions(records) -> list[DtypeDistributions]:
-    """Per dtype (in DTYPE_NAMES order), one Distribution per backend and tensor with stored
+    """Per dtype (in REPORT_DTYPES order), one Distribution per backend and tensor with stored
     histograms."""
     groups = defaultdict(list)
     for r in records:
         if r.histograms and r.histograms.get("normalised"):
             groups[r.problem.dtype, r.backend, r.tensor].append(r)
     result = []
-    for dtype in sorted({d for d, _, _ in groups}, key=DTYPE_NAMES.index):
+    for dtype in sorted({d for d, _, _ in groups}, key=REPORT_DTYPES.index):
         panels = sorted((key for key in groups if key[0] == dtype),
                         key=lambda key: (FAMILIES.index(family_of(key[1])), key[1], TENSORS.index(key[2])))
         result.append(DtypeDistributions(dtype, [_distribution(b, t, groups[dtype, b, t]) for _, b, t in panels]))

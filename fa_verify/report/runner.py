@@ -5,7 +5,8 @@ kind's comparators, `COMPARATORS`): for a forward problem the certified referenc
 same-precision attention (FA3's "standard attention"), the reference rounded to the dtype (the
 best any kernel can do), and per precision model the error-model bound and the honest ensemble
 of the verdict's ensemble rule; for a backward problem their gradients' counterparts
-(`gradients`), one record per gradient.
+(`gradients`), one record per gradient; for an FP8 problem the FP8 reference, its rounding to
+the output dtype and FlashAttention-3's FP8 bound (`fp8`).
 Each backend's run then costs its own run time plus its verdict.
 
 Records are appended as they are made, so an interrupted run loses at most the run in
@@ -27,21 +28,12 @@ from fa_verify.precision import PrecisionModel
 from fa_verify.report.budget import Budget
 from fa_verify.report.deviations import KEY as DEVIATION_KEY, declared_deviation
 from fa_verify.report.eta import REFERENCE
-from fa_verify.report.failure import KEY as FAILURE_KEY, worst_element
+from fa_verify.report.fp8 import FP8Comparators
 from fa_verify.report.gradients import GradientComparators
 from fa_verify.report.histogram import histogram
 from fa_verify.report.progress import Progress
 from fa_verify.report.run_info import RunInfo, Skip
-from fa_verify.report.ulp import KEY as ULP_KEY, ulp_not_tiny
-from fa_verify.report.yardsticks import (
-    EXACTLY_ROUNDED_KEY,
-    LARGEST_BOUND_KEY,
-    ROUNDED_HISTOGRAM_KEY,
-    error_stats,
-    exactly_rounded,
-    largest_bound,
-    rounded_errors,
-)
+from fa_verify.report.yardsticks import error_stats, rounded_errors, run_figures
 from fa_verify.results import (
     EXACTLY_ROUNDED,
     NAIVE_SAME_PRECISION,
@@ -127,13 +119,8 @@ def compare(backend, problem, shared: Comparators, sweep: str):
                                                                out, lse, judge)
     histograms, extra = None, {}
     if verdict.summary is not None:  # the output has the problem's shape
-        errors = _errors(out, ref, precision.output)
-        histograms = {"normalised": histogram(errors.normalised), "ulp": histogram(errors.ulp)}
-        extra[ULP_KEY] = ulp_not_tiny(errors, ref.out)
-        extra[EXACTLY_ROUNDED_KEY] = exactly_rounded(out, ref.out, precision.output)
-        extra[ROUNDED_HISTOGRAM_KEY] = shared.rounded_histogram
-        extra[LARGEST_BOUND_KEY] = largest_bound(shared.bound(precision).out, ref.row_scale)
-        extra[FAILURE_KEY] = worst_element(verdict, ref, out, lse)
+        histograms, extra = run_figures(out, lse, verdict, ref, shared.bound(precision).out, precision.output,
+                                        shared.rounded_histogram)
     if deviation:
         extra[DEVIATION_KEY] = deviation
     seconds = {"run": run_s, "check": time.perf_counter() - start, "reference": shared.seconds}
@@ -144,7 +131,7 @@ def compare(backend, problem, shared: Comparators, sweep: str):
 
 #: Per kind of problem, what its runs are compared with: `of(problem)`, then
 #: `records(backend, sweep name)` per backend (the records of one run, appended together).
-COMPARATORS = {"dense": Comparators, "backward": GradientComparators}
+COMPARATORS = {"dense": Comparators, "backward": GradientComparators, "fp8": FP8Comparators}
 
 
 def run_sweep(sweep, backends, store, *, done=frozenset(), out_dir=None, stream=None,

@@ -19,7 +19,7 @@ import numpy as np
 
 from fa_verify.dtypes import round_to
 from fa_verify.metrics import OutputErrors
-from fa_verify.report.histogram import merge
+from fa_verify.report.histogram import histogram, merge
 from fa_verify.results import EXACTLY_ROUNDED
 
 #: Keys of Record.extra.
@@ -58,6 +58,23 @@ def largest_bound(bound_out, row_scale) -> float | None:
     attends a key; None where there are none."""
     finite = np.isfinite(bound_out) & (row_scale > 0)
     return float((bound_out[finite] / row_scale[finite]).max()) if finite.any() else None
+
+
+def run_figures(out, lse, verdict, reference, bound_out, output_dtype, rounded_hist) -> tuple[dict, dict]:
+    """(histograms, extra) of one forward run whose output has the problem's shape: its
+    normalised and ULP error histograms; its ULP errors where not tiny, exactly rounded count,
+    the rounded reference's histogram, the largest bound and the worst element (Record.extra)."""
+    from fa_verify.report.failure import KEY as FAILURE_KEY, worst_element
+    from fa_verify.report.ulp import KEY as ULP_KEY, ulp_not_tiny
+
+    errors = OutputErrors.compute(out, reference.out, reference.row_scale, output_dtype)
+    histograms = {"normalised": histogram(errors.normalised), "ulp": histogram(errors.ulp)}
+    extra = {ULP_KEY: ulp_not_tiny(errors, reference.out),
+             EXACTLY_ROUNDED_KEY: exactly_rounded(out, reference.out, output_dtype),
+             ROUNDED_HISTOGRAM_KEY: rounded_hist,
+             LARGEST_BOUND_KEY: largest_bound(bound_out, reference.row_scale),
+             FAILURE_KEY: worst_element(verdict, reference, out, lse)}
+    return histograms, extra
 
 
 def exactly_rounded_share(records) -> float | None:

@@ -24,11 +24,12 @@ a fixed share with rows `anti_aligned` to every key (very negative LSE), for bac
 `make_backward_problem` is one of them without Hypothesis (a report sweep's points).
 `fp8_problems()` draws FP8 problems (fa_verify.fp8) where FP8 bugs live: non-unit, distinct
 descales, values at the format's edges, logits where P's offset matters, key lengths around
-multiples of 128; `make_fp8_problem` is one of them without Hypothesis.
+multiples of 128; `make_fp8_problem` is one of them without Hypothesis; `make_descaled_problem`
+the report's FP8 sweep point (a dense problem's values stored under descales of a range).
 """
 
 from fa_verify.strategies._backward import DOUT_DISTRIBUTIONS, anti_aligned, backward_problems, make_backward_problem
-from fa_verify.strategies._fp8 import fp8_problems, make_fp8_problem
+from fa_verify.strategies._fp8 import fp8_problems, make_descaled_problem, make_fp8_problem
 from fa_verify.strategies._depth import (
     DEEP_SHARE,
     DEEP_TILE_SIZES,
@@ -109,6 +110,7 @@ __all__ = [
     "long_key_problems",
     "long_key_shapes",
     "make_backward_problem",
+    "make_descaled_problem",
     "make_fp8_problem",
     "make_paged_fp8_problem",
     "make_problem",

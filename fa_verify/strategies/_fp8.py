@@ -99,6 +99,31 @@ def make_fp8_problem(shape, fmt: str, seed: int, *, causal: bool = False, spread
                                  output_dtype=output_dtype, tags=tags)
 
 
+def make_descaled_problem(distribution: str, shape, fmt: str, seed: int, descales: tuple, *,
+                          causal: bool = False, output_dtype: str = "bf16") -> FP8Problem:
+    """The FP8 problem of a report sweep point: the true values the dense `make_problem` draws
+    (`distribution`, fp32) divided by descales drawn from U(descales) per (batch, kv head) for
+    each of q, k and v (the same rng, after the values), then stored in `fmt`: so the true
+    inputs, and the logits, are those of the dense problem whatever the range, and the range
+    sets how far the stored values sit from 1 (small descales: stored values near the format's
+    top; large ones: down among its subnormals). Tags: distribution, seed, descales."""
+    from fa_verify.strategies._problems import make_problem
+
+    low, high = (float(x) for x in descales)
+    dense = make_problem(distribution, shape, "fp32", seed, causal=causal)
+    B, Hkv = dense.batch, dense.kv_heads
+    rng = np.random.default_rng([seed, 8])
+    drawn = [rng.uniform(low, high, (B, Hkv)).astype(np.float32) for _ in DESCALES]
+    G = dense.heads // Hkv
+    q = dense.q.astype(np.float64) / np.repeat(drawn[0], G, axis=1)[..., None, None]
+    k, v = (x.astype(np.float64) / d[..., None, None] for x, d in zip((dense.k, dense.v), drawn[1:]))
+    top = float(finfo(fmt).max)
+    q, k, v = (np.clip(x, -top, top) for x in (q, k, v))
+    return FP8Problem.from_float(q, k, v, fmt, **dict(zip(DESCALES, drawn)), causal=causal,
+                                 output_dtype=output_dtype,
+                                 tags=(("distribution", distribution), ("seed", seed), ("descales", (low, high))))
+
+
 def _distinct(rng, descales: list) -> list:
     """The descales with any value shared across tensors or entries (or a power of two) nudged."""
     seen = set()
