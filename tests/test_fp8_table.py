@@ -10,6 +10,7 @@ each seed's references were cached):
 """
 
 import dataclasses
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -177,7 +178,8 @@ def test_the_campaign_over_seeds_on_two_mutants():
     assert dropped.rules["flash-attention-fp8"] == [0]
     md = table.markdown().splitlines()
     assert md[2].startswith("| `numpy-fa3-fp8` (correct) | - | 0 / 1 false positives | 0 / 1 |")
-    assert md[3].startswith("| `k_descale_dropped` | descale dropped | 1 / 1 (1, 1) | 1 / 1 |")
+    # killed on its first drawn example of fp8_agreement, after the dense properties that run first passed
+    assert re.match(r"\| `k_descale_dropped` \| descale dropped \| 1 / 1 \((\d+), \1\) \| 1 / 1 \|", md[3]), md[3]
 
 
 def test_a_mutant_of_mutants_toml_whose_kernel_runs_fp8_joins_the_table(monkeypatch):
@@ -189,7 +191,8 @@ def test_a_mutant_of_mutants_toml_whose_kernel_runs_fp8_joins_the_table(monkeypa
     monkeypatch.setattr(judge_mutants, "unmutated_backend",
                         lambda m: NumpyFP8Backend() if m.name == some.name else real(m))
     names = [m.name for m in fp8_mutants()]
-    assert names == [m.name for m in EMULATED_MUTANTS] + [some.name]
+    cuda = [m.name for m in load_mutants() if m.family == "fa3_fp8" or m.name == some.name]  # our FP8 kernel's
+    assert names == [m.name for m in EMULATED_MUTANTS] + cuda and len(cuda) == 9
 
 
 def test_markdown_into_without_fp8_is_a_usage_error(tmp_path, capsys):
