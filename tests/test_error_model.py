@@ -218,6 +218,10 @@ def test_terms_add_up_and_vanish_on_fully_masked_rows():
         assert all(np.all(t >= 0) for t in terms.values())
     d = bound.as_dict()
     assert d["accumulation"] == "worst-case" and set(d["out_terms_max"]) == set(OUT_TERMS)
+    assert d["precision"] == bound.precision.as_dict() and set(d["lse_terms_max"]) == set(LSE_TERMS)
+    assert d["out_max"] == bound.out.max() < 1 and d["lse_max"] == bound.lse.max() < 1
+    for record, terms in ((d["out_terms_max"], bound.out_terms), (d["lse_terms_max"], bound.lse_terms)):
+        assert record == {name: term.max() for name, term in terms.items()}
 
 
 def test_p_rounding_term_is_u_p_times_row_scale_plus_output():
