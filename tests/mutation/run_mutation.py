@@ -67,6 +67,12 @@ DESELECT = ["tests/test_honest_ensemble.py::test_members_give_the_same_bits_unde
             "tests/test_null_model.py::test_check_json_carries_the_counts",
             "tests/test_null_model.py::test_search_counts_informative_examples_and_fails_a_property_with_none",
             "tests/test_null_model.py::test_a_trivial_target_never_passes_unless_it_is_the_right_answer"]
+#: The FP8 oracle has its own fast test file; its mutants run in a second mutmut session (a
+#: session has one test selection, and adding a file to TESTS would make mutmut redo every mutant).
+FP8 = ["fa_verify/oracle/fp8.py"]
+FP8_TESTS = ["tests/test_fp8_oracle.py"]
+#: (name, modules, tests, modules left out, work folder under the main one or "" for itself)
+SESSIONS = [("core", CORE, TESTS, FP8, ""), ("fp8", FP8, FP8_TESTS, [], "fp8")]
 KILLED = {"killed", "caught by type check", "segfault"}
 EQUIVALENTS = Path(__file__).with_name("equivalent.toml")
 NOT_CHECKED = {"skipped", "not checked", "check was interrupted by user"}
@@ -76,7 +82,7 @@ def _quoted(items) -> str:
     return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
-def _config(modules, tests) -> str:
+def _config(modules, tests, skip=()) -> str:
     quoted = _quoted
     deselect = [arg for test in DESELECT for arg in ("--deselect", test)]
     return "\n".join([
@@ -86,20 +92,21 @@ def _config(modules, tests) -> str:
         "[tool.mutmut]",
         'source_paths = ["fa_verify"]',
         f"only_mutate = {quoted(modules)}",
+        f"do_not_mutate = {quoted(skip)}",
         f"pytest_add_cli_args_test_selection = {quoted(tests)}",
         f"pytest_add_cli_args = {quoted(['-p', 'no:cacheprovider', '-m', 'not slow', *deselect])}",
         "",
     ])
 
 
-def _prepare(work: Path, modules, tests, fresh: bool) -> None:
+def _prepare(work: Path, modules, tests, skip, fresh: bool) -> None:
     if fresh and work.exists():
         shutil.rmtree(work)
-    work.mkdir(exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     for folder in ("fa_verify", "tests"):  # a changed source is copied again; mutmut redoes its mutants
         shutil.copytree(ROOT / folder, work / folder, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.so", "mutation"))
-    (work / "pyproject.toml").write_text(_config(modules, tests))
+    (work / "pyproject.toml").write_text(_config(modules, tests, skip))
     # mutmut puts mutants/ first on sys.path; it must exist before Python starts, or the import
     # system caches it as missing and the editable install's fa_verify is imported instead.
     (work / "mutants").mkdir(exist_ok=True)
@@ -157,10 +164,11 @@ def _written_line(diff: str) -> str:
     return "\n".join(line[1:].strip() for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++"))
 
 
-def _results(work: Path, equivalents: dict) -> dict:
+def _results(works, equivalents: dict) -> dict:
+    """Scores over the mutants of every work folder in `works` (each module is in one)."""
     per_module: dict = defaultdict(Counter)
     survivors, equivalent, stale, timeouts, not_run = [], [], [], [], []
-    listed = sorted(_listing(work))
+    listed = sorted(m for work in works for m in _listing(work))
     names = {name for name, _, _ in listed}
     for name, status, diff in listed:
         module = re.split(r"\.x(?:_|ǁ)", name)[0]
@@ -178,7 +186,7 @@ def _results(work: Path, equivalents: dict) -> dict:
             timeouts.append(name)
         elif status in NOT_CHECKED:
             not_run.append(name)
-    stale += [{"name": name, "listed_line": line, "diff": "(no such mutant)"}
+    stale += [{"name": name, "listed_line": line, "diff": "(no such mutant, or killed)"}
               for name, (line, _) in equivalents.items() if name not in names]
 
     def score(counts):
@@ -218,20 +226,30 @@ def main(argv=None) -> int:
     except ImportError:
         print("mutmut is not installed: pip install mutmut", file=sys.stderr)
         return 2
-    work = args.work.resolve()
-    _prepare(work, args.module or CORE, args.test or TESTS, args.fresh)
+    main_work = args.work.resolve()
+    sessions = ([("custom", args.module or CORE, args.test or TESTS, [], "")] if args.module or args.test
+                else SESSIONS)
     start = time.perf_counter()
-    if not args.no_run:
-        _mutmut(work, "run", "--max-children", str(args.max_children))
-    run_seconds = time.perf_counter() - start
-    recheck = set(args.recheck or ["timeout"])
-    again = _statuses(work, recheck)
-    if again:  # by name: mutmut reruns a named mutant whatever its old verdict
-        print(f"rechecking {len(again)} mutants ({', '.join(sorted(recheck))})")
-        _mutmut(work, "run", "--max-children", str(args.max_children), *again)
+    works, rechecked, run_seconds = [], 0, 0.0
+    for name, modules, tests, skip, folder in sessions:
+        work = main_work / folder if folder else main_work
+        works.append(work)
+        _prepare(work, modules, tests, skip, args.fresh and not folder)
+        begun = time.perf_counter()
+        if not args.no_run:
+            print(f"session {name}: {', '.join(modules)} against {len(tests)} test files")
+            _mutmut(work, "run", "--max-children", str(args.max_children))
+        run_seconds += time.perf_counter() - begun
+        recheck = set(args.recheck or ["timeout"])
+        again = _statuses(work, recheck)
+        if again:  # by name: mutmut reruns a named mutant whatever its old verdict
+            print(f"rechecking {len(again)} mutants ({', '.join(sorted(recheck))})")
+            _mutmut(work, "run", "--max-children", str(args.max_children), *again)
+            rechecked += len(again)
     seconds = time.perf_counter() - start
-    results = {"seconds": round(seconds, 1), "run_seconds": round(run_seconds, 1), "rechecked": len(again),
-               "max_children": args.max_children, **_results(work, _equivalents(args.equivalents))}
+    results = {"seconds": round(seconds, 1), "run_seconds": round(run_seconds, 1), "rechecked": rechecked,
+               "max_children": args.max_children, **_results(works, _equivalents(args.equivalents))}
+    work = main_work
     out = args.out or work / "mutation-results.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
     overall = results["overall"]
