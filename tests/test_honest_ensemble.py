@@ -158,6 +158,25 @@ def test_members_differ_where_correct_kernels_differ():
     assert len({round(e, 12) for e in errors.values()}) >= 3, errors
 
 
+@pytest.mark.parametrize("member", MEMBERS[:3], ids=lambda m: m.name)
+def test_gemm_in_blocks_gives_the_bits_of_one_explicit_sum_per_element(member):
+    """Blocks of rows change no bit: with K x N over BLOCK one row per block, and an empty a."""
+    from fa_verify.honest_ensemble import BLOCK, Stage, gemm, rounded_dot
+
+    rng = np.random.default_rng(11)
+    stage = Stage("fp16", np.dtype(np.float32))
+    a = stage(rng.standard_normal((3, 8)))
+    wide = stage(rng.standard_normal((8, BLOCK // 8 + 5)))  # K x N > BLOCK: blocks of one row
+    narrow = stage(rng.standard_normal((8, 6)))
+    for b in (wide, narrow):
+        whole = rounded_dot(a[:, :, None], b[None], member, stage)
+        got = gemm(a, b, member, stage)
+        assert got.shape == (3, b.shape[1]) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, whole)
+    empty = gemm(a[:0], narrow, member, stage)
+    assert empty.shape == (0, 6) and empty.dtype == np.float32
+
+
 def test_rows_are_spread_over_the_whole_range_and_the_largest_are_added():
     spread = largest_and_spread(None, 1000, 10)
     assert len(spread) == 5 and spread[0] == 0 and spread[-1] == 999

@@ -215,3 +215,15 @@ def test_another_q_has_the_spread_of_q_and_is_reproducible(monkeypatch):
     assert np.sqrt(np.mean(fresh ** 2)) == pytest.approx(np.sqrt(np.mean(q.astype(np.float64) ** 2)), rel=0.1)
     assert not np.array_equal(fresh, q) and np.array_equal(seen[1], fresh)
     np.testing.assert_array_equal(first.out, second.out)
+
+
+def test_a_batch_passes_a_trivial_output_only_if_every_part_that_tried_it_does():
+    from fa_verify.null_model import batch_guard
+
+    first = NullGuard(tried=("zeros", "uniform attention"), passing=("zeros", "uniform attention"))
+    second = NullGuard(tried=("zeros", "another q"), passing=("another q",))
+    third = NullGuard(tried=("uniform attention",), passing=("uniform attention",))
+    whole = batch_guard([first, second, third])
+    assert whole.tried == ("zeros", "uniform attention", "another q")
+    assert whole.passing == ("uniform attention", "another q")  # zeros fails the second part
+    assert batch_guard([second]).passing == ("another q",) and batch_guard([]).informative

@@ -492,3 +492,20 @@ def test_verdict_record_carries_indices_as_lists_and_the_share_over():
     record = verdict.as_dict()
     assert record["worst_index"] == list(verdict.worst_index) and record["lse_worst_index"] == list(verdict.lse_worst_index)
     assert record["share_over"] == verdict.over_count / verdict.total > 0.5
+
+
+def test_assert_attention_close_returns_the_passing_verdict_and_raises_with_the_failing_one():
+    problem, ref = _case("normal", "fp16", False)
+    out, lse = _fa2(problem)
+    verdict = assert_attention_close(out, problem, lse=lse, reference=ref, precision="flash")
+    assert isinstance(verdict, Verdict) and verdict.passed and verdict.lse_bound_ratio is not None
+    bad, bad_lse = _fa2(problem, "scale_3pct")
+    with pytest.raises(AttentionMismatch) as info:
+        assert_attention_close(bad, problem, lse=bad_lse, reference=ref, ensemble_factor=None)
+    failed = info.value.verdict
+    assert failed.rule == "error_bound" and failed.ensemble_ratio is None
+    assert str(info.value) == failed.message()
+    with pytest.raises(AttentionMismatch) as strict:  # the precision argument reaches the check
+        assert_attention_close(out, problem, lse=lse, reference=ref, precision="fp32-accumulate",
+                               ensemble_factor=None)
+    assert "p=fp32" in str(strict.value)
