@@ -218,6 +218,8 @@ def main(argv=None) -> int:
     parser.add_argument("--recheck", action="append", choices=["timeout", "survived", "no tests"],
                         help="run the mutants of this status again, by name, after the run (repeatable; "
                         "default: timeout; 'survived' after the tests changed, since mutmut keeps old verdicts)")
+    parser.add_argument("--recheck-in", action="append", metavar="MODULE",
+                        help="recheck only the mutants of this module (e.g. fa_verify.null_model; repeatable)")
     parser.add_argument("--no-run", action="store_true", help="only the rechecks and the results file")
     parser.add_argument("--equivalents", type=Path, default=EQUIVALENTS, help="the list of equivalent mutants")
     args = parser.parse_args(argv)
@@ -241,7 +243,8 @@ def main(argv=None) -> int:
             _mutmut(work, "run", "--max-children", str(args.max_children))
         run_seconds += time.perf_counter() - begun
         recheck = set(args.recheck or ["timeout"])
-        again = _statuses(work, recheck)
+        again = [m for m in _statuses(work, recheck)
+                 if not args.recheck_in or any(m.startswith(module + ".x") for module in args.recheck_in)]
         if again:  # by name: mutmut reruns a named mutant whatever its old verdict
             print(f"rechecking {len(again)} mutants ({', '.join(sorted(recheck))})")
             _mutmut(work, "run", "--max-children", str(args.max_children), *again)
