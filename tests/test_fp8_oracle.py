@@ -200,3 +200,18 @@ def test_groups_are_the_kv_heads_with_their_query_heads_and_the_problems_mask():
         np.testing.assert_allclose(ref.row_scale[g.b, g.heads], r.row_scale[0] * g.v_descale, rtol=1e-15)
     masked = ~np.isfinite(ref.lse)
     assert masked.any() and (ref.lse_bound[masked] == 0).all()
+
+
+def test_the_record_adds_up_the_rows_each_group_computed_otherwise(monkeypatch):
+    """mpmath_rows and gemm_rows of an FP8 reference are the sums over its groups' dense
+    references (here each group's reference reports 1 and 3)."""
+    from dataclasses import replace
+
+    import fa_verify.oracle.fp8 as fp8_oracle
+
+    real = fp8_oracle.reference
+    monkeypatch.setattr(fp8_oracle, "reference",
+                        lambda *args: replace(real(*args), mpmath_rows=1, gemm_rows=3))
+    p = make_fp8_problem((2, 4, 2, 3, 8, 8), "e4m3", 0)
+    ref = reference_fp8(p)
+    assert (ref.mpmath_rows, ref.gemm_rows) == (4, 12)  # 2 batches x 2 kv heads

@@ -186,8 +186,10 @@ def _results(works, equivalents: dict) -> dict:
             timeouts.append(name)
         elif status in NOT_CHECKED:
             not_run.append(name)
+    modules = {re.split(r"\.x(?:_|ǁ)", name)[0] for name in names}  # entries of other sessions' modules: not here
     stale += [{"name": name, "listed_line": line, "diff": "(no such mutant, or killed)"}
-              for name, (line, _) in equivalents.items() if name not in names]
+              for name, (line, _) in equivalents.items()
+              if name not in names and re.split(r"\.x(?:_|ǁ)", name)[0] in modules]
 
     def score(counts):
         checked = sum(n for s, n in counts.items() if s not in NOT_CHECKED and s != "equivalent")
