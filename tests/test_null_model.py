@@ -215,6 +215,8 @@ def test_another_q_has_the_spread_of_q_and_is_reproducible(monkeypatch):
     assert np.sqrt(np.mean(fresh ** 2)) == pytest.approx(np.sqrt(np.mean(q.astype(np.float64) ** 2)), rel=0.1)
     assert not np.array_equal(fresh, q) and np.array_equal(seen[1], fresh)
     np.testing.assert_array_equal(first.out, second.out)
+    nulls_of(AttentionProblem(np.zeros_like(q), kv, kv))
+    assert np.sqrt(np.mean(seen[2] ** 2)) == pytest.approx(1.0, rel=0.1)
 
 
 def test_a_batch_passes_a_trivial_output_only_if_every_part_that_tried_it_does():
