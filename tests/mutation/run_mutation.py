@@ -30,6 +30,7 @@ summary.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -220,8 +221,9 @@ def main(argv=None) -> int:
     parser.add_argument("--recheck", action="append", choices=["timeout", "survived", "no tests"],
                         help="run the mutants of this status again, by name, after the run (repeatable; "
                         "default: timeout; 'survived' after the tests changed, since mutmut keeps old verdicts)")
-    parser.add_argument("--recheck-in", action="append", metavar="MODULE",
-                        help="recheck only the mutants of this module (e.g. fa_verify.null_model; repeatable)")
+    parser.add_argument("--recheck-in", action="append", metavar="PATTERN",
+                        help="recheck only the mutants of this module (fa_verify.null_model) or whose name "
+                        "matches this glob (fa_verify.verdict.x__pct*); repeatable")
     parser.add_argument("--no-run", action="store_true", help="only the rechecks and the results file")
     parser.add_argument("--equivalents", type=Path, default=EQUIVALENTS, help="the list of equivalent mutants")
     args = parser.parse_args(argv)
@@ -233,6 +235,7 @@ def main(argv=None) -> int:
     main_work = args.work.resolve()
     sessions = ([("custom", args.module or CORE, args.test or TESTS, [], "")] if args.module or args.test
                 else SESSIONS)
+    equivalents = _equivalents(args.equivalents)  # no recheck: no test can kill them
     start = time.perf_counter()
     works, rechecked, run_seconds = [], 0, 0.0
     for name, modules, tests, skip, folder in sessions:
@@ -245,15 +248,15 @@ def main(argv=None) -> int:
             _mutmut(work, "run", "--max-children", str(args.max_children))
         run_seconds += time.perf_counter() - begun
         recheck = set(args.recheck or ["timeout"])
-        again = [m for m in _statuses(work, recheck)
-                 if not args.recheck_in or any(m.startswith(module + ".x") for module in args.recheck_in)]
+        again = [m for m in _statuses(work, recheck) if m not in equivalents and (
+            not args.recheck_in or any(m.startswith(p + ".x") or fnmatch.fnmatch(m, p) for p in args.recheck_in))]
         if again:  # by name: mutmut reruns a named mutant whatever its old verdict
             print(f"rechecking {len(again)} mutants ({', '.join(sorted(recheck))})")
             _mutmut(work, "run", "--max-children", str(args.max_children), *again)
             rechecked += len(again)
     seconds = time.perf_counter() - start
     results = {"seconds": round(seconds, 1), "run_seconds": round(run_seconds, 1), "rechecked": rechecked,
-               "max_children": args.max_children, **_results(works, _equivalents(args.equivalents))}
+               "max_children": args.max_children, **_results(works, equivalents)}
     work = main_work
     out = args.out or work / "mutation-results.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
