@@ -165,13 +165,13 @@ def test_gemm_in_blocks_gives_the_bits_of_one_explicit_sum_per_element(member):
 
     rng = np.random.default_rng(11)
     stage = Stage("fp16", np.dtype(np.float32))
-    a = stage(rng.standard_normal((3, 8)))
-    wide = stage(rng.standard_normal((8, BLOCK // 8 + 5)))  # K x N > BLOCK: blocks of one row
-    narrow = stage(rng.standard_normal((8, 6)))
+    a = stage(rng.standard_normal((5, 4)))  # more rows than columns
+    wide = stage(rng.standard_normal((4, BLOCK // 4 + 5)))  # K x N > BLOCK: blocks of one row
+    narrow = stage(rng.standard_normal((4, 6)))
     for b in (wide, narrow):
         whole = rounded_dot(a[:, :, None], b[None], member, stage)
         got = gemm(a, b, member, stage)
-        assert got.shape == (3, b.shape[1]) and got.dtype == np.float32
+        assert got.shape == (5, b.shape[1]) and got.dtype == np.float32
         np.testing.assert_array_equal(got, whole)
     empty = gemm(a[:0], narrow, member, stage)
     assert empty.shape == (0, 6) and empty.dtype == np.float32
@@ -185,8 +185,9 @@ def test_rows_are_spread_over_the_whole_range_and_the_largest_are_added():
     relative[[3, 500, 7, 801, 640, 2]] = [6, 5, 4, 3, 2, 1]
     chosen = largest_and_spread(relative, 1000, 10)
     np.testing.assert_array_equal(chosen, np.union1d(spread, [3, 500, 7, 801, 640]))
-    ties = largest_and_spread(np.ones(1000), 1000, 10)  # all equal: the last indices
-    np.testing.assert_array_equal(ties, np.union1d(spread, [995, 996, 997, 998, 999]))
+    levels = np.random.default_rng(0).integers(0, 3, 1000).astype(float)  # 0, 1, 2, a third each
+    ties = largest_and_spread(levels, 1000, 10)  # among the 2s: the last five
+    np.testing.assert_array_equal(ties, np.union1d(spread, np.flatnonzero(levels == 2)[-5:]))
 
 
 def test_large_problems_run_on_the_rows_with_the_largest_bounds():
