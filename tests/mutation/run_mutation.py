@@ -5,7 +5,8 @@
 
 Mutated: the certified oracle (fa_verify/oracle/), the error model (error_model.py), the
 honest-ensemble rule (honest_ensemble.py), the verdict (verdict.py) and the null-model guard
-(null_model.py). Each mutant (an operator, a constant, a comparison changed in one place) is
+(null_model.py); the FP8 oracle (oracle/fp8.py) in a second session against its own test file
+(SESSIONS). Each mutant (an operator, a constant, a comparison changed in one place) is
 run against the fast tests that cover those modules (TESTS below); a mutant that no test fails
 "survived". The work happens in a copy (.mutation/ in the repository, git-ignored, kept between
 runs so that a rerun only redoes what changed; --fresh starts over), so the working tree and
@@ -13,9 +14,11 @@ its editable install are never touched. mutmut keeps a survivor's verdict when o
 change: --recheck survived reruns the survivors against the tests as they are now.
 
 Timeouts: mutmut stops a mutant after a CPU-time limit and calls that a kill, but a busy
-machine can push an honest mutant over it. Every timeout is therefore run again by itself
-(--recheck timeout, on by default); only a mutant that times out again counts as killed (a
-real endless loop), and those are listed apart.
+machine can push an honest mutant over it. Every timeout is therefore run again by name
+(--recheck timeout, on by default); only a mutant that times out again counts as killed, and
+those are listed apart (timeouts_confirmed) to be looked at: where every test reaches the
+mutated function, mutmut's CPU limit (from the traced test times) can be too short even for a
+mutant that cannot loop.
 
 Equivalent mutants (tests/mutation/equivalent.toml: the mutant, the line it writes and why no
 test can tell it from the original) are taken out of the score; an entry whose mutant no longer
