@@ -379,7 +379,8 @@ def _chosen_rows(problem: AttentionProblem, reference, bound) -> np.ndarray:
 def largest_and_spread(relative, total: int, count: int) -> np.ndarray:
     """Sorted unique indices into range(total): count // 2 spread evenly, and the count // 2
     largest of `relative` (a [total] array: where an honest kernel's rounding errors are largest
-    relative to the scale they are judged by; None: the spread ones only)."""
+    relative to the scale they are judged by; None: the spread ones only). Ties go to the later
+    index (a stable sort, reversed): the same rows on every machine, whatever numpy's sort."""
     spread = np.linspace(0, total - 1, count // 2).round().astype(int)
     if relative is None:
         return np.unique(spread)

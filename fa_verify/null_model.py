@@ -81,7 +81,8 @@ def _attended_mean(problem: AttentionProblem) -> np.ndarray:
 
 
 def _other_q(problem: AttentionProblem) -> tuple[np.ndarray, np.ndarray]:
-    """(out, lse) in float64 of the problem with fresh queries of the same spread."""
+    """(out, lse) in float64 of the problem with fresh queries of the same spread (root mean
+    square; 1 where q is all zero, whose fresh queries would be zero again)."""
     from fa_verify.backends.naive import naive_attention
     from fa_verify.precision import PrecisionModel
 

@@ -9,6 +9,7 @@ from fa_verify import AttentionProblem, InvalidArgumentError
 from fa_verify.dtypes import round_to
 from fa_verify.oracle import reference
 from fa_verify.oracle.backward import gradient_reference
+from fa_verify.oracle.certified import certified_reference
 
 #: The certified bound, relative to its tensor's natural scale (`_natural_scale`: the size of the
 #: terms whose sum is the gradient, which may cancel), measured on these cases: at most 7e-14, and
@@ -257,3 +258,43 @@ def test_heads_in_chunks_give_the_same_gradients(monkeypatch):
     for (x, bx), (y, by) in zip(whole.tensors().values(), gradient_reference(problem, dout, dlse).tensors().values()):
         np.testing.assert_allclose(x, y, rtol=1e-13, atol=1e-300)
         np.testing.assert_allclose(bx, by, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["sinks", "softcap_below_one"])
+def test_both_methods_carry_the_forward_delta_and_their_name(name):
+    """The record of either method: its method, the certified forward it used, and D = dO . O
+    within its bound of the other method's; a softcap below 1 is a softcap like any other."""
+    problem = (CASES[name] if name in CASES else
+               _problem(np.random.default_rng(5), 1, 2, 1, 4, 6, 6, spread=2.0, softcap=0.5))
+    dout, dlse = _upstream(problem, 3, True)
+    forward = certified_reference(problem)
+    records = {method: gradient_reference(problem, dout, dlse, method=method) for method in ("certified", "mpmath")}
+    for method, record in records.items():
+        assert record.method == method
+        np.testing.assert_array_equal(record.out, forward.out)
+        np.testing.assert_array_equal(record.lse, forward.lse)
+        assert np.isfinite(record.delta_bound).all() and (record.delta_bound >= 0).all()
+    fast, exact = records["certified"], records["mpmath"]
+    assert (np.abs(fast.delta - exact.delta) <= fast.delta_bound + exact.delta_bound).all()
+    for tensor, (value, bound) in fast.tensors().items():
+        mp_value, mp_bound = exact.tensors()[tensor]
+        assert (np.abs(value - mp_value) <= bound + mp_bound).all(), tensor
+
+
+def test_underflow_and_overflow_inside_the_oracle_raise_no_warnings():
+    """exp of logits 720 below the sink underflows, and rows that see no key hold -inf: expected,
+    handled, and not reported."""
+    import warnings
+
+    for name in ("sink_subnormal_p", "sinks_empty_rows", "split_support"):
+        problem = CASES[name]
+        dout, dlse = _upstream(problem, 4, True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            gradient_reference(problem, dout, dlse)
+
+
+def test_a_problem_that_is_not_one_is_named_in_the_error():
+    dout, _ = _upstream(CASES["gqa_3"], 7, False)
+    with pytest.raises(InvalidArgumentError, match="problem must be an AttentionProblem, got str"):
+        gradient_reference("gqa_3", dout)

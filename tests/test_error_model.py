@@ -218,6 +218,10 @@ def test_terms_add_up_and_vanish_on_fully_masked_rows():
         assert all(np.all(t >= 0) for t in terms.values())
     d = bound.as_dict()
     assert d["accumulation"] == "worst-case" and set(d["out_terms_max"]) == set(OUT_TERMS)
+    assert d["precision"] == bound.precision.as_dict() and set(d["lse_terms_max"]) == set(LSE_TERMS)
+    assert d["out_max"] == bound.out.max() < 1 and d["lse_max"] == bound.lse.max() < 1
+    for record, terms in ((d["out_terms_max"], bound.out_terms), (d["lse_terms_max"], bound.lse_terms)):
+        assert record == {name: term.max() for name, term in terms.items()}
 
 
 def test_p_rounding_term_is_u_p_times_row_scale_plus_output():
@@ -292,3 +296,30 @@ def test_cost_stays_reasonable_at_4096():
     seconds = time.perf_counter() - start
     assert np.isfinite(bound.out).all()
     assert seconds < 20, f"error_bound took {seconds:.1f} s"
+
+
+def test_a_declared_flush_to_zero_covers_flushed_subnormal_inputs_and_outputs():
+    """fp16 q and k with subnormal entries, V all subnormal (3e-5, below fp16's smallest normal
+    6.1e-5): a kernel that flushes them and its subnormal outputs to zero returns 0 where the
+    answer is about 3e-5. Far beyond the bound without the declaration; within it with ftz, whose
+    term is the smallest normal of the input and of the output (6.1e-5 each)."""
+    from dataclasses import replace
+
+    from fa_verify.verdict import check_attention
+
+    rng = np.random.default_rng(4)
+    q, k = rng.standard_normal((2, 1, 2, 8, 16)) * np.where(rng.random((2, 1, 2, 8, 16)) < 0.2, 1e-5, 1.0)
+    v = np.full((1, 2, 8, 16), 3e-5) * (1 + 0.1 * rng.random((1, 2, 8, 16)))
+    problem = AttentionProblem.from_float(q, k, v, "fp16")
+    ref = reference(problem)
+    flushed = np.zeros(problem.out_shape, np.float16)  # V flushed to 0, so O = 0
+    ratios = {}
+    for ftz in (False, True):
+        precision = replace(PrecisionModel.flash("fp16"), ftz=ftz)
+        verdict = check_attention(flushed, problem, precision=precision, reference=ref, ensemble_factor=None)
+        ratios[ftz] = (verdict.passed, verdict.bound_ratio, verdict.dominant_term)
+    assert not ratios[False][0] and ratios[False][1] > 100
+    passed, ratio, dominant = ratios[True]
+    assert passed and dominant == "flush_to_zero" and 0.2 <= ratio <= 0.3, ratios
+    bound = error_bound(problem, replace(PrecisionModel.flash("fp16"), ftz=True), ref)
+    np.testing.assert_array_equal(bound.out_terms["flush_to_zero"], 2 * 2.0 ** -14)

@@ -165,3 +165,53 @@ def test_an_lse_summing_the_rounded_p_fails_fa3s_model_whose_row_sum_is_fp32():
     assert np.all(np.abs(lse - ref.lse) <= bound.lse)
     assert np.any(np.abs(summed_rounded - ref.lse) > bound.lse)
     assert "p_rounding" not in bound.lse_terms
+
+
+def test_groups_are_the_kv_heads_with_their_query_heads_and_the_problems_mask():
+    """Each (batch, kv head) group holds exactly its G query heads, the causal alignment and the
+    v descale of that head; the record sums the groups' row counts and scales the row scale by dv."""
+    from fa_verify.oracle import reference
+    from fa_verify.oracle.fp8 import groups, max_abs_scores
+
+    from dataclasses import replace
+
+    # bottom-right with Nq > Nk: the first row sees no key; top-left: every row sees key 0
+    bottom_right = make_fp8_problem((2, 6, 3, 5, 4, 16), "e4m3", 2, causal=True)
+    assert groups(replace(bottom_right, causal_alignment="top-left"))[0].dense.causal_alignment == "top-left"
+    p = bottom_right
+    found = groups(p)
+    G = p.group_size
+    assert G == 2 and [(g.b, g.kv_head) for g in found] == [(b, kh) for b in range(2) for kh in range(3)]
+    dv = p.descale("v_descale")
+    for g in found:
+        assert (g.heads.start, g.heads.stop) == (g.kv_head * G, (g.kv_head + 1) * G)
+        assert g.dense.causal_alignment == "bottom-right" and g.v_descale == dv[g.b, g.kv_head]
+        t = np.abs(g.dense.scale_value * (g.dense.q64()[0] @ g.dense.kv64()[0][0].swapaxes(-1, -2)))
+        expected = np.where(g.dense.mask, t, -1.0).max(axis=-1)
+        scores = max_abs_scores(g.dense)
+        assert scores.shape == (G, 5)
+        np.testing.assert_allclose(scores, np.maximum(expected, 0.0), rtol=2e-12)
+        assert (scores >= np.maximum(expected, 0.0)).all()  # the slack is upward
+    ref = reference_fp8(p)
+    dense = [reference(g.dense) for g in found]
+    assert ref.method == "certified" and ref.gemm_rows == sum(r.gemm_rows for r in dense)
+    assert ref.mpmath_rows == sum(r.mpmath_rows for r in dense)
+    for g, r in zip(found, dense):
+        np.testing.assert_allclose(ref.row_scale[g.b, g.heads], r.row_scale[0] * g.v_descale, rtol=1e-15)
+    masked = ~np.isfinite(ref.lse)
+    assert masked.any() and (ref.lse_bound[masked] == 0).all()
+
+
+def test_the_record_adds_up_the_rows_each_group_computed_otherwise(monkeypatch):
+    """mpmath_rows and gemm_rows of an FP8 reference are the sums over its groups' dense
+    references (here each group's reference reports 1 and 3)."""
+    from dataclasses import replace
+
+    import fa_verify.oracle.fp8 as fp8_oracle
+
+    real = fp8_oracle.reference
+    monkeypatch.setattr(fp8_oracle, "reference",
+                        lambda *args: replace(real(*args), mpmath_rows=1, gemm_rows=3))
+    p = make_fp8_problem((2, 4, 2, 3, 8, 8), "e4m3", 0)
+    ref = reference_fp8(p)
+    assert (ref.mpmath_rows, ref.gemm_rows) == (4, 12)  # 2 batches x 2 kv heads

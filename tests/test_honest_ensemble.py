@@ -15,7 +15,8 @@ import pytest
 
 from fa_verify import AttentionProblem, PrecisionModel
 from fa_verify.error_model import error_bound
-from fa_verify.honest_ensemble import FULL_WORK, MAX_ROWS, MEMBERS, ensemble_errors, ensemble_outputs, exp2_64, exp64, tanh64
+from fa_verify.honest_ensemble import (FULL_WORK, MAX_ROWS, MEMBERS, ensemble_errors, ensemble_outputs, exp2_64, exp64,
+                                      largest_and_spread, tanh64)
 from fa_verify.oracle import reference
 from fa_verify.strategies import make_problem
 from fa_verify.verdict import check_attention
@@ -52,6 +53,18 @@ def test_tanh_is_accurate_and_odd():
     assert np.max(np.abs(tanh64(x)[nonzero] / exact[nonzero] - 1)) < 8e-16
     assert tanh64(0.0) == 0 and tanh64(50.0) == 1 and tanh64(-50.0) == -1
     np.testing.assert_array_equal(tanh64(-x), -tanh64(x))
+
+
+def test_tanh_avoids_cancellation_for_small_arguments_and_works_in_float64():
+    """Below |x| = ln 2 / 4 e^{2|x|} - 1 would cancel: the direct polynomial keeps tanh within
+    2 eps (2^-51) there (e^y - 1 from exp reaches 3 eps); float32 input is widened first."""
+    x = np.linspace(1e-3, 0.5, 3000)
+    with mpmath.workdps(40):
+        exact = np.array([float(mpmath.tanh(mpmath.mpf(float(v)))) for v in x])
+    assert np.max(np.abs(tanh64(x) / exact - 1)) <= 2 * 2.0 ** -52
+    x32 = np.float32([0.1, 0.3, 1.7, -4.2])
+    assert tanh64(x32).dtype == np.float64
+    np.testing.assert_array_equal(tanh64(x32), tanh64(x32.astype(np.float64)))
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
@@ -143,6 +156,38 @@ def test_members_differ_where_correct_kernels_differ():
     errors = ensemble_errors(problem, PrecisionModel.flash("fp32"), ref).errors
     assert set(errors) == {m.name for m in MEMBERS}
     assert len({round(e, 12) for e in errors.values()}) >= 3, errors
+
+
+@pytest.mark.parametrize("member", MEMBERS[:3], ids=lambda m: m.name)
+def test_gemm_in_blocks_gives_the_bits_of_one_explicit_sum_per_element(member):
+    """Blocks of rows change no bit: with K x N over BLOCK one row per block, and an empty a."""
+    from fa_verify.honest_ensemble import BLOCK, Stage, gemm, rounded_dot
+
+    rng = np.random.default_rng(11)
+    stage = Stage("fp16", np.dtype(np.float32))
+    a = stage(rng.standard_normal((5, 4)))  # more rows than columns
+    wide = stage(rng.standard_normal((4, BLOCK // 4 + 5)))  # K x N > BLOCK: blocks of one row
+    narrow = stage(rng.standard_normal((4, 6)))
+    for b in (wide, narrow):
+        whole = rounded_dot(a[:, :, None], b[None], member, stage)
+        got = gemm(a, b, member, stage)
+        assert got.shape == (5, b.shape[1]) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, whole)
+    empty = gemm(a[:0], narrow, member, stage)
+    assert empty.shape == (0, 6) and empty.dtype == np.float32
+
+
+def test_rows_are_spread_over_the_whole_range_and_the_largest_are_added():
+    spread = largest_and_spread(None, 1000, 10)
+    assert len(spread) == 5 and spread[0] == 0 and spread[-1] == 999
+    assert np.ptp(np.diff(spread)) <= 1  # evenly spaced
+    relative = np.zeros(1000)
+    relative[[3, 500, 7, 801, 640, 2]] = [6, 5, 4, 3, 2, 1]
+    chosen = largest_and_spread(relative, 1000, 10)
+    np.testing.assert_array_equal(chosen, np.union1d(spread, [3, 500, 7, 801, 640]))
+    levels = np.random.default_rng(0).integers(0, 3, 1000).astype(float)  # 0, 1, 2, a third each
+    ties = largest_and_spread(levels, 1000, 10)  # among the 2s: the last five
+    np.testing.assert_array_equal(ties, np.union1d(spread, np.flatnonzero(levels == 2)[-5:]))
 
 
 def test_large_problems_run_on_the_rows_with_the_largest_bounds():

@@ -148,3 +148,84 @@ def test_another_q_stays_finite_for_queries_near_the_dtype_maximum():
     k, v = np.ones((1, 1, 5, 8), np.float16), np.ones((1, 1, 5, 8), np.float16)
     nulls = nulls_of(AttentionProblem(q, k, v))
     assert np.isfinite(nulls["another q"].out).all()
+
+
+def test_the_description_names_every_passing_output_in_plain_english():
+    nulls = nulls_of(make_problem("normal", (1, 1, 1, 6, 9, 16), "bf16", 2)).values()
+    two = guard(nulls, lambda null: null.name in ("zeros", "another q"))
+    assert "the trivial outputs zeros, another q pass the same tolerance" in two.describe()
+    one = guard(nulls, lambda null: null.name == "another q")
+    assert "the trivial output another q passes the same tolerance" in one.describe()
+
+
+def test_one_query_row_has_no_shifted_output_and_two_rows_do():
+    """With one query row, "shifted by one row" is the exact answer itself: it is not built."""
+    one = nulls_of(make_problem("normal", (1, 2, 1, 1, 9, 16), "fp32", 4))
+    assert "queries shifted by one row" not in one and len(one) == 3
+    two = nulls_of(make_problem("normal", (1, 2, 1, 2, 9, 16), "fp32", 4))
+    assert "queries shifted by one row" in two
+
+
+def test_shifted_rows_move_the_lse_with_the_output_in_every_head():
+    p = make_problem("normal", (2, 3, 1, 6, 9, 16), "fp32", 5)
+    shifted, ref = nulls_of(p)["queries shifted by one row"], reference(p)
+    np.testing.assert_array_equal(shifted.out, np.roll(ref.out, 1, axis=2).astype(np.float32))
+    np.testing.assert_array_equal(shifted.lse[:, :, 1:], ref.lse[:, :, :-1].astype(np.float32))
+    np.testing.assert_array_equal(shifted.lse[:, :, 0], ref.lse[:, :, -1].astype(np.float32))
+
+
+def test_fully_masked_rows_raise_no_floating_point_warnings():
+    """log(0) and inf - inf at rows that see no key are expected, not reported."""
+    import warnings
+
+    p = make_problem("normal", (1, 2, 1, 7, 4, 8), "fp32", 3, causal=True)  # rows 0..2 see no key
+    assert p.masked_rows.any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nulls_of(p)
+
+
+def test_uniform_attention_is_the_exact_answer_when_every_score_is_zero():
+    """q = 0: every score is 0, attention is uniform over the attended keys in O and in LSE
+    (log n), masked rows included (0 and -inf on both sides), so it is never tried."""
+    from fa_verify import AttentionProblem
+
+    p = make_problem("normal", (1, 2, 1, 7, 4, 8), "fp32", 3, causal=True)
+    p = AttentionProblem(np.zeros_like(p.q), p.k, p.v, causal=p.causal)
+    assert p.masked_rows.any()
+    uniform = nulls_of(p)["uniform attention"]
+    assert uniform.exact(("out", "lse"))
+    assert "uniform attention" not in guard(nulls_of(p).values(), lambda null: True, judged=("out", "lse")).tried
+
+
+def test_another_q_has_the_spread_of_q_and_is_reproducible(monkeypatch):
+    """Fresh queries of the same root-mean-square as q, from a fixed seed."""
+    from fa_verify import AttentionProblem
+    from fa_verify.backends import naive
+
+    seen = []
+    real = naive.naive_attention
+    monkeypatch.setattr(naive, "naive_attention", lambda problem, model: seen.append(problem.q64()) or real(problem, model))
+    rng = np.random.default_rng(7)
+    q = (8 * rng.standard_normal((1, 2, 64, 16))).astype(np.float32)
+    kv = rng.standard_normal((1, 2, 32, 16)).astype(np.float32)
+    first = nulls_of(AttentionProblem(q, kv, kv))["another q"]
+    second = nulls_of(AttentionProblem(q, kv, kv))["another q"]
+    fresh = seen[0]
+    assert np.sqrt(np.mean(fresh ** 2)) == pytest.approx(np.sqrt(np.mean(q.astype(np.float64) ** 2)), rel=0.1)
+    assert not np.array_equal(fresh, q) and np.array_equal(seen[1], fresh)
+    np.testing.assert_array_equal(first.out, second.out)
+    nulls_of(AttentionProblem(np.zeros_like(q), kv, kv))
+    assert np.sqrt(np.mean(seen[2] ** 2)) == pytest.approx(1.0, rel=0.1)
+
+
+def test_a_batch_passes_a_trivial_output_only_if_every_part_that_tried_it_does():
+    from fa_verify.null_model import batch_guard
+
+    first = NullGuard(tried=("zeros", "uniform attention"), passing=("zeros", "uniform attention"))
+    second = NullGuard(tried=("zeros", "another q"), passing=("another q",))
+    third = NullGuard(tried=("uniform attention",), passing=("uniform attention",))
+    whole = batch_guard([first, second, third])
+    assert whole.tried == ("zeros", "uniform attention", "another q")
+    assert whole.passing == ("uniform attention", "another q")  # zeros fails the second part
+    assert batch_guard([second]).passing == ("another q",) and batch_guard([]).informative

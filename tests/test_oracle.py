@@ -137,6 +137,20 @@ def test_huge_logits_are_handed_to_mpmath(name):
     assert certified_reference(problem, threshold=math.inf).relative_bound > FALLBACK_THRESHOLD
 
 
+def test_mpmath_digits_from_15_to_1000_are_accepted_and_reach_the_computation():
+    """The documented range, both ends included; 14 and 1001 are refused by name. 15 digits
+    and 1000 give the same float64 answer with bounds that differ by 10^985."""
+    rng = np.random.default_rng(2)
+    problem = AttentionProblem.from_float(*(rng.standard_normal((1, 1, 2, 4)) for _ in range(3)), "fp32")
+    low, high = reference(problem, "mpmath", digits=15), reference(problem, "mpmath", digits=1000)
+    np.testing.assert_allclose(low.out, high.out, rtol=1e-13)
+    assert (high.out_bound <= 1e-300 + 2.0 ** -52 * np.abs(high.out)).all()
+    assert (low.out_bound - 2.0 ** -53 * np.abs(low.out) > 1e-20).all()  # 15 digits: a visible coefficient
+    for digits in (14, 1001):
+        with pytest.raises(InvalidArgumentError, match=f"digits={digits} must be between 15 and 1000"):
+            reference(problem, "mpmath", digits=digits)
+
+
 def test_mpmath_at_50_digits_within_its_bound_of_100_digits():
     problem = _normal(np.random.default_rng(1), 1, 1, 1, 4, 5, 6, "fp32", spread=4.0)
     _assert_within_bounds(reference(problem, "mpmath", digits=50),

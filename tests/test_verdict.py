@@ -382,3 +382,130 @@ def test_bad_arguments():
         check_attention(out, problem, reference=ref, precision=3)
     with pytest.raises(InvalidArgumentError, match="AttentionProblem"):
         check_attention(out, "problem")
+
+
+LSE_LINE = re.compile(
+    r"LSE: (\d+) / (\d+) rows \(([\d.e-]+)%\) exceed the bound; worst at \[(\d+), (\d+), (\d+)\]: got \S+, "
+    r"reference \S+, error (\S+) = (\S+) × bound (\S+) \(dominant term: (\w+)\)")
+NUMBERS = re.compile(
+    r"\((?P<share>[\d.e-]+)%\) exceed the error-model bound; worst at \[[\d, ]+\]: got \S+, reference \S+ "
+    r"± (?P<reference_bound>\S+), error (?P<error>\S+) = \S+ × bound (?P<bound>\S+) ")
+SUMMARY = re.compile(
+    r"Errors: normalised max (\S+), p99 (\S+), median (\S+); abs max (\S+), RMSE (\S+), mean (\S+); "
+    r"ULP \((\w+)\) max (\S+)$")
+
+
+def test_every_number_in_the_message_is_the_verdicts_own():
+    """The message shows each field it names, rounded for reading (2 significant digits for the
+    errors and bounds): parsed back, every number is that field to its shown precision."""
+    problem, ref = _case("normal", "fp16", False)
+    out, lse = _fa2(problem, "scale_3pct")
+    verdict = check_attention(out, problem, lse=lse, reference=ref)
+    lines = verdict.message().splitlines()
+    mismatch = NUMBERS.search(lines[1])
+    assert mismatch, lines[1]
+    assert float(mismatch["share"]) == pytest.approx(100 * verdict.share_over, abs=0.051)
+    for name in ("reference_bound", "error", "bound"):
+        field = {"reference_bound": verdict.worst_reference_bound, "error": verdict.worst_error,
+                 "bound": verdict.worst_bound}[name]
+        assert float(mismatch[name]) == pytest.approx(field, rel=0.05), name
+    lse_line = LSE_LINE.search(lines[2])
+    assert lse_line, lines[2]
+    (over, total, share, *index, error, ratio, bound, term) = lse_line.groups()
+    assert (int(over), int(total)) == (verdict.lse_over_count, verdict.lse_total)
+    assert float(share) == pytest.approx(100 * verdict.lse_over_count / verdict.lse_total, abs=0.051)
+    assert tuple(int(i) for i in index) == verdict.lse_worst_index and term == verdict.lse_dominant_term
+    assert float(error) == pytest.approx(verdict.lse_worst_error, rel=0.05)
+    assert float(bound) == pytest.approx(verdict.lse_worst_bound, rel=0.05)
+    assert float(ratio) == pytest.approx(verdict.lse_bound_ratio, rel=5e-3)
+    summary = SUMMARY.search(lines[-1])
+    assert summary, lines[-1]
+    s = verdict.summary
+    expected = (s.normalised.max, s.normalised.p99, s.normalised.median, s.abs.max, s.abs.rmse, s.abs.mean)
+    for shown, field in zip(summary.groups()[:6], expected):
+        assert float(shown) == pytest.approx(field, rel=0.05)
+    assert summary[7] == s.dtype and float(summary[8]) == pytest.approx(s.ulp.max, rel=5e-3)
+
+
+def test_a_passing_message_says_so_and_still_shows_the_worst_element():
+    problem, ref = _case("normal", "fp16", False)
+    out, lse = _fa2(problem)
+    verdict = check_attention(out, problem, lse=lse, reference=ref)
+    lines = verdict.message().splitlines()
+    assert verdict.passed
+    assert lines[0].startswith("attention output agrees with the reference within the error model (B=1 H=2")
+    assert lines[1].startswith(f"Mismatched elements: 0 / {verdict.total} (0.0%)")
+    assert lines[2].startswith(f"LSE: 0 / {verdict.lse_total} rows (0.0%)")
+
+
+def _quiet_failures():
+    """A finite and a masked-row failure whose output measurement has nothing over its bound."""
+    problem, ref = _case("normal", "fp16", False)
+    out, lse = _fa2(problem)
+    nan_lse = lse.copy()
+    nan_lse[0, 0, 3] = np.nan
+    yield check_attention(out, problem, lse=nan_lse, reference=ref)
+    problem = _masked_problem()
+    out, lse = _fa2(problem)
+    yield check_attention(out, problem, lse=np.where(np.isfinite(lse), lse, np.float32(0)), reference=reference(problem))
+
+
+def test_after_a_finite_or_masked_row_failure_only_exceeding_measurements_are_shown():
+    """A measurement with nothing over its bound is noise next to a NaN or a masked-row failure:
+    its line is left out; one that does exceed (the NaN's LSE row) is kept."""
+    finite, masked = _quiet_failures()
+    assert (finite.rule, masked.rule) == ("finite", "masked_rows")
+    for verdict in (finite, masked):
+        assert verdict.over_count == 0 and verdict.worst_index is not None
+        assert "Mismatched elements" not in verdict.message(), verdict.message()
+    assert finite.lse_over_count == 1 and "LSE: 1 / 256 rows" in finite.message()
+    assert masked.lse_over_count == 0 and masked.lse_worst_index is not None and "LSE:" not in masked.message()
+
+
+def test_a_verdict_without_measurements_and_with_a_cause():
+    """A bare verdict (nothing measured) prints its head alone; a likely cause gets its own line."""
+    bare = Verdict(passed=False, rule="shape", problem="P", precision="M", detail="out.shape=(1,)")
+    assert bare.message() == "attention output failed rule 'shape' (P; precision M)\nout.shape=(1,)"
+    passed = Verdict(passed=True, rule=None, problem="P", precision="M", cause="a likely cause")
+    assert passed.message().splitlines() == [
+        "attention output agrees with the reference within the error model (P; precision M)", "a likely cause"]
+
+
+def test_a_tiny_share_over_the_bound_is_not_shown_as_zero():
+    """One element in 100,000 over the bound: 0.001 %, not "0.0%"; shares of 0.1 % and more are
+    shown to 0.1 %."""
+    def share(over, total):
+        verdict = Verdict(passed=False, rule="error_bound", problem="P", precision="M", total=total,
+                          over_count=over, worst_index=(0, 0, 0, 0), bound_ratio=2.0)
+        return MISMATCH_SHARE.search(verdict.message())[1]
+    assert float(share(1, 100_000)) == pytest.approx(1e-3)
+    assert share(3, 8) == "37.5" and share(0, 8) == "0.0"
+
+
+MISMATCH_SHARE = re.compile(r"Mismatched elements: \d+ / \d+ \(([\d.e-]+)%\)")
+
+
+def test_verdict_record_carries_indices_as_lists_and_the_share_over():
+    problem, ref = _case("normal", "fp16", False)
+    out, lse = _fa2(problem, "scale_3pct")
+    verdict = check_attention(out, problem, lse=lse, reference=ref)
+    record = verdict.as_dict()
+    assert record["worst_index"] == list(verdict.worst_index) and record["lse_worst_index"] == list(verdict.lse_worst_index)
+    assert record["share_over"] == verdict.over_count / verdict.total > 0.5
+
+
+def test_assert_attention_close_returns_the_passing_verdict_and_raises_with_the_failing_one():
+    problem, ref = _case("normal", "fp16", False)
+    out, lse = _fa2(problem)
+    verdict = assert_attention_close(out, problem, lse=lse, reference=ref, precision="flash")
+    assert isinstance(verdict, Verdict) and verdict.passed and verdict.lse_bound_ratio is not None
+    bad, bad_lse = _fa2(problem, "scale_3pct")
+    with pytest.raises(AttentionMismatch) as info:
+        assert_attention_close(bad, problem, lse=bad_lse, reference=ref, ensemble_factor=None)
+    failed = info.value.verdict
+    assert failed.rule == "error_bound" and failed.ensemble_ratio is None
+    assert str(info.value) == failed.message()
+    with pytest.raises(AttentionMismatch) as strict:  # the precision argument reaches the check
+        assert_attention_close(out, problem, lse=lse, reference=ref, precision="fp32-accumulate",
+                               ensemble_factor=None)
+    assert "p=fp32" in str(strict.value)

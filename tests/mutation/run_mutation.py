@@ -5,20 +5,35 @@
 
 Mutated: the certified oracle (fa_verify/oracle/), the error model (error_model.py), the
 honest-ensemble rule (honest_ensemble.py), the verdict (verdict.py) and the null-model guard
-(null_model.py). Each mutant (an operator, a constant, a comparison changed in one place) is
+(null_model.py); the FP8 oracle (oracle/fp8.py) in a second session against its own test file
+(SESSIONS). Each mutant (an operator, a constant, a comparison changed in one place) is
 run against the fast tests that cover those modules (TESTS below); a mutant that no test fails
 "survived". The work happens in a copy (.mutation/ in the repository, git-ignored, kept between
 runs so that a rerun only redoes what changed; --fresh starts over), so the working tree and
-its editable install are never touched.
+its editable install are never touched. mutmut keeps a survivor's verdict when only the tests
+change: --recheck survived reruns the survivors against the tests as they are now.
+
+Timeouts: mutmut stops a mutant after a CPU-time limit and calls that a kill, but a busy
+machine can push an honest mutant over it. Every timeout is therefore run again by name
+(--recheck timeout, on by default); only a mutant that times out again counts as killed, and
+those are listed apart (timeouts_confirmed) to be looked at: where every test reaches the
+mutated function, mutmut's CPU limit (from the traced test times) can be too short even for a
+mutant that cannot loop.
+
+Equivalent mutants (tests/mutation/equivalent.toml: the mutant, the line it writes and why no
+test can tell it from the original) are taken out of the score; an entry whose mutant no longer
+writes that line (the source moved) is reported as stale and not taken out.
 
 Writes OUT (default .mutation/mutation-results.json): the score per module and overall
-(killed / checked, where mutmut's "timeout" counts as killed and "no tests" as survived), every
-survivor's name and diff, and the run's wall time; prints a summary.
+(killed / (checked - equivalent); "no tests" counts as survived), every survivor's name and
+diff, the equivalents, the timeouts, the mutants not yet run, and the run's wall time; prints a
+summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -26,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -55,7 +71,14 @@ DESELECT = ["tests/test_honest_ensemble.py::test_members_give_the_same_bits_unde
             "tests/test_null_model.py::test_check_json_carries_the_counts",
             "tests/test_null_model.py::test_search_counts_informative_examples_and_fails_a_property_with_none",
             "tests/test_null_model.py::test_a_trivial_target_never_passes_unless_it_is_the_right_answer"]
-KILLED = {"killed", "timeout", "caught by type check", "segfault"}
+#: The FP8 oracle has its own fast test file; its mutants run in a second mutmut session (a
+#: session has one test selection, and adding a file to TESTS would make mutmut redo every mutant).
+FP8 = ["fa_verify/oracle/fp8.py"]
+FP8_TESTS = ["tests/test_fp8_oracle.py"]
+#: (name, modules, tests, modules left out, work folder under the main one or "" for itself)
+SESSIONS = [("core", CORE, TESTS, FP8, ""), ("fp8", FP8, FP8_TESTS, [], "fp8")]
+KILLED = {"killed", "caught by type check", "segfault"}
+EQUIVALENTS = Path(__file__).with_name("equivalent.toml")
 NOT_CHECKED = {"skipped", "not checked", "check was interrupted by user"}
 
 
@@ -63,7 +86,7 @@ def _quoted(items) -> str:
     return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
-def _config(modules, tests) -> str:
+def _config(modules, tests, skip=()) -> str:
     quoted = _quoted
     deselect = [arg for test in DESELECT for arg in ("--deselect", test)]
     return "\n".join([
@@ -73,20 +96,21 @@ def _config(modules, tests) -> str:
         "[tool.mutmut]",
         'source_paths = ["fa_verify"]',
         f"only_mutate = {quoted(modules)}",
+        f"do_not_mutate = {quoted(skip)}",
         f"pytest_add_cli_args_test_selection = {quoted(tests)}",
         f"pytest_add_cli_args = {quoted(['-p', 'no:cacheprovider', '-m', 'not slow', *deselect])}",
         "",
     ])
 
 
-def _prepare(work: Path, modules, tests, fresh: bool) -> None:
+def _prepare(work: Path, modules, tests, skip, fresh: bool) -> None:
     if fresh and work.exists():
         shutil.rmtree(work)
-    work.mkdir(exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     for folder in ("fa_verify", "tests"):  # a changed source is copied again; mutmut redoes its mutants
         shutil.copytree(ROOT / folder, work / folder, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.so", "mutation"))
-    (work / "pyproject.toml").write_text(_config(modules, tests))
+    (work / "pyproject.toml").write_text(_config(modules, tests, skip))
     # mutmut puts mutants/ first on sys.path; it must exist before Python starts, or the import
     # system caches it as missing and the editable install's fa_verify is imported instead.
     (work / "mutants").mkdir(exist_ok=True)
@@ -133,23 +157,59 @@ def _listing(work: Path) -> list:
     return found
 
 
-def _results(work: Path) -> dict:
+def _equivalents(path: Path) -> dict:
+    """{mutant name: (the line it writes, why it is equivalent)} from the maintained list."""
+    if not path.exists():
+        return {}
+    return {e["mutant"]: (e["line"], e["reason"]) for e in tomllib.loads(path.read_text()).get("equivalent", [])}
+
+
+def _written_line(diff: str) -> str:
+    return "\n".join(line[1:].strip() for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++"))
+
+
+def _results(works, equivalents: dict) -> dict:
+    """Scores over the mutants of every work folder in `works` (each module is in one)."""
     per_module: dict = defaultdict(Counter)
-    survivors = []
-    for name, status, diff in sorted(_listing(work)):
-        per_module[re.split(r"\.x(?:_|ǁ)", name)[0]][status] += 1
+    survivors, equivalent, stale, timeouts, not_run = [], [], [], [], []
+    listed = sorted(m for work in works for m in _listing(work))
+    names = {name for name, _, _ in listed}
+    for name, status, diff in listed:
+        module = re.split(r"\.x(?:_|ǁ)", name)[0]
+        if status in ("survived", "no tests") and name in equivalents:
+            line, reason = equivalents[name]
+            if line.strip() in _written_line(diff).splitlines():
+                per_module[module]["equivalent"] += 1
+                equivalent.append({"name": name, "line": line, "reason": reason})
+                continue
+            stale.append({"name": name, "listed_line": line, "diff": diff})
+        per_module[module][status] += 1
         if status in ("survived", "no tests"):
             survivors.append({"name": name, "status": status, "diff": diff})
+        elif status == "timeout":
+            timeouts.append(name)
+        elif status in NOT_CHECKED:
+            not_run.append(name)
+    modules = {re.split(r"\.x(?:_|ǁ)", name)[0] for name in names}  # entries of other sessions' modules: not here
+    stale += [{"name": name, "listed_line": line, "diff": "(no such mutant, or killed)"}
+              for name, (line, _) in equivalents.items()
+              if name not in names and re.split(r"\.x(?:_|ǁ)", name)[0] in modules]
 
     def score(counts):
-        checked = sum(n for s, n in counts.items() if s not in NOT_CHECKED)
-        killed = sum(n for s, n in counts.items() if s in KILLED)
+        checked = sum(n for s, n in counts.items() if s not in NOT_CHECKED and s != "equivalent")
+        killed = sum(n for s, n in counts.items() if s in KILLED or s == "timeout")
         return {"killed": killed, "checked": checked, "score": round(100 * killed / checked, 1) if checked else None,
-                "by_status": dict(counts)}
+                "equivalent": counts["equivalent"], "timeouts": counts["timeout"],
+                "not_run": sum(n for s, n in counts.items() if s in NOT_CHECKED), "by_status": dict(counts)}
 
     total = sum(per_module.values(), Counter())
     return {"overall": score(total), "modules": {m: score(c) for m, c in sorted(per_module.items())},
-            "survivors": survivors}
+            "survivors": survivors, "equivalent": equivalent, "stale_equivalents": stale,
+            "timeouts_confirmed": timeouts, "not_run": not_run}
+
+
+def _statuses(work: Path, wanted) -> list:
+    return [name for name, status, _ in _listing(work) if status in wanted]
 
 
 def main(argv=None) -> int:
@@ -161,26 +221,59 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="results file (default WORK/mutation-results.json)")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--fresh", action="store_true", help="forget earlier results")
+    parser.add_argument("--recheck", action="append", choices=["timeout", "survived", "no tests"],
+                        help="run the mutants of this status again, by name, after the run (repeatable; "
+                        "default: timeout; 'survived' after the tests changed, since mutmut keeps old verdicts)")
+    parser.add_argument("--recheck-in", action="append", metavar="PATTERN",
+                        help="recheck only the mutants of this module (fa_verify.null_model) or whose name "
+                        "matches this glob (fa_verify.verdict.x__pct*); repeatable")
+    parser.add_argument("--no-run", action="store_true", help="only the rechecks and the results file")
+    parser.add_argument("--equivalents", type=Path, default=EQUIVALENTS, help="the list of equivalent mutants")
     args = parser.parse_args(argv)
     try:
         import mutmut  # noqa: F401
     except ImportError:
         print("mutmut is not installed: pip install mutmut", file=sys.stderr)
         return 2
-    work = args.work.resolve()
-    _prepare(work, args.module or CORE, args.test or TESTS, args.fresh)
+    main_work = args.work.resolve()
+    sessions = ([("custom", args.module or CORE, args.test or TESTS, [], "")] if args.module or args.test
+                else SESSIONS)
+    equivalents = _equivalents(args.equivalents)  # no recheck: no test can kill them
     start = time.perf_counter()
-    _mutmut(work, "run", "--max-children", str(args.max_children))
+    works, rechecked, run_seconds = [], 0, 0.0
+    for name, modules, tests, skip, folder in sessions:
+        work = main_work / folder if folder else main_work
+        works.append(work)
+        _prepare(work, modules, tests, skip, args.fresh and not folder)
+        begun = time.perf_counter()
+        if not args.no_run:
+            print(f"session {name}: {', '.join(modules)} against {len(tests)} test files")
+            _mutmut(work, "run", "--max-children", str(args.max_children))
+        run_seconds += time.perf_counter() - begun
+        recheck = set(args.recheck or ["timeout"])
+        again = [m for m in _statuses(work, recheck) if m not in equivalents and (
+            not args.recheck_in or any(m.startswith(p + ".x") or fnmatch.fnmatch(m, p) for p in args.recheck_in))]
+        if again:  # by name: mutmut reruns a named mutant whatever its old verdict
+            print(f"rechecking {len(again)} mutants ({', '.join(sorted(recheck))})")
+            _mutmut(work, "run", "--max-children", str(args.max_children), *again)
+            rechecked += len(again)
     seconds = time.perf_counter() - start
-    results = {"seconds": round(seconds, 1), "max_children": args.max_children, **_results(work)}
+    results = {"seconds": round(seconds, 1), "run_seconds": round(run_seconds, 1), "rechecked": rechecked,
+               "max_children": args.max_children, **_results(works, equivalents)}
+    work = main_work
     out = args.out or work / "mutation-results.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
     overall = results["overall"]
-    print(f"mutation score {overall['score']}% ({overall['killed']} of {overall['checked']} mutants killed) "
-          f"in {seconds / 60:.1f} min with {args.max_children} workers")
+    print(f"mutation score {overall['score']}% ({overall['killed']} of {overall['checked']} mutants killed, "
+          f"{overall['equivalent']} equivalent left out, {overall['timeouts']} confirmed timeouts among the killed, "
+          f"{overall['not_run']} not run) in {seconds / 60:.1f} min with {args.max_children} workers")
     for module, s in results["modules"].items():
-        print(f"  {module}: {s['score']}% ({s['killed']} / {s['checked']})")
+        print(f"  {module}: {s['score']}% ({s['killed']} / {s['checked']}; {s['equivalent']} equivalent, "
+              f"{s['timeouts']} timeouts, {s['not_run']} not run)")
     print(f"{len(results['survivors'])} survivors with their diffs in {out}")
+    if results["stale_equivalents"]:
+        print(f"{len(results['stale_equivalents'])} entries of {args.equivalents.name} no longer match their "
+              f"mutant: update them")
     return 0
 
 
