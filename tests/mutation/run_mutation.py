@@ -117,7 +117,11 @@ def _prepare(work: Path, modules, tests, skip, fresh: bool) -> None:
 
 
 def _mutmut(work: Path, *args, capture=False):
-    env = {**os.environ, "PYTHONPATH": str(work / "mutants")}  # the mutated copy, never the editable install
+    # the mutated copy, never the editable install; one thread per worker: mutmut forks each
+    # mutant's run from a process that has run the tests, and torch's OpenMP pool, started there,
+    # deadlocks in the forked child (the worker then idles until mutmut's wall timeout)
+    threads = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {**os.environ, **threads, "PYTHONPATH": str(work / "mutants")}
     return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=work, env=env, text=True,
                           capture_output=capture, check=not capture)
 
