@@ -298,3 +298,210 @@ def test_a_problem_that_is_not_one_is_named_in_the_error():
     dout, _ = _upstream(CASES["gqa_3"], 7, False)
     with pytest.raises(InvalidArgumentError, match="problem must be an AttentionProblem, got str"):
         gradient_reference("gqa_3", dout)
+
+
+# --- the certified bound recomputed from the module doc, element by element ------------------
+# Plain Python loops over one (batch, head, row, key) at a time, math.fsum for the sums: an
+# independent evaluation of the documented formula (constants from bounds.gamma and U64 only).
+# The gradient oracle's bound is a sum of non-negative terms, so the two evaluations differ by
+# reordering noise (~1e-15 relative); tests compare at 1e-12, far below every term's share.
+
+import math  # noqa: E402
+
+from fa_verify.oracle.bounds import U64 as _U  # noqa: E402
+from fa_verify.oracle.bounds import gamma as _gamma_n  # noqa: E402
+
+_EPS_EXP = 2.0 ** -50                       # exp and tanh within 4 ulp (the module's assumption)
+_TAU_DOC = _EPS_EXP / (2 * _U) * 2.0 ** -1074  # 4 subnormal spacings
+_TIGHT = 1e-11                              # rows above it get the |q||K|^T magnitude
+
+
+def _g(n):
+    return float(_gamma_n(n))
+
+
+def _scale_roundings_doc(scale, d):
+    """The least k >= 1 with |scale - 1/sqrt(d)| <= k u / sqrt(d) (mpmath, 40 digits)."""
+    import mpmath
+    with mpmath.workdps(40):
+        exact = 1 / mpmath.sqrt(d)
+        return max(1, int(mpmath.ceil(abs(mpmath.mpf(scale) - exact) / (exact * mpmath.mpf(_U)))))
+
+
+def _doc_bounds(problem, dout, dlse, forward):
+    """dq, dk, dv, delta, dsinks bounds of `_certified_gradients`, from the module doc's formula."""
+    u, tau = _U, _TAU_DOC
+    B, H, Nq, D = problem.out_shape
+    Nk, G, Hkv = problem.nk, problem.group_size, problem.kv_heads
+    scale = problem.scale_value
+    n_sc = 1 if problem.scale_is_exact else _scale_roundings_doc(scale, D)
+    scale_hi = scale if problem.scale_is_exact else scale / (1 - n_sc * u)
+    g_d, g_t = _g(D + 1), _g(D + 2 + n_sc)
+    g_q, g_k, g_v = _g(Nk + 1 + n_sc), _g(Nq + 1 + n_sc), _g(Nq)
+    norm_slack = 1 - _g(D + 1)
+    starts, limits = problem.key_start(), problem.key_limit()
+    attends = [[starts[i] <= j < limits[i] for j in range(Nk)] for i in range(Nq)]
+    keys = [sum(row) for row in attends]
+    rows_of = [sum(attends[i][j] for i in range(Nq)) for j in range(Nk)]
+    cap = problem.softcap
+    products = 2 if cap > 0 else 1
+    fsum, dot = math.fsum, lambda a, b: math.fsum(x * y for x, y in zip(a, b))
+    dq_b = np.zeros((B, H, Nq, D))
+    dk_h, dk_hb, dv_h, dv_hb = (np.zeros((B, H, Nk, D)) for _ in range(4))
+    delta_b = np.zeros((B, H, Nq))
+    sink_err, sink_abs = np.zeros((B, H, Nq)), np.zeros((B, H, Nq))
+    for b, h in np.ndindex(B, H):
+        q = problem.q[b, h].astype(float).tolist()
+        kk = problem.k[b, h // G].astype(float).tolist()
+        vv = problem.v[b, h // G].astype(float).tolist()
+        do = np.asarray(dout, float)[b, h].tolist()
+        up = [0.0] * Nq if dlse is None else np.asarray(dlse, float)[b, h].tolist()
+        out, out_b = forward.out[b, h].tolist(), forward.out_bound[b, h].tolist()
+        bias = problem.alibi_bias(b, h, np.arange(Nq))
+        k_norm = [math.sqrt(dot(k, k)) / norm_slack for k in kk]
+        n_v = [math.sqrt(dot(v, v)) for v in vv]
+        rho, w, c, rest, n_do, delta, p, ds, f, e_f = ([None] * Nq for _ in range(10))
+        e_rows = [0.0] * Nq
+        for i in range(Nq):
+            L, Lb = float(forward.lse[b, h, i]), float(forward.lse_bound[b, h, i])
+            Lz = L if math.isfinite(L) else 0.0
+            t = [dot([x * scale for x in q[i]], k) for k in kk]
+            # magnitude: Cauchy-Schwarz on norms over keys 0 .. limit - 1, the GEMM row if loose
+            mag = math.sqrt(dot(q[i], q[i])) / norm_slack * max(k_norm[:max(limits[i], 1)])
+            z = list(t)
+            extra = 0.0
+            live = [j for j in range(Nk) if attends[i][j]]
+            row_max = lambda x: max([abs(x[j]) for j in live], default=0.0)  # noqa: E731
+            if cap > 0:
+                extra += u * row_max(t)
+                z = [cap * math.tanh(x / cap) for x in t]
+                extra += (u + _EPS_EXP) * row_max(z)
+            if bias is not None:
+                extra += 3 * u * row_max(bias[i]) + u * row_max(z)
+                z = [x + y for x, y in zip(z, bias[i])]
+            if problem.features:
+                z_max = max(abs(x) for x in z)
+            else:
+                z_max = (1 + g_t) * scale_hi * mag
+            x_max = (z_max + abs(Lz)) * (1 + u)
+            if not g_t * scale_hi * mag + extra + Lb + u * x_max <= _TIGHT:
+                gemm = max([dot([abs(x) for x in q[i]], [abs(y) for y in kk[j]]) for j in live], default=0.0)
+                mag = min(mag, gemm / (1 - _g(D)))
+            e_t = g_t * scale_hi * mag
+            beta = e_t + extra + Lb + u * x_max
+            r = math.expm1(beta) + _EPS_EXP * math.exp(beta) if beta < 700 else math.inf
+            rho[i] = r / (1 - r) if r < 1 else math.inf
+            w[i] = 1 + rho[i]
+            p[i] = [math.exp(z[j] - Lz) if attends[i][j] else 0.0 for j in range(Nk)]
+            delta[i] = dot(do[i], out[i])
+            delta_b[b, h, i] = ((dot([abs(x) for x in do[i]], out_b[i]) + g_d * fsum(abs(x * y) for x, y in zip(do[i], out[i])))
+                                * (1 + g_d) + (tau * D if keys[i] > 0 else 0.0))
+            n_do[i] = math.sqrt(dot(do[i], do[i])) / norm_slack ** 2
+            c[i] = delta_b[b, h, i] + 2 * u * (abs(delta[i]) + abs(up[i]))
+            rest[i] = abs(delta[i]) + abs(up[i]) + delta_b[b, h, i]
+            ds[i] = [p[i][j] * (dot(do[i], vv[j]) - delta[i] + up[i]) for j in range(Nk)]
+            s1 = fsum(abs(x) for x in ds[i])
+            # |dS_hat - dS| summed over the keys: rho |dS| / (1 - u), the g error, u |dS|, tau's
+            e_rows[i] = (rho[i] / (1 - u) * s1 + w[i] * ((_g(D + 1) + 2 * u) * n_do[i] * dot(p[i], n_v)
+                                                        + c[i] * fsum(p[i]))
+                         + u * s1 + 2 * tau * keys[i] * (n_do[i] * max(n_v) + rest[i]))
+            if cap > 0:
+                f[i] = [1 - math.tanh(x / cap) ** 2 for x in t]
+                e_y = (e_t + u * (1 + g_t) * scale_hi * mag) / cap
+                e_f[i] = 2 * (e_y + _EPS_EXP) * (1 + e_y + _EPS_EXP) + 2 * u
+            if problem.sinks is not None:
+                xs = float(problem.sinks[h]) - Lz
+                bs = Lb + u * abs(xs)
+                rs = math.expm1(bs) + _EPS_EXP * math.exp(bs)
+                rhos = rs / (1 - rs) if rs < 1 else math.inf
+                ps = math.exp(xs)
+                dd = delta[i] - up[i]
+                sink_abs[b, h, i] = abs(ps * dd)
+                sink_err[b, h, i] = ((rhos * ps + tau) * abs(dd) + ((1 + rhos) * ps + tau) * (delta_b[b, h, i] + u * abs(dd))
+                                     + u * abs(ps * dd) + tau)
+        e_cols = [fsum(rho[i] / (1 - u) * abs(ds[i][j]) for i in range(Nq)) + u * fsum(abs(ds[i][j]) for i in range(Nq))
+                  + (_g(D + 1) + 2 * u) * n_v[j] * fsum(p[i][j] * w[i] * n_do[i] for i in range(Nq))
+                  + fsum(p[i][j] * w[i] * c[i] for i in range(Nq))
+                  + (2 * tau * (fsum(n_do) * n_v[j] + fsum(rest)) if rows_of[j] > 0 else 0.0) for j in range(Nk)]
+        if cap > 0:  # times f: |fl(ds f) - dS f| <= e (1 + e_f) + (|ds| + e) e_f + u |ds f|, per head
+            ef, ds_raw = max(e_f), list(ds)
+            for i in range(Nq):
+                s1_old, ds[i] = fsum(abs(x) for x in ds[i]), [x * y for x, y in zip(ds[i], f[i])]
+                e_rows[i] = e_rows[i] * (1 + 2 * ef) + ef * s1_old + u * fsum(abs(x) for x in ds[i])
+            for j in range(Nk):
+                s1_old = fsum(abs(ds_raw[i][j]) for i in range(Nq))
+                e_cols[j] = e_cols[j] * (1 + 2 * ef) + ef * s1_old + u * fsum(abs(ds[i][j]) for i in range(Nq))
+        k_max = [max(abs(k[d]) for k in kk) for d in range(D)]
+        q_max = [max(abs(x[d]) for x in q) for d in range(D)]
+        do_max = [max(abs(x[d]) for x in do) for d in range(D)]
+        for i, d in np.ndindex(Nq, D):
+            s1 = fsum(abs(x) for x in ds[i])
+            dq_b[b, h, i, d] = (scale_hi * (e_rows[i] + g_q * s1) * k_max[d]
+                                + tau * (keys[i] * (products * max(scale_hi * k_max[d], 1.0) + 1) + (keys[i] > 0)))
+        for j, d in np.ndindex(Nk, D):
+            s1 = fsum(abs(ds[i][j]) for i in range(Nq))
+            dk_h[b, h, j, d] = scale * fsum(ds[i][j] * q[i][d] for i in range(Nq))
+            dk_hb[b, h, j, d] = (scale_hi * (e_cols[j] + g_k * s1) * q_max[d]
+                                 + tau * (rows_of[j] * (products * max(scale_hi * q_max[d], 1.0) + 1) + (rows_of[j] > 0)))
+            dv_h[b, h, j, d] = fsum(p[i][j] * do[i][d] for i in range(Nq))
+            dv_hb[b, h, j, d] = ((fsum(p[i][j] * (rho[i] + g_v * w[i]) for i in range(Nq)) + tau * rows_of[j]) * do_max[d]
+                                 + tau * rows_of[j])
+    slack = 1 + 1e-9
+
+    def group(values, bounds):  # G query heads into one kv head: gamma_G of the magnitudes more
+        out = np.zeros((B, Hkv, Nk, D))
+        for b, hk, j, d in np.ndindex(B, Hkv, Nk, D):
+            heads = range(hk * G, hk * G + G)
+            s = fsum(bounds[b, h, j, d] for h in heads)
+            if G > 1:
+                s += _g(G) * (fsum(abs(values[b, h, j, d]) for h in heads) + s)
+            out[b, hk, j, d] = s * slack
+        return out
+
+    dsinks_b = None
+    if problem.sinks is not None:
+        g_n = _g(B * Nq)
+        dsinks_b = np.array([(fsum(sink_err[:, h].ravel()) * (1 + g_n) + g_n * fsum(sink_abs[:, h].ravel())) * slack
+                             for h in range(H)])
+    return {"dq": np.where(np.isnan(dq_b), np.inf, dq_b) * slack, "dk": group(dk_h, dk_hb),
+            "dv": group(dv_h, dv_hb), "delta": delta_b, "dsinks": dsinks_b}
+
+
+def _assert_bounds_match_the_doc(problem, dout, dlse, rtol=1e-12):
+    """Every bound of the certified path equals the doc's formula within rtol (reordering noise is
+    ~1e-15; a term's share changed by a factor, or by >= 1e-12 relative, shows)."""
+    grads = gradient_reference(problem, dout, dlse)
+    expected = _doc_bounds(problem, dout, dlse, grads.forward)
+    got = {"dq": grads.dq_bound, "dk": grads.dk_bound, "dv": grads.dv_bound, "delta": grads.delta_bound,
+           "dsinks": grads.dsinks_bound}
+    for name, want in expected.items():
+        if want is None:
+            assert got[name] is None
+            continue
+        assert got[name].shape == want.shape and got[name].dtype == np.float64, name
+        np.testing.assert_allclose(got[name], want, rtol=rtol, atol=0, err_msg=name)
+    return grads
+
+
+def _doc_case(name):
+    rng = np.random.default_rng(31)
+    if name == "causal_empty_rows":  # Nq > Nk bottom-right: two rows see no key
+        return _problem(rng, 1, 2, 1, 5, 3, 4, causal=True)
+    if name == "gqa_inexact_scale_window":  # D = 3: 1/sqrt(3) is 2 roundings off; two rows see no key
+        return _problem(rng, 1, 4, 2, 6, 3, 3, window_size=(1, 1), causal_alignment="top-left")
+    if name == "softcap_alibi":
+        return _problem(rng, 1, 2, 1, 4, 5, 4, spread=3.0, softcap=1.5, alibi_slopes=[0.5, 4.0], causal=True)
+    if name == "sinks":
+        return _problem(rng, 2, 2, 1, 3, 4, 4, sinks=[0.5, -2.0])
+    if name == "large_logits":  # logits ~ 1e5: the probabilities' relative error rho ~ 1e-10
+        return _problem(rng, 1, 2, 1, 3, 4, 4, spread=300.0)
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no_dlse", "dlse"])
+@pytest.mark.parametrize("name", ["causal_empty_rows", "gqa_inexact_scale_window", "softcap_alibi", "sinks",
+                                  "large_logits"])
+def test_certified_bounds_are_the_documented_formula(name, with_dlse):
+    problem = _doc_case(name)
+    dout, dlse = _upstream(problem, 11, with_dlse)
+    _assert_bounds_match_the_doc(problem, dout, dlse)
