@@ -467,9 +467,11 @@ def _doc_bounds(problem, dout, dlse, forward):
             "dv": group(dv_h, dv_hb), "delta": delta_b, "dsinks": dsinks_b}
 
 
-def _assert_bounds_match_the_doc(problem, dout, dlse, rtol=1e-12):
+def _assert_bounds_match_the_doc(problem, dout, dlse, rtol=1e-12, atol=2.0 ** -1022):
     """Every bound of the certified path equals the doc's formula within rtol (reordering noise is
-    ~1e-15; a term's share changed by a factor, or by >= 1e-12 relative, shows)."""
+    ~1e-15; a term's share changed by a factor, or by >= 1e-12 relative, shows). Bounds below the
+    normal range (atol) carry the bound arithmetic's own subnormal roundings (whole spacings, then
+    scaled): the tests that aim there build values in the normal range or compare exactly."""
     grads = gradient_reference(problem, dout, dlse)
     expected = _doc_bounds(problem, dout, dlse, grads.forward)
     got = {"dq": grads.dq_bound, "dk": grads.dk_bound, "dv": grads.dv_bound, "delta": grads.delta_bound,
@@ -479,8 +481,8 @@ def _assert_bounds_match_the_doc(problem, dout, dlse, rtol=1e-12):
             assert got[name] is None
             continue
         assert got[name].shape == want.shape and got[name].dtype == np.float64, name
-        np.testing.assert_allclose(got[name], want, rtol=rtol, atol=0, err_msg=name)
-    return grads
+        np.testing.assert_allclose(got[name], want, rtol=rtol, atol=atol, err_msg=name)
+    return grads, expected
 
 
 def _doc_case(name):
@@ -505,3 +507,52 @@ def test_certified_bounds_are_the_documented_formula(name, with_dlse):
     problem = _doc_case(name)
     dout, dlse = _upstream(problem, 11, with_dlse)
     _assert_bounds_match_the_doc(problem, dout, dlse)
+
+
+@pytest.mark.parametrize("variant", [{"causal": True}, {"causal": True, "softcap": 2.0},
+                                     {"window_size": (1, 1), "causal_alignment": "top-left"}],
+                         ids=["causal", "causal_softcap", "window_top_left"])
+def test_underflow_terms_are_the_documented_ones(variant):
+    """dout = 0: dS = 0, so the bounds are the underflow terms alone (tau = 4 subnormal spacings per
+    product rounded there): D = 0 errs by D tau on rows that see a key, the dS products' own tau
+    carried by scale max|K| (here 2^60, scores stay O(1) with q ~ 2^-62) into dq, and rows with
+    0, 1 or several keys (Nq > Nk; the top-left window leaves two rows without keys). Subnormal
+    sums of whole spacings are exact, so dk, dv and D are compared exactly (atol 0), dq (~1e-304,
+    normal) at 1e-12."""
+    rng = np.random.default_rng(41)
+    q = rng.integers(-4, 5, (1, 2, 6, 4)) * 2.0 ** -62
+    k = rng.integers(-8, 9, (1, 1, 3, 4)) * 2.0 ** 58
+    k[..., 0, :] = 2.0 ** 61
+    problem = AttentionProblem(q.astype(np.float32), k.astype(np.float32),
+                               rng.standard_normal((1, 1, 3, 4)).astype(np.float32), **variant)
+    grads, _ = _assert_bounds_match_the_doc(problem, np.zeros(problem.out_shape), None, atol=0)
+    keys = np.maximum(problem.key_limit() - problem.key_start(), 0)
+    assert set(keys.tolist()) >= {0, 1}
+    np.testing.assert_array_equal(grads.delta_bound[0, 0], np.where(keys > 0, _TAU_DOC * 4, 0.0))
+    assert (grads.dq_bound[0, 0, keys > 0] > 2.0 ** -1022).all()
+
+
+def test_underflow_terms_of_subnormal_probabilities_and_sinks_are_the_documented_ones():
+    """Four heads, each its own kv head (no group sum to hide one in another):
+    0: sink 740 above the O(1) logits, so every p ~ e^-740 is subnormal and dout, dlse ~ 1e150:
+       the tau terms (2 tau per key times |dO| |V| + |D| + |dlse| + D's bound) dominate dq, dk;
+    1: sink -800 (its p = 0), dout with one nonzero column and dlse = that product, D - dlse = 0
+       exactly: the sink's bound is tau times D's bound (plus tau) alone;
+    2: sink -800, dlse = 0: the sink's bound is tau |D| (its p = 0);
+    3: sink -800, dout = 0: the sink's bound is one tau per row (exact in subnormals: atol 0).
+    V of each head a different size (per-head maxima)."""
+    rng = np.random.default_rng(43)
+    q = rng.standard_normal((1, 4, 3, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 4, 4, 4)).astype(np.float32)
+    v = (rng.standard_normal((1, 4, 4, 4)) * np.array([1.0, 3.0, 0.5, 100.0])[:, None, None]).astype(np.float32)
+    problem = AttentionProblem(q, k, v, sinks=[740.0, -800.0, -800.0, -800.0])
+    forward = certified_reference(problem)
+    dout = rng.standard_normal(problem.out_shape) * np.array([1e150, 1e35, 1e150, 0.0])[:, None, None]
+    dout[0, 1, :, 1:] = 0.0
+    dlse = rng.standard_normal(problem.lse_shape) * 1e150
+    dlse[0, 1] = dout[0, 1, :, 0] * forward.out[0, 1, :, 0]
+    dlse[0, 2:] = 0.0
+    grads, expected = _assert_bounds_match_the_doc(problem, dout, dlse)
+    np.testing.assert_array_equal(grads.dsinks_bound[3], expected["dsinks"][3])
+    assert 0 < grads.dsinks_bound[3] < 2.0 ** -1022
+    assert (grads.dq_bound[0, 0] > 2.0 ** -1022).all() and (grads.dk_bound[0, 0] > 2.0 ** -1022).all()
