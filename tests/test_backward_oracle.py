@@ -556,3 +556,69 @@ def test_underflow_terms_of_subnormal_probabilities_and_sinks_are_the_documented
     np.testing.assert_array_equal(grads.dsinks_bound[3], expected["dsinks"][3])
     assert 0 < grads.dsinks_bound[3] < 2.0 ** -1022
     assert (grads.dq_bound[0, 0] > 2.0 ** -1022).all() and (grads.dk_bound[0, 0] > 2.0 ** -1022).all()
+
+
+def _aligned_problem(a, nk=3, sinks=None, seed=47):
+    """q_i = k_j = [a, 1, 1, 1] (fp32): every key of a row has the same logit ~ a^2 / 2, so every
+    probability stays 1 / Nk (none underflows) however large a is."""
+    rng = np.random.default_rng(seed)
+    q, k = np.ones((1, 1, 2, 4)), np.ones((1, 1, nk, 4))
+    q[..., 0] = k[..., 0] = a
+    return AttentionProblem(q.astype(np.float32), k.astype(np.float32),
+                            rng.standard_normal((1, 1, nk, 4)).astype(np.float32), sinks=sinks)
+
+
+def test_probabilities_whose_error_bound_overflows_leave_no_bound_and_no_warning():
+    """Logits ~ 2^63 (a = 2^32) and a sink of the same size: beta, the probabilities' relative
+    error's exponent, is in the hundreds (g_{D+3} scale |q||k| alone ~ 7 * 2^10), r = expm1(beta)
+    overflows: no bound (inf) on any gradient, and the overflow is expected, so no warning."""
+    import warnings
+
+    problem = _aligned_problem(2.0 ** 32, sinks=[2.0 ** 63])
+    dout, dlse = _upstream(problem, 12, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads = gradient_reference(problem, dout, dlse)
+    for name, (_, bound) in grads.tensors().items():
+        assert np.isposinf(bound).all(), name
+
+
+def test_a_probability_error_between_one_and_two_is_no_bound_either():
+    """rho = r / (1 - r) only for r < 1: with 1 <= r < 2 (beta in [0.69, 1.1): logits ~ 2^49.5)
+    rho is inf, the bound too (r / (1 - r) there is negative). The same for the sink's own r_s:
+    a sink of 2^53 above O(1) logits, whose LSE bound u |L| ~ 1 gives r_s in (1, 2); a sink of
+    2^51 gives r_s ~ 0.28, where rho_s = r_s / (1 - r_s) ~ 0.4 shows in dsinks' bound."""
+    import warnings
+
+    u, eps = 2.0 ** -53, 2.0 ** -50
+    a = 2.0 ** 25.25
+    problem = _aligned_problem(a)
+    dout, _ = _upstream(problem, 13, False)
+    grads = gradient_reference(problem, dout)
+    # the doc's beta for these rows: the |q||K|^T magnitude (the norm one is as large), no variants
+    mag = float(np.float32(a)) ** 2 / (1 - _g(4)) + 3 / (1 - _g(4))
+    g_t = _g(4 + 2 + 1)
+    L, Lb = grads.forward.lse[0, 0], grads.forward.lse_bound[0, 0]
+    beta = g_t * 0.5 * mag + Lb + u * (1 + u) * ((1 + g_t) * 0.5 * mag + np.abs(L))
+    r = np.expm1(beta) + eps * np.exp(beta)
+    assert ((1 < r) & (r < 2)).all(), r
+    for name, (_, bound) in grads.tensors().items():
+        assert np.isposinf(bound).all(), name
+    rng = np.random.default_rng(14)
+    q = rng.standard_normal((1, 1, 3, 4)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 1, 4, 4)).astype(np.float32) for _ in range(2))
+    for sink, finite in ((2.0 ** 53, False), (2.0 ** 51, True)):
+        problem = AttentionProblem(q, k, v, sinks=[sink])
+        dout, dlse = _upstream(problem, 15, True)
+        with warnings.catch_warnings():  # the keys' p = e^-2^51 = 0 meet rho = inf there: nan, inf
+            warnings.simplefilter("ignore")
+            grads = gradient_reference(problem, dout, dlse)
+            expected = _doc_bounds(problem, dout, dlse, grads.forward)
+        Lb = grads.forward.lse_bound[0, 0]
+        assert (grads.forward.lse[0, 0] == sink).all()  # x_s = sink - L = 0: r_s = expm1(Lb) + eps e^Lb
+        r_s = np.expm1(Lb) + eps * np.exp(Lb)
+        assert ((0.2 < r_s) & (r_s < 0.5)).all() if finite else ((1 < r_s) & (r_s < 2)).all(), r_s
+        if finite:
+            np.testing.assert_allclose(grads.dsinks_bound, expected["dsinks"], rtol=1e-12)
+        else:
+            assert np.isposinf(grads.dsinks_bound).all()
