@@ -622,3 +622,43 @@ def test_a_probability_error_between_one_and_two_is_no_bound_either():
             np.testing.assert_allclose(grads.dsinks_bound, expected["dsinks"], rtol=1e-12)
         else:
             assert np.isposinf(grads.dsinks_bound).all()
+
+
+@pytest.mark.parametrize("softcap", [0.0, 1e4], ids=["plain", "softcap"])
+def test_the_rows_above_tight_rel_are_the_documented_ones(softcap, monkeypatch):
+    """A ladder of 40 rows q_i = 1.3 * 1.04^i [1, 0, 0, 0] against a key [0, 2^12, .25, .25] that
+    makes the norm magnitude |q||k| 8x the |q||K|^T one (the key [2^9, 0, .25, .25]): the free
+    bound's beta grows 4% a row and crosses _TIGHT_REL mid-ladder, so each row's grade, and with
+    it its bound, follows beta's every term (the scores' error, the logits' extra rounding with
+    a softcap, the forward's LSE bound, u |x|max); a term off by more than a few % moves the
+    crossing by a row."""
+    import fa_verify.oracle.backward as backward
+    nq = 40
+    q = np.zeros((1, 1, nq, 4))
+    q[0, 0, :, 0] = 1.3 * 1.04 ** np.arange(nq)
+    k = np.zeros((1, 1, 2, 4))
+    k[0, 0, 0, 1], k[0, 0, 1, 0], k[0, 0, :, 2:] = 2.0 ** 12, 2.0 ** 9, 0.25
+    v = np.random.default_rng(49).standard_normal((1, 1, 2, 4))
+    problem = AttentionProblem(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), softcap=softcap)
+    dout, _ = _upstream(problem, 16, False)
+    charged, gemm = [], backward._gemm_magnitude
+
+    def counted(q, k, mask, rows):
+        charged.extend(rows[1].tolist())
+        return gemm(q, k, mask, rows)
+
+    monkeypatch.setattr(backward, "_gemm_magnitude", counted)
+    _assert_bounds_match_the_doc(problem, dout, None)
+    assert 10 <= min(charged) <= 30 and charged == list(range(min(charged), nq))
+
+
+def test_the_gemm_magnitude_counts_only_the_keys_a_row_attends():
+    """Top-left causal: row 0 attends key 0 ([0.5, 300] against q = [300, 0.5]: sum |q||k| = 300,
+    the norm bound 9e4, loose: beta = g_6 scale 9e4 + ... > 1e-11), not key 1 ([10, 10]: 3005).
+    Its magnitude is 300, so its bounds are those of the doc's formula with the masked GEMM row."""
+    q = np.array([[[[300, 0.5], [1, 2]]]], np.float32)
+    k = np.array([[[[0.5, 300], [10, 10]]]], np.float32)
+    v = np.array([[[[1, -2], [0.5, 1]]]], np.float32)
+    problem = AttentionProblem(q, k, v, causal=True, causal_alignment="top-left")
+    dout = np.array([[[[1.0, -0.5], [0.25, 2.0]]]])
+    _assert_bounds_match_the_doc(problem, dout, None)
