@@ -662,3 +662,43 @@ def test_the_gemm_magnitude_counts_only_the_keys_a_row_attends():
     problem = AttentionProblem(q, k, v, causal=True, causal_alignment="top-left")
     dout = np.array([[[[1.0, -0.5], [0.25, 2.0]]]])
     _assert_bounds_match_the_doc(problem, dout, None)
+
+
+def test_the_softcap_factor_error_is_the_documented_one():
+    """Softcap 0.01 over scores that cancel: q = [100, 100, x], k = [100, -100, y], so t = x.y
+    is O(1e-2) (the factor f = 1 - tanh^2(t / c) is O(1), not 0) while the scores' error bound
+    e_t ~ g_7 scale 2e4 ~ 8e-12 and e_y = (e_t + u |t|) / c ~ 1e-9: e_f = 2 (e_y + eps)(1 + e_y +
+    eps) + 2u and its (1 + 2 e_f) on the error carried through dominate the bound, e_f's factor
+    (1 + e_y + eps) (1e-9 of it) included."""
+    rng = np.random.default_rng(51)
+    q, k = np.empty((1, 1, 3, 4)), np.empty((1, 1, 4, 4))
+    q[..., :2], k[..., 0], k[..., 1] = 100.0, 100.0, -100.0
+    q[..., 2:], k[..., 2:] = rng.integers(-8, 9, (1, 1, 3, 2)) / 64, rng.integers(-8, 9, (1, 1, 4, 2)) / 64
+    problem = AttentionProblem(q.astype(np.float32), k.astype(np.float32),
+                               rng.standard_normal((1, 1, 4, 4)).astype(np.float32), softcap=0.01)
+    dout, dlse = _upstream(problem, 17, True)
+    _assert_bounds_match_the_doc(problem, dout, dlse)
+
+
+def test_gamma_terms_of_long_sums_are_the_documented_ones():
+    """8192 query rows on one key (p = 1 but for the sink's share): dV sums 8192 products,
+    gamma_Nq ~ 9e-13 beside rho ~ 1e-11 (logits ~ 1e4: the LSE bound ~ u |L| ~ 1e-11), and dsinks
+    sums B Nq = 8192 terms, gamma ~ 9e-13 of them; both shares ~1e-12 of their bounds, so compared
+    at 1e-13 (the two evaluations' reordering noise ~1e-15)."""
+    rng = np.random.default_rng(53)
+    nq = 8192
+    q = (100 + rng.integers(0, 64, (1, 1, nq, 1)) / 64).astype(np.float32)
+    problem = AttentionProblem(q, np.full((1, 1, 1, 1), 100, np.float32), np.ones((1, 1, 1, 1), np.float32),
+                               sinks=[1e4 - 1])
+    dout, dlse = _upstream(problem, 18, True)
+    _assert_bounds_match_the_doc(problem, dout, dlse, rtol=1e-13)
+
+
+def test_gamma_terms_of_a_long_head_dim_are_the_documented_ones():
+    """D = 8192: the gamma_{D+1} of D's dot products (D's bound: (|dO| out_bound + g |dO O|)(1 + g))
+    and of the norms (|dO| over (1 - g)^2) are ~9e-13: their (1 + g) factors show at 1e-13."""
+    rng = np.random.default_rng(55)
+    d = 8192
+    problem = _problem(rng, 1, 1, 1, 1, 2, d)
+    dout, dlse = _upstream(problem, 19, True)
+    _assert_bounds_match_the_doc(problem, dout, dlse, rtol=1e-13)
