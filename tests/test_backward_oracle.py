@@ -306,10 +306,10 @@ def test_a_problem_that_is_not_one_is_named_in_the_error():
 # The gradient oracle's bound is a sum of non-negative terms, so the two evaluations differ by
 # reordering noise (~1e-15 relative); tests compare at 1e-12, far below every term's share.
 
-import math  # noqa: E402
+import math
 
-from fa_verify.oracle.bounds import U64 as _U  # noqa: E402
-from fa_verify.oracle.bounds import gamma as _gamma_n  # noqa: E402
+from fa_verify.oracle.bounds import U64 as _U
+from fa_verify.oracle.bounds import gamma as _gamma_n
 
 _EPS_EXP = 2.0 ** -50                       # exp and tanh within 4 ulp (the module's assumption)
 _TAU_DOC = _EPS_EXP / (2 * _U) * 2.0 ** -1074  # 4 subnormal spacings
@@ -345,7 +345,14 @@ def _doc_bounds(problem, dout, dlse, forward):
     rows_of = [sum(attends[i][j] for i in range(Nq)) for j in range(Nk)]
     cap = problem.softcap
     products = 2 if cap > 0 else 1
-    fsum, dot = math.fsum, lambda a, b: math.fsum(x * y for x, y in zip(a, b))
+    fsum = math.fsum
+
+    def dot(a, b):
+        return fsum(x * y for x, y in zip(a, b))
+
+    def row_max(x, live):  # max |x_j| over the keys the row attends
+        return max([abs(x[j]) for j in live], default=0.0)
+
     dq_b = np.zeros((B, H, Nq, D))
     dk_h, dk_hb, dv_h, dv_hb = (np.zeros((B, H, Nk, D)) for _ in range(4))
     delta_b = np.zeros((B, H, Nq))
@@ -371,13 +378,12 @@ def _doc_bounds(problem, dout, dlse, forward):
             z = list(t)
             extra = 0.0
             live = [j for j in range(Nk) if attends[i][j]]
-            row_max = lambda x: max([abs(x[j]) for j in live], default=0.0)  # noqa: E731
             if cap > 0:
-                extra += u * row_max(t)
+                extra += u * row_max(t, live)
                 z = [cap * math.tanh(x / cap) for x in t]
-                extra += (u + _EPS_EXP) * row_max(z)
+                extra += (u + _EPS_EXP) * row_max(z, live)
             if bias is not None:
-                extra += 3 * u * row_max(bias[i]) + u * row_max(z)
+                extra += 3 * u * row_max(bias[i], live) + u * row_max(z, live)
                 z = [x + y for x, y in zip(z, bias[i])]
             if problem.features:
                 z_max = max(abs(x) for x in z)
@@ -632,7 +638,7 @@ def test_the_rows_above_tight_rel_are_the_documented_ones(softcap, monkeypatch):
     it its bound, follows beta's every term (the scores' error, the logits' extra rounding with
     a softcap, the forward's LSE bound, u |x|max); a term off by more than a few % moves the
     crossing by a row."""
-    import fa_verify.oracle.backward as backward
+    from fa_verify.oracle import backward
     nq = 40
     q = np.zeros((1, 1, nq, 4))
     q[0, 0, :, 0] = 1.3 * 1.04 ** np.arange(nq)
