@@ -302,9 +302,11 @@ def test_a_problem_that_is_not_one_is_named_in_the_error():
 
 # --- the certified bound recomputed from the module doc, element by element ------------------
 # Plain Python loops over one (batch, head, row, key) at a time, math.fsum for the sums: an
-# independent evaluation of the documented formula (constants from bounds.gamma and U64 only).
-# The gradient oracle's bound is a sum of non-negative terms, so the two evaluations differ by
-# reordering noise (~1e-15 relative); tests compare at 1e-12, far below every term's share.
+# independent evaluation of the module doc's formula and of the choices its comments state (the
+# norm or |q||K|^T magnitude per row, sums of |errors| times the max of |values|, per-head maxima),
+# constants from bounds.gamma and U64 only. The bound is a sum of non-negative terms, so the two
+# evaluations differ by reordering noise (~1e-15 relative): the tests compare at 1e-12 (1e-13
+# where a gamma of a long sum is the aim), far below the share of the terms they aim at.
 
 import math
 
