@@ -298,3 +298,415 @@ def test_a_problem_that_is_not_one_is_named_in_the_error():
     dout, _ = _upstream(CASES["gqa_3"], 7, False)
     with pytest.raises(InvalidArgumentError, match="problem must be an AttentionProblem, got str"):
         gradient_reference("gqa_3", dout)
+
+
+# --- the certified bound recomputed from the module doc, element by element ------------------
+# Plain Python loops over one (batch, head, row, key) at a time, math.fsum for the sums: an
+# independent evaluation of the module doc's formula and of the choices its comments state (the
+# norm or |q||K|^T magnitude per row, sums of |errors| times the max of |values|, per-head maxima),
+# constants from bounds.gamma and U64 only. The bound is a sum of non-negative terms, so the two
+# evaluations differ by reordering noise (~1e-15 relative): the tests compare at 1e-12 (1e-13
+# where a gamma of a long sum is the aim), far below the share of the terms they aim at.
+
+import math
+
+from fa_verify.oracle.bounds import U64 as _U
+from fa_verify.oracle.bounds import gamma as _gamma_n
+
+_EPS_EXP = 2.0 ** -50                       # exp and tanh within 4 ulp (the module's assumption)
+_TAU_DOC = _EPS_EXP / (2 * _U) * 2.0 ** -1074  # 4 subnormal spacings
+_TIGHT = 1e-11                              # rows above it get the |q||K|^T magnitude
+
+
+def _g(n):
+    return float(_gamma_n(n))
+
+
+def _scale_roundings_doc(scale, d):
+    """The least k >= 1 with |scale - 1/sqrt(d)| <= k u / sqrt(d) (mpmath, 40 digits)."""
+    import mpmath
+    with mpmath.workdps(40):
+        exact = 1 / mpmath.sqrt(d)
+        return max(1, int(mpmath.ceil(abs(mpmath.mpf(scale) - exact) / (exact * mpmath.mpf(_U)))))
+
+
+def _doc_bounds(problem, dout, dlse, forward):
+    """dq, dk, dv, delta, dsinks bounds of `_certified_gradients`, from the module doc's formula."""
+    u, tau = _U, _TAU_DOC
+    B, H, Nq, D = problem.out_shape
+    Nk, G, Hkv = problem.nk, problem.group_size, problem.kv_heads
+    scale = problem.scale_value
+    n_sc = 1 if problem.scale_is_exact else _scale_roundings_doc(scale, D)
+    scale_hi = scale if problem.scale_is_exact else scale / (1 - n_sc * u)
+    g_d, g_t = _g(D + 1), _g(D + 2 + n_sc)
+    g_q, g_k, g_v = _g(Nk + 1 + n_sc), _g(Nq + 1 + n_sc), _g(Nq)
+    norm_slack = 1 - _g(D + 1)
+    starts, limits = problem.key_start(), problem.key_limit()
+    attends = [[starts[i] <= j < limits[i] for j in range(Nk)] for i in range(Nq)]
+    keys = [sum(row) for row in attends]
+    rows_of = [sum(attends[i][j] for i in range(Nq)) for j in range(Nk)]
+    cap = problem.softcap
+    products = 2 if cap > 0 else 1
+    fsum = math.fsum
+
+    def dot(a, b):
+        return fsum(x * y for x, y in zip(a, b))
+
+    def row_max(x, live):  # max |x_j| over the keys the row attends
+        return max([abs(x[j]) for j in live], default=0.0)
+
+    dq_b = np.zeros((B, H, Nq, D))
+    dk_h, dk_hb, dv_h, dv_hb = (np.zeros((B, H, Nk, D)) for _ in range(4))
+    delta_b = np.zeros((B, H, Nq))
+    sink_err, sink_abs = np.zeros((B, H, Nq)), np.zeros((B, H, Nq))
+    for b, h in np.ndindex(B, H):
+        q = problem.q[b, h].astype(float).tolist()
+        kk = problem.k[b, h // G].astype(float).tolist()
+        vv = problem.v[b, h // G].astype(float).tolist()
+        do = np.asarray(dout, float)[b, h].tolist()
+        up = [0.0] * Nq if dlse is None else np.asarray(dlse, float)[b, h].tolist()
+        out, out_b = forward.out[b, h].tolist(), forward.out_bound[b, h].tolist()
+        bias = problem.alibi_bias(b, h, np.arange(Nq))
+        k_norm = [math.sqrt(dot(k, k)) / norm_slack for k in kk]
+        n_v = [math.sqrt(dot(v, v)) for v in vv]
+        rho, w, c, rest, n_do, delta, p, ds, f, e_f = ([None] * Nq for _ in range(10))
+        e_rows = [0.0] * Nq
+        for i in range(Nq):
+            L, Lb = float(forward.lse[b, h, i]), float(forward.lse_bound[b, h, i])
+            Lz = L if math.isfinite(L) else 0.0
+            t = [dot([x * scale for x in q[i]], k) for k in kk]
+            # magnitude: Cauchy-Schwarz on norms over keys 0 .. limit - 1, the GEMM row if loose
+            mag = math.sqrt(dot(q[i], q[i])) / norm_slack * max(k_norm[:max(limits[i], 1)])
+            z = list(t)
+            extra = 0.0
+            live = [j for j in range(Nk) if attends[i][j]]
+            if cap > 0:
+                extra += u * row_max(t, live)
+                z = [cap * math.tanh(x / cap) for x in t]
+                extra += (u + _EPS_EXP) * row_max(z, live)
+            if bias is not None:
+                extra += 3 * u * row_max(bias[i], live) + u * row_max(z, live)
+                z = [x + y for x, y in zip(z, bias[i])]
+            if problem.features:
+                z_max = max(abs(x) for x in z)
+            else:
+                z_max = (1 + g_t) * scale_hi * mag
+            x_max = (z_max + abs(Lz)) * (1 + u)
+            if not g_t * scale_hi * mag + extra + Lb + u * x_max <= _TIGHT:
+                gemm = max([dot([abs(x) for x in q[i]], [abs(y) for y in kk[j]]) for j in live], default=0.0)
+                mag = min(mag, gemm / (1 - _g(D)))
+            e_t = g_t * scale_hi * mag
+            beta = e_t + extra + Lb + u * x_max
+            r = math.expm1(beta) + _EPS_EXP * math.exp(beta) if beta < 700 else math.inf
+            rho[i] = r / (1 - r) if r < 1 else math.inf
+            w[i] = 1 + rho[i]
+            p[i] = [math.exp(z[j] - Lz) if attends[i][j] else 0.0 for j in range(Nk)]
+            delta[i] = dot(do[i], out[i])
+            delta_b[b, h, i] = ((dot([abs(x) for x in do[i]], out_b[i]) + g_d * fsum(abs(x * y) for x, y in zip(do[i], out[i])))
+                                * (1 + g_d) + (tau * D if keys[i] > 0 else 0.0))
+            n_do[i] = math.sqrt(dot(do[i], do[i])) / norm_slack ** 2
+            c[i] = delta_b[b, h, i] + 2 * u * (abs(delta[i]) + abs(up[i]))
+            rest[i] = abs(delta[i]) + abs(up[i]) + delta_b[b, h, i]
+            ds[i] = [p[i][j] * (dot(do[i], vv[j]) - delta[i] + up[i]) for j in range(Nk)]
+            s1 = fsum(abs(x) for x in ds[i])
+            # |dS_hat - dS| summed over the keys: rho |dS| / (1 - u), the g error, u |dS|, tau's
+            e_rows[i] = (rho[i] / (1 - u) * s1 + w[i] * ((_g(D + 1) + 2 * u) * n_do[i] * dot(p[i], n_v)
+                                                        + c[i] * fsum(p[i]))
+                         + u * s1 + 2 * tau * keys[i] * (n_do[i] * max(n_v) + rest[i]))
+            if cap > 0:
+                f[i] = [1 - math.tanh(x / cap) ** 2 for x in t]
+                e_y = (e_t + u * (1 + g_t) * scale_hi * mag) / cap
+                e_f[i] = 2 * (e_y + _EPS_EXP) * (1 + e_y + _EPS_EXP) + 2 * u
+            if problem.sinks is not None:
+                xs = float(problem.sinks[h]) - Lz
+                bs = Lb + u * abs(xs)
+                rs = math.expm1(bs) + _EPS_EXP * math.exp(bs)
+                rhos = rs / (1 - rs) if rs < 1 else math.inf
+                ps = math.exp(xs)
+                dd = delta[i] - up[i]
+                sink_abs[b, h, i] = abs(ps * dd)
+                sink_err[b, h, i] = ((rhos * ps + tau) * abs(dd) + ((1 + rhos) * ps + tau) * (delta_b[b, h, i] + u * abs(dd))
+                                     + u * abs(ps * dd) + tau)
+        e_cols = [fsum(rho[i] / (1 - u) * abs(ds[i][j]) for i in range(Nq)) + u * fsum(abs(ds[i][j]) for i in range(Nq))
+                  + (_g(D + 1) + 2 * u) * n_v[j] * fsum(p[i][j] * w[i] * n_do[i] for i in range(Nq))
+                  + fsum(p[i][j] * w[i] * c[i] for i in range(Nq))
+                  + (2 * tau * (fsum(n_do) * n_v[j] + fsum(rest)) if rows_of[j] > 0 else 0.0) for j in range(Nk)]
+        if cap > 0:  # times f: |fl(ds f) - dS f| <= e (1 + e_f) + (|ds| + e) e_f + u |ds f|, per head
+            ef, ds_raw = max(e_f), list(ds)
+            for i in range(Nq):
+                s1_old, ds[i] = fsum(abs(x) for x in ds[i]), [x * y for x, y in zip(ds[i], f[i])]
+                e_rows[i] = e_rows[i] * (1 + 2 * ef) + ef * s1_old + u * fsum(abs(x) for x in ds[i])
+            for j in range(Nk):
+                s1_old = fsum(abs(ds_raw[i][j]) for i in range(Nq))
+                e_cols[j] = e_cols[j] * (1 + 2 * ef) + ef * s1_old + u * fsum(abs(ds[i][j]) for i in range(Nq))
+        k_max = [max(abs(k[d]) for k in kk) for d in range(D)]
+        q_max = [max(abs(x[d]) for x in q) for d in range(D)]
+        do_max = [max(abs(x[d]) for x in do) for d in range(D)]
+        for i, d in np.ndindex(Nq, D):
+            s1 = fsum(abs(x) for x in ds[i])
+            dq_b[b, h, i, d] = (scale_hi * (e_rows[i] + g_q * s1) * k_max[d]
+                                + tau * (keys[i] * (products * max(scale_hi * k_max[d], 1.0) + 1) + (keys[i] > 0)))
+        for j, d in np.ndindex(Nk, D):
+            s1 = fsum(abs(ds[i][j]) for i in range(Nq))
+            dk_h[b, h, j, d] = scale * fsum(ds[i][j] * q[i][d] for i in range(Nq))
+            dk_hb[b, h, j, d] = (scale_hi * (e_cols[j] + g_k * s1) * q_max[d]
+                                 + tau * (rows_of[j] * (products * max(scale_hi * q_max[d], 1.0) + 1) + (rows_of[j] > 0)))
+            dv_h[b, h, j, d] = fsum(p[i][j] * do[i][d] for i in range(Nq))
+            dv_hb[b, h, j, d] = ((fsum(p[i][j] * (rho[i] + g_v * w[i]) for i in range(Nq)) + tau * rows_of[j]) * do_max[d]
+                                 + tau * rows_of[j])
+    slack = 1 + 1e-9
+
+    def group(values, bounds):  # G query heads into one kv head: gamma_G of the magnitudes more
+        out = np.zeros((B, Hkv, Nk, D))
+        for b, hk, j, d in np.ndindex(B, Hkv, Nk, D):
+            heads = range(hk * G, hk * G + G)
+            s = fsum(bounds[b, h, j, d] for h in heads)
+            if G > 1:
+                s += _g(G) * (fsum(abs(values[b, h, j, d]) for h in heads) + s)
+            out[b, hk, j, d] = s * slack
+        return out
+
+    dsinks_b = None
+    if problem.sinks is not None:
+        g_n = _g(B * Nq)
+        dsinks_b = np.array([(fsum(sink_err[:, h].ravel()) * (1 + g_n) + g_n * fsum(sink_abs[:, h].ravel())) * slack
+                             for h in range(H)])
+    return {"dq": np.where(np.isnan(dq_b), np.inf, dq_b) * slack, "dk": group(dk_h, dk_hb),
+            "dv": group(dv_h, dv_hb), "delta": delta_b, "dsinks": dsinks_b}
+
+
+def _assert_bounds_match_the_doc(problem, dout, dlse, rtol=1e-12, atol=2.0 ** -1022):
+    """Every bound of the certified path equals the doc's formula within rtol (reordering noise is
+    ~1e-15; a term's share changed by a factor, or by >= 1e-12 relative, shows). Bounds below the
+    normal range (atol) carry the bound arithmetic's own subnormal roundings (whole spacings, then
+    scaled): the tests that aim there build values in the normal range or compare exactly."""
+    grads = gradient_reference(problem, dout, dlse)
+    expected = _doc_bounds(problem, dout, dlse, grads.forward)
+    got = {"dq": grads.dq_bound, "dk": grads.dk_bound, "dv": grads.dv_bound, "delta": grads.delta_bound,
+           "dsinks": grads.dsinks_bound}
+    for name, want in expected.items():
+        if want is None:
+            assert got[name] is None
+            continue
+        assert got[name].shape == want.shape and got[name].dtype == np.float64, name
+        np.testing.assert_allclose(got[name], want, rtol=rtol, atol=atol, err_msg=name)
+    return grads, expected
+
+
+def _doc_case(name):
+    rng = np.random.default_rng(31)
+    if name == "causal_empty_rows":  # Nq > Nk bottom-right: two rows see no key
+        return _problem(rng, 1, 2, 1, 5, 3, 4, causal=True)
+    if name == "gqa_inexact_scale_window":  # D = 3: 1/sqrt(3) is 2 roundings off; two rows see no key
+        return _problem(rng, 1, 4, 2, 6, 3, 3, window_size=(1, 1), causal_alignment="top-left")
+    if name == "softcap_alibi":
+        return _problem(rng, 1, 2, 1, 4, 5, 4, spread=3.0, softcap=1.5, alibi_slopes=[0.5, 4.0], causal=True)
+    if name == "sinks":
+        return _problem(rng, 2, 2, 1, 3, 4, 4, sinks=[0.5, -2.0])
+    if name == "large_logits":  # logits ~ 1e5: the probabilities' relative error rho ~ 1e-10
+        return _problem(rng, 1, 2, 1, 3, 4, 4, spread=300.0)
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no_dlse", "dlse"])
+@pytest.mark.parametrize("name", ["causal_empty_rows", "gqa_inexact_scale_window", "softcap_alibi", "sinks",
+                                  "large_logits"])
+def test_certified_bounds_are_the_documented_formula(name, with_dlse):
+    problem = _doc_case(name)
+    dout, dlse = _upstream(problem, 11, with_dlse)
+    _assert_bounds_match_the_doc(problem, dout, dlse)
+
+
+@pytest.mark.parametrize("variant", [{"causal": True}, {"causal": True, "softcap": 2.0},
+                                     {"window_size": (1, 1), "causal_alignment": "top-left"}],
+                         ids=["causal", "causal_softcap", "window_top_left"])
+def test_underflow_terms_are_the_documented_ones(variant):
+    """dout = 0: dS = 0, so the bounds are the underflow terms alone (tau = 4 subnormal spacings per
+    product rounded there): D = 0 errs by D tau on rows that see a key, the dS products' own tau
+    carried by scale max|K| (here 2^60, scores stay O(1) with q ~ 2^-62) into dq, and rows with
+    0, 1 or several keys (Nq > Nk; the top-left window leaves two rows without keys). Subnormal
+    sums of whole spacings are exact, so dk, dv and D are compared exactly (atol 0), dq (~1e-304,
+    normal) at 1e-12."""
+    rng = np.random.default_rng(41)
+    q = rng.integers(-4, 5, (1, 2, 6, 4)) * 2.0 ** -62
+    k = rng.integers(-8, 9, (1, 1, 3, 4)) * 2.0 ** 58
+    k[..., 0, :] = 2.0 ** 61
+    problem = AttentionProblem(q.astype(np.float32), k.astype(np.float32),
+                               rng.standard_normal((1, 1, 3, 4)).astype(np.float32), **variant)
+    grads, _ = _assert_bounds_match_the_doc(problem, np.zeros(problem.out_shape), None, atol=0)
+    keys = np.maximum(problem.key_limit() - problem.key_start(), 0)
+    assert set(keys.tolist()) >= {0, 1}
+    np.testing.assert_array_equal(grads.delta_bound[0, 0], np.where(keys > 0, _TAU_DOC * 4, 0.0))
+    assert (grads.dq_bound[0, 0, keys > 0] > 2.0 ** -1022).all()
+
+
+def test_underflow_terms_of_subnormal_probabilities_and_sinks_are_the_documented_ones():
+    """Four heads, each its own kv head (no group sum to hide one in another):
+    0: sink 740 above the O(1) logits, so every p ~ e^-740 is subnormal and dout, dlse ~ 1e150:
+       the tau terms (2 tau per key times |dO| |V| + |D| + |dlse| + D's bound) dominate dq, dk;
+    1: sink -800 (its p = 0), dout with one nonzero column and dlse = that product, D - dlse = 0
+       exactly: the sink's bound is tau times D's bound (plus tau) alone;
+    2: sink -800, dlse = 0: the sink's bound is tau |D| (its p = 0);
+    3: sink -800, dout = 0: the sink's bound is one tau per row (exact in subnormals: atol 0).
+    V of each head a different size (per-head maxima)."""
+    rng = np.random.default_rng(43)
+    q = rng.standard_normal((1, 4, 3, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 4, 4, 4)).astype(np.float32)
+    v = (rng.standard_normal((1, 4, 4, 4)) * np.array([1.0, 3.0, 0.5, 100.0])[:, None, None]).astype(np.float32)
+    problem = AttentionProblem(q, k, v, sinks=[740.0, -800.0, -800.0, -800.0])
+    forward = certified_reference(problem)
+    dout = rng.standard_normal(problem.out_shape) * np.array([1e150, 1e35, 1e150, 0.0])[:, None, None]
+    dout[0, 1, :, 1:] = 0.0
+    dlse = rng.standard_normal(problem.lse_shape) * 1e150
+    dlse[0, 1] = dout[0, 1, :, 0] * forward.out[0, 1, :, 0]
+    dlse[0, 2:] = 0.0
+    grads, expected = _assert_bounds_match_the_doc(problem, dout, dlse)
+    np.testing.assert_array_equal(grads.dsinks_bound[3], expected["dsinks"][3])
+    assert 0 < grads.dsinks_bound[3] < 2.0 ** -1022
+    assert (grads.dq_bound[0, 0] > 2.0 ** -1022).all() and (grads.dk_bound[0, 0] > 2.0 ** -1022).all()
+
+
+def _aligned_problem(a, nk=3, sinks=None, seed=47):
+    """q_i = k_j = [a, 1, 1, 1] (fp32): every key of a row has the same logit ~ a^2 / 2, so every
+    probability stays 1 / Nk (none underflows) however large a is."""
+    rng = np.random.default_rng(seed)
+    q, k = np.ones((1, 1, 2, 4)), np.ones((1, 1, nk, 4))
+    q[..., 0] = k[..., 0] = a
+    return AttentionProblem(q.astype(np.float32), k.astype(np.float32),
+                            rng.standard_normal((1, 1, nk, 4)).astype(np.float32), sinks=sinks)
+
+
+def test_probabilities_whose_error_bound_overflows_leave_no_bound_and_no_warning():
+    """Logits ~ 2^63 (a = 2^32) and a sink of the same size: beta, the probabilities' relative
+    error's exponent, is in the hundreds (g_{D+3} scale |q||k| alone ~ 7 * 2^10), r = expm1(beta)
+    overflows: no bound (inf) on any gradient, and the overflow is expected, so no warning."""
+    import warnings
+
+    problem = _aligned_problem(2.0 ** 32, sinks=[2.0 ** 63])
+    dout, dlse = _upstream(problem, 12, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads = gradient_reference(problem, dout, dlse)
+    for name, (_, bound) in grads.tensors().items():
+        assert np.isposinf(bound).all(), name
+
+
+def test_a_probability_error_between_one_and_two_is_no_bound_either():
+    """rho = r / (1 - r) only for r < 1: with 1 <= r < 2 (beta in [0.69, 1.1): logits ~ 2^49.5)
+    rho is inf, the bound too (r / (1 - r) there is negative). The same for the sink's own r_s:
+    a sink of 2^53 above O(1) logits, whose LSE bound u |L| ~ 1 gives r_s in (1, 2); a sink of
+    2^51 gives r_s ~ 0.28, where rho_s = r_s / (1 - r_s) ~ 0.4 shows in dsinks' bound."""
+    import warnings
+
+    u, eps = 2.0 ** -53, 2.0 ** -50
+    a = 2.0 ** 25.25
+    problem = _aligned_problem(a)
+    dout, _ = _upstream(problem, 13, False)
+    grads = gradient_reference(problem, dout)
+    # the doc's beta for these rows: the |q||K|^T magnitude (the norm one is as large), no variants
+    mag = float(np.float32(a)) ** 2 / (1 - _g(4)) + 3 / (1 - _g(4))
+    g_t = _g(4 + 2 + 1)
+    L, Lb = grads.forward.lse[0, 0], grads.forward.lse_bound[0, 0]
+    beta = g_t * 0.5 * mag + Lb + u * (1 + u) * ((1 + g_t) * 0.5 * mag + np.abs(L))
+    r = np.expm1(beta) + eps * np.exp(beta)
+    assert ((1 < r) & (r < 2)).all(), r
+    for name, (_, bound) in grads.tensors().items():
+        assert np.isposinf(bound).all(), name
+    rng = np.random.default_rng(14)
+    q = rng.standard_normal((1, 1, 3, 4)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 1, 4, 4)).astype(np.float32) for _ in range(2))
+    for sink, finite in ((2.0 ** 53, False), (2.0 ** 51, True)):
+        problem = AttentionProblem(q, k, v, sinks=[sink])
+        dout, dlse = _upstream(problem, 15, True)
+        with warnings.catch_warnings():  # the keys' p = e^-2^51 = 0 meet rho = inf there: nan, inf
+            warnings.simplefilter("ignore")
+            grads = gradient_reference(problem, dout, dlse)
+            expected = _doc_bounds(problem, dout, dlse, grads.forward)
+        Lb = grads.forward.lse_bound[0, 0]
+        assert (grads.forward.lse[0, 0] == sink).all()  # x_s = sink - L = 0: r_s = expm1(Lb) + eps e^Lb
+        r_s = np.expm1(Lb) + eps * np.exp(Lb)
+        assert ((0.2 < r_s) & (r_s < 0.5)).all() if finite else ((1 < r_s) & (r_s < 2)).all(), r_s
+        if finite:
+            np.testing.assert_allclose(grads.dsinks_bound, expected["dsinks"], rtol=1e-12)
+        else:
+            assert np.isposinf(grads.dsinks_bound).all()
+
+
+@pytest.mark.parametrize("softcap", [0.0, 1e4], ids=["plain", "softcap"])
+def test_the_rows_above_tight_rel_are_the_documented_ones(softcap, monkeypatch):
+    """A ladder of 40 rows q_i = 1.3 * 1.04^i [1, 0, 0, 0] against a key [0, 2^12, .25, .25] that
+    makes the norm magnitude |q||k| 8x the |q||K|^T one (the key [2^9, 0, .25, .25]): the free
+    bound's beta grows 4% a row and crosses _TIGHT_REL mid-ladder, so each row's grade, and with
+    it its bound, follows beta's every term (the scores' error, the logits' extra rounding with
+    a softcap, the forward's LSE bound, u |x|max); a term off by more than a few % moves the
+    crossing by a row."""
+    from fa_verify.oracle import backward
+    nq = 40
+    q = np.zeros((1, 1, nq, 4))
+    q[0, 0, :, 0] = 1.3 * 1.04 ** np.arange(nq)
+    k = np.zeros((1, 1, 2, 4))
+    k[0, 0, 0, 1], k[0, 0, 1, 0], k[0, 0, :, 2:] = 2.0 ** 12, 2.0 ** 9, 0.25
+    v = np.random.default_rng(49).standard_normal((1, 1, 2, 4))
+    problem = AttentionProblem(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), softcap=softcap)
+    dout, _ = _upstream(problem, 16, False)
+    charged, gemm = [], backward._gemm_magnitude
+
+    def counted(q, k, mask, rows):
+        charged.extend(rows[1].tolist())
+        return gemm(q, k, mask, rows)
+
+    monkeypatch.setattr(backward, "_gemm_magnitude", counted)
+    _assert_bounds_match_the_doc(problem, dout, None)
+    assert 10 <= min(charged) <= 30 and charged == list(range(min(charged), nq))
+
+
+def test_the_gemm_magnitude_counts_only_the_keys_a_row_attends():
+    """Top-left causal: row 0 attends key 0 ([0.5, 300] against q = [300, 0.5]: sum |q||k| = 300,
+    the norm bound 9e4, loose: beta = g_6 scale 9e4 + ... > 1e-11), not key 1 ([10, 10]: 3005).
+    Its magnitude is 300, so its bounds are those of the doc's formula with the masked GEMM row."""
+    q = np.array([[[[300, 0.5], [1, 2]]]], np.float32)
+    k = np.array([[[[0.5, 300], [10, 10]]]], np.float32)
+    v = np.array([[[[1, -2], [0.5, 1]]]], np.float32)
+    problem = AttentionProblem(q, k, v, causal=True, causal_alignment="top-left")
+    dout = np.array([[[[1.0, -0.5], [0.25, 2.0]]]])
+    _assert_bounds_match_the_doc(problem, dout, None)
+
+
+def test_the_softcap_factor_error_is_the_documented_one():
+    """Softcap 0.01 over scores that cancel: q = [100, 100, x], k = [100, -100, y], so t = x.y
+    is O(1e-2) (the factor f = 1 - tanh^2(t / c) is O(1), not 0) while the scores' error bound
+    e_t ~ g_7 scale 2e4 ~ 8e-12 and e_y = (e_t + u |t|) / c ~ 1e-9: e_f = 2 (e_y + eps)(1 + e_y +
+    eps) + 2u and its (1 + 2 e_f) on the error carried through dominate the bound, e_f's factor
+    (1 + e_y + eps) (1e-9 of it) included."""
+    rng = np.random.default_rng(51)
+    q, k = np.empty((1, 1, 3, 4)), np.empty((1, 1, 4, 4))
+    q[..., :2], k[..., 0], k[..., 1] = 100.0, 100.0, -100.0
+    q[..., 2:], k[..., 2:] = rng.integers(-8, 9, (1, 1, 3, 2)) / 64, rng.integers(-8, 9, (1, 1, 4, 2)) / 64
+    problem = AttentionProblem(q.astype(np.float32), k.astype(np.float32),
+                               rng.standard_normal((1, 1, 4, 4)).astype(np.float32), softcap=0.01)
+    dout, dlse = _upstream(problem, 17, True)
+    _assert_bounds_match_the_doc(problem, dout, dlse)
+
+
+def test_gamma_terms_of_long_sums_are_the_documented_ones():
+    """8192 query rows on one key (p = 1 but for the sink's share): dV sums 8192 products,
+    gamma_Nq ~ 9e-13 beside rho ~ 1e-11 (logits ~ 1e4: the LSE bound ~ u |L| ~ 1e-11), and dsinks
+    sums B Nq = 8192 terms, gamma ~ 9e-13 of them; both shares ~1e-12 of their bounds, so compared
+    at 1e-13 (the two evaluations' reordering noise ~1e-15)."""
+    rng = np.random.default_rng(53)
+    nq = 8192
+    q = (100 + rng.integers(0, 64, (1, 1, nq, 1)) / 64).astype(np.float32)
+    problem = AttentionProblem(q, np.full((1, 1, 1, 1), 100, np.float32), np.ones((1, 1, 1, 1), np.float32),
+                               sinks=[1e4 - 1])
+    dout, dlse = _upstream(problem, 18, True)
+    _assert_bounds_match_the_doc(problem, dout, dlse, rtol=1e-13)
+
+
+def test_gamma_terms_of_a_long_head_dim_are_the_documented_ones():
+    """D = 8192: the gamma_{D+1} of D's dot products (D's bound: (|dO| out_bound + g |dO O|)(1 + g))
+    and of the norms (|dO| over (1 - g)^2) are ~9e-13: their (1 + g) factors show at 1e-13."""
+    rng = np.random.default_rng(55)
+    d = 8192
+    problem = _problem(rng, 1, 1, 1, 1, 2, d)
+    dout, dlse = _upstream(problem, 19, True)
+    _assert_bounds_match_the_doc(problem, dout, dlse, rtol=1e-13)
