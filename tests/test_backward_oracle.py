@@ -2,6 +2,8 @@
 adversarial cases of every variant, both against central finite differences of the certified
 forward, and structural zeros exact."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -237,6 +239,19 @@ def test_a_row_without_keys_gives_its_dlse_to_the_sink():
                                rtol=1e-12, atol=1e-12)
 
 
+def test_a_sink_far_below_every_logit_gets_no_bound_rather_than_nan():
+    """exp(sink - L) underflows to 0 while its relative error bound overflows (u |sink - L| > 1):
+    the dsinks bound is inf there (no bound, as for dq, dk, dv), never NaN, and the other head's
+    bound stays finite."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 3, 4)) for _ in range(3))
+    problem = AttentionProblem.from_float(q, k, v, "fp32", sinks=np.array([-1e16, 0.5]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads = gradient_reference(problem, rng.standard_normal((1, 2, 3, 4)))
+    assert grads.dsinks_bound[0] == np.inf and 0 < grads.dsinks_bound[1] < 1e-10
+
+
 def test_arguments_are_validated():
     problem = CASES["gqa_3"]
     dout, _ = _upstream(problem, 7, False)
@@ -284,7 +299,6 @@ def test_both_methods_carry_the_forward_delta_and_their_name(name):
 def test_underflow_and_overflow_inside_the_oracle_raise_no_warnings():
     """exp of logits 720 below the sink underflows, and rows that see no key hold -inf: expected,
     handled, and not reported."""
-    import warnings
 
     for name in ("sink_subnormal_p", "sinks_empty_rows", "split_support"):
         problem = CASES[name]
@@ -580,7 +594,6 @@ def test_probabilities_whose_error_bound_overflows_leave_no_bound_and_no_warning
     """Logits ~ 2^63 (a = 2^32) and a sink of the same size: beta, the probabilities' relative
     error's exponent, is in the hundreds (g_{D+3} scale |q||k| alone ~ 7 * 2^10), r = expm1(beta)
     overflows: no bound (inf) on any gradient, and the overflow is expected, so no warning."""
-    import warnings
 
     problem = _aligned_problem(2.0 ** 32, sinks=[2.0 ** 63])
     dout, dlse = _upstream(problem, 12, True)
@@ -596,7 +609,6 @@ def test_a_probability_error_between_one_and_two_is_no_bound_either():
     rho is inf, the bound too (r / (1 - r) there is negative). The same for the sink's own r_s:
     a sink of 2^53 above O(1) logits, whose LSE bound u |L| ~ 1 gives r_s in (1, 2); a sink of
     2^51 gives r_s ~ 0.28, where rho_s = r_s / (1 - r_s) ~ 0.4 shows in dsinks' bound."""
-    import warnings
 
     u, eps = 2.0 ** -53, 2.0 ** -50
     a = 2.0 ** 25.25

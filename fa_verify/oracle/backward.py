@@ -258,8 +258,9 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
             dd = delta[at] - up
             term = ps * dd
             sink_terms[at] = -term
-            sink_err[at] = ((rhos * ps + _TAU) * np.abs(dd) + ((1 + rhos) * ps + _TAU) * (delta_b[at] + u * np.abs(dd))
-                           + u * np.abs(term) + _TAU)  # the product's underflow
+            with np.errstate(invalid="ignore"):  # rhos inf where ps is 0: NaN, made inf below
+                sink_err[at] = ((rhos * ps + _TAU) * np.abs(dd) + ((1 + rhos) * ps + _TAU) * (delta_b[at] + u * np.abs(dd))
+                               + u * np.abs(term) + _TAU)  # the product's underflow
 
     dk, dk_b = _group_sum(problem, dk_h, dk_hb)
     dv, dv_b = _group_sum(problem, dv_h, dv_hb)
@@ -267,7 +268,7 @@ def _certified_gradients(problem, dout, dlse, forward) -> GradientReference:
     if sinks:
         dsinks = sink_terms.sum(axis=(0, 2))
         g_n = float(gamma(B * Nq))
-        dsinks_b = (sink_err.sum(axis=(0, 2)) * (1 + g_n) + g_n * np.abs(sink_terms).sum(axis=(0, 2))) * _SLACK
+        dsinks_b = _no_nan(sink_err.sum(axis=(0, 2)) * (1 + g_n) + g_n * np.abs(sink_terms).sum(axis=(0, 2))) * _SLACK
     return GradientReference(dq=dq, dk=dk, dv=dv, dsinks=dsinks, dq_bound=_no_nan(dq_b) * _SLACK,
                              dk_bound=dk_b * _SLACK, dv_bound=dv_b * _SLACK, dsinks_bound=dsinks_b,
                              forward=forward, delta=delta, delta_bound=delta_b, method="certified")
