@@ -2,8 +2,12 @@
 adversarial cases of every variant, both against central finite differences of the certified
 forward, and structural zeros exact."""
 
+import itertools
+import math
 import warnings
+from fractions import Fraction
 
+import mpmath
 import numpy as np
 import pytest
 
@@ -128,6 +132,188 @@ def test_certified_bound_is_not_loose():
             ratios.append(bound[worst] / error[worst] if error[worst] else np.inf)
     assert min(ratios) >= SOUND
     assert np.median(ratios) <= MEDIAN_LOOSENESS, sorted(ratios)
+
+
+def _mp_magnitudes_by_the_doc(problem, dout, dlse):
+    """The mpmath path's magnitudes and amplification, written out from the module doc in plain
+    float64 loops: the |.|-versions of the sums (|D_i| <- sum |dO| |O|, |dS_ij| <- P_ij (|V_j|.|dO_i|
+    + |D_i| + |dlse_i|), dQ, dK = scale |dS| |K|, |dS|^T |Q|, dV = P^T |dO|, dsink = P_sink (|D| + |dlse|),
+    a row without keys giving its |dlse| to the sink), and amp = max(1, 4 max|z| + 4 + scale max A)."""
+    B, H, Nq, D = problem.out_shape
+    G, Nk = problem.group_size, problem.nk
+    q, k, v = (np.asarray(x, np.float64) for x in (problem.q, problem.k, problem.v))
+    scale = problem.scale_value
+    mags = {"dq": np.zeros((B, H, Nq, D)), "dk": np.zeros(k.shape), "dv": np.zeros(v.shape),
+            "delta": np.zeros((B, H, Nq)), "dsinks": np.zeros(H)}
+    amp = 1.0
+    for b, h, i in np.ndindex(B, H, Nq):
+        hk = h // G
+        up = 0.0 if dlse is None else abs(float(dlse[b, h, i]))
+        keys = [j for j in range(Nk) if problem.mask[i, j]]
+        if not keys:
+            if problem.sinks is not None:
+                mags["dsinks"][h] += up
+            continue
+        z = [scale * math.fsum(q[b, h, i] * k[b, hk, j]) for j in keys]
+        z += [] if problem.sinks is None else [float(problem.sinks[h])]
+        e = [math.exp(x - max(z)) for x in z]
+        p = [x / math.fsum(e) for x in e]
+        amp = max(amp, 4 * max(abs(x) for x in z) + 4
+                  + scale * max(math.fsum(np.abs(q[b, h, i]) * np.abs(k[b, hk, j])) for j in keys))
+        do = np.abs(dout[b, h, i])
+        out = [math.fsum(p[n] * v[b, hk, j, c] for n, j in enumerate(keys)) for c in range(D)]
+        mag_delta = math.fsum(do[c] * abs(out[c]) for c in range(D))
+        mags["delta"][b, h, i] = mag_delta
+        for n, j in enumerate(keys):
+            g = p[n] * (math.fsum(np.abs(v[b, hk, j]) * do) + mag_delta + up)
+            mags["dq"][b, h, i] += scale * g * np.abs(k[b, hk, j])
+            mags["dk"][b, hk, j] += scale * g * np.abs(q[b, h, i])
+            mags["dv"][b, hk, j] += p[n] * do
+        if problem.sinks is not None:
+            mags["dsinks"][h] += p[-1] * (mag_delta + up)
+    return mags, amp
+
+
+def _mp_precision(digits):
+    with mpmath.workdps(digits):
+        return mpmath.mp.prec
+
+
+def _mp_bounds_by_the_doc(problem, dout, dlse, digits, values):
+    """coefficient = 8 (G Nq + Nk + D + 40) 2^-prec amp times the magnitudes, + half an ulp of the
+    value, + a subnormal spacing wherever the magnitude is not a structural zero."""
+    mags, amp = _mp_magnitudes_by_the_doc(problem, dout, dlse)
+    _, _, Nq, D = problem.out_shape
+    n = problem.group_size * Nq + problem.nk + D + 40
+    coefficient = 8 * n * 2.0 ** -_mp_precision(digits) * amp
+    return {name: coefficient * mag + 2.0 ** -53 * np.abs(values[name]) + np.where(mag > 0, 2.0 ** -1074, 0.0)
+            for name, mag in mags.items()}
+
+
+def _mp_case():
+    """GQA (G = 2), two batch entries, sinks, and bottom-right causal with Nq > Nk: rows 0 and 1 of
+    every head see no key (their dlse goes to the sink), rows see 1 to 3 keys."""
+    return _problem(np.random.default_rng(31), 2, 4, 2, 5, 3, 4, causal=True, sinks=[1.5, -0.75, 2.0, 0.25])
+
+
+@pytest.mark.parametrize("scale_of_dout", [1.0, 2.0 ** -1062], ids=["normal", "subnormal"])
+def test_mpmath_bound_is_the_documented_formula(scale_of_dout):
+    """The mpmath path's bounds (dq, dk, dv, dsinks and delta) against the module doc's formula
+    recomputed here. At 15 digits (prec 53) the coefficient term is ~1e-13 of the magnitudes and
+    dominates half an ulp of the value ~1000x, so every factor of it shows; the magnitudes here and
+    there differ only by float64 roundings of p (~1e-15 relative): rtol 1e-9. With dout and dlse
+    scaled into the subnormal range the coefficient and ulp terms underflow to 0 and the bound is
+    exactly one subnormal spacing wherever the magnitude is positive, 0 at structural zeros."""
+    problem = _mp_case()
+    dout, dlse = _upstream(problem, 11, True)
+    dout, dlse = dout.astype(np.float64) * scale_of_dout, dlse.astype(np.float64) * scale_of_dout
+    grads = gradient_reference(problem, dout, dlse, method="mpmath", digits=15)
+    values = {"dq": grads.dq, "dk": grads.dk, "dv": grads.dv, "dsinks": grads.dsinks, "delta": grads.delta}
+    expected = _mp_bounds_by_the_doc(problem, dout, dlse, 15, values)
+    got = {"dq": grads.dq_bound, "dk": grads.dk_bound, "dv": grads.dv_bound, "dsinks": grads.dsinks_bound,
+           "delta": grads.delta_bound}
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-9, atol=0, err_msg=name)
+    if scale_of_dout != 1.0:
+        assert (grads.dq_bound[:, :, problem.masked_rows] == 0).all()
+        assert (grads.dq_bound[:, :, ~problem.masked_rows] == 2.0 ** -1074).all()
+        assert (grads.dv_bound == 2.0 ** -1074).all()
+
+
+def test_mpmath_without_sinks_has_no_sink_gradient_nor_bound():
+    problem = _problem(np.random.default_rng(32), 1, 2, 1, 3, 4, 4)
+    dout, dlse = _upstream(problem, 12, True)
+    grads = gradient_reference(problem, dout, dlse, method="mpmath", digits=15)
+    assert grads.dsinks is None and grads.dsinks_bound is None
+    assert set(grads.tensors()) == {"dq", "dk", "dv"}
+
+
+def test_mpmath_error_with_exact_logits_needs_no_amplification():
+    """Logits 2^20 + a_j 2^-9 are exact at 8 digits (prec 30: fp32 q, k with 30 significant bits
+    in q.k, scale 1/2): the softmax's shift z - max z is then exact too, and the gradients at 8
+    digits are within 8 (G Nq + Nk + D + 40) 2^-prec of their magnitudes (the documented
+    coefficient without `amp`, which pays for rounded logits) of the 50-digit ones (measured: 0.4% of
+    that at most). Shifting by + max z instead (the same softmax in exact arithmetic) would round
+    2^21 + ... to 2^-9 absolute, a relative error of p ~2^-10, 2000x that coefficient."""
+    q = np.zeros((1, 1, 2, 4), np.float32)
+    q[0, 0, :, 0], q[0, 0, :, 1] = 2.0 ** 21, [1.0, 3.0]
+    k = np.zeros((1, 1, 4, 4), np.float32)
+    k[0, 0, :, 0], k[0, 0, :, 1] = 1.0, np.array([1, 2, 5, 8]) * 2.0 ** -8
+    v = np.random.default_rng(33).standard_normal((1, 1, 4, 4)).astype(np.float32)
+    problem = AttentionProblem(q, k, v)
+    dout, _ = _upstream(problem, 13, False)
+    dout = dout.astype(np.float64)
+    low = gradient_reference(problem, dout, method="mpmath", digits=8)
+    high = gradient_reference(problem, dout, method="mpmath", digits=50)
+    mags, _ = _mp_magnitudes_by_the_doc(problem, dout, None)
+    unit = 8 * (problem.nq + problem.nk + 4 + 40) * 2.0 ** -_mp_precision(8)
+    for name, (value, _) in low.tensors().items():
+        exact, exact_bound = high.tensors()[name]
+        assert (np.abs(value - exact) <= unit * mags[name] + 2.0 ** -53 * np.abs(value) + exact_bound
+                + 2.0 ** -1074).all(), name
+
+
+def test_forward_of_the_gradients_uses_the_requested_digits():
+    """fp16 logits ~1e9 send every row of the forward to mpmath; its bounds depend on the digits
+    (2^-prec), and the record's forward is certified_reference at the digits asked for."""
+    rng = np.random.default_rng(0)
+    big = lambda shape: np.full(shape, 65504.0) * rng.choice([-1, 1], shape)  # noqa: E731
+    problem = AttentionProblem.from_float(big((1, 1, 3, 4)), big((1, 1, 4, 4)),
+                                          rng.standard_normal((1, 1, 4, 4)), "fp16")
+    dout, _ = _upstream(problem, 14, False)
+    forward = certified_reference(problem, digits=20)
+    assert forward.mpmath_rows > 0
+    grads = gradient_reference(problem, dout, digits=20)
+    np.testing.assert_array_equal(grads.forward.out_bound, forward.out_bound)
+    np.testing.assert_array_equal(grads.forward.lse_bound, forward.lse_bound)
+    assert (certified_reference(problem, digits=50).out_bound != forward.out_bound).any()
+
+
+def test_underflow_term_counts_every_rounding_of_its_doc(monkeypatch):
+    """_underflow = tau (terms (products max(factor, 1) + 1) + [terms > 0]) written out per case:
+    a factor below 1 counts as 1, above 1 as itself; one term or several; no term, no scale's.
+    tau itself is 2^-1072, where float64 keeps only quarters of it: the count is read with tau = 1
+    (exact small integers and quarters), and tau's own value checked once."""
+    import fa_verify.oracle.backward as backward
+    assert backward._TAU == 2.0 ** -50 / (2 * 2.0 ** -53) * 2.0 ** -1074
+    monkeypatch.setattr(backward, "_TAU", 1.0)
+    for terms, products, factor in itertools.product([0, 1, 3], [1, 2], [0.25, 1.0, 3.0]):
+        carried = products * max(factor, 1.0) + 1
+        expected = terms * carried + (1 if terms > 0 else 0)
+        got = backward._underflow(np.array([terms]), products, np.array([factor]))
+        assert got[0] == expected, (terms, products, factor)
+
+
+def test_no_nan_turns_a_missing_bound_into_inf():
+    from fa_verify.oracle.backward import _no_nan
+    got = _no_nan(np.array([np.nan, 0.0, 1.5, np.inf]))
+    np.testing.assert_array_equal(got, [np.inf, 0.0, 1.5, np.inf])
+
+
+@pytest.mark.parametrize("group", [1, 2, 16])
+def test_group_sum_adds_gamma_g_of_the_magnitudes(group):
+    """Query heads summed into kv heads: values summed; bounds summed + gamma_G (sum |x| + sum bound),
+    gamma_G = G u / (1 - G u), computed exactly here. G = 1 adds nothing (a copy). Values of size 1
+    and bounds of size 1/2 and 3 make both parts of the gamma term visible: dropping the bounds' part
+    (or flipping it) moves the result by 2 gamma_G sum(bound), at least 16x the one rounding the
+    float64 result may carry (tolerance 2 u relative)."""
+    from fa_verify.oracle.backward import _group_sum
+    problem = _problem(np.random.default_rng(34), 1, 2 * group, 2, 2, 3, 4)
+    rng = np.random.default_rng(35)
+    per_head = np.where(rng.random((1, 2 * group, 3, 4)) < 0.5, -1.0, 1.0)
+    bound = np.where(rng.random((1, 2 * group, 3, 4)) < 0.5, 0.5, 3.0)
+    total, got = _group_sum(problem, per_head, bound)
+    u = Fraction(1, 2 ** 53)
+    g = group * u / (1 - group * u)
+    for hk, n, c in np.ndindex(2, 3, 4):
+        heads = range(hk * group, (hk + 1) * group)
+        assert total[0, hk, n, c] == sum(per_head[0, h, n, c] for h in heads)
+        summed = sum(Fraction(bound[0, h, n, c]) for h in heads)
+        exact = summed + (g * (sum(Fraction(abs(per_head[0, h, n, c])) for h in heads) + summed) if group > 1 else 0)
+        if group == 1:
+            assert got[0, hk, n, c] == bound[0, hk, n, c]
+        else:
+            assert abs(Fraction(got[0, hk, n, c]) - exact) <= 2 * u * exact, (hk, n, c)
 
 
 def _loss(problem, dout, dlse):
