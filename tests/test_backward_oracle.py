@@ -15,6 +15,8 @@ from fa_verify import AttentionProblem, InvalidArgumentError
 from fa_verify.dtypes import round_to
 from fa_verify.oracle import reference
 from fa_verify.oracle.backward import gradient_reference
+from fa_verify.oracle.bounds import U64 as _U
+from fa_verify.oracle.bounds import gamma as _gamma_n
 from fa_verify.oracle.certified import certified_reference
 
 #: The certified bound, relative to its tensor's natural scale (`_natural_scale`: the size of the
@@ -507,11 +509,6 @@ def test_a_problem_that_is_not_one_is_named_in_the_error():
 # constants from bounds.gamma and U64 only. The bound is a sum of non-negative terms, so the two
 # evaluations differ by reordering noise (~1e-15 relative): the tests compare at 1e-12 (1e-13
 # where a gamma of a long sum is the aim), far below the share of the terms they aim at.
-
-import math
-
-from fa_verify.oracle.bounds import U64 as _U
-from fa_verify.oracle.bounds import gamma as _gamma_n
 
 _EPS_EXP = 2.0 ** -50                       # exp and tanh within 4 ulp (the module's assumption)
 _TAU_DOC = _EPS_EXP / (2 * _U) * 2.0 ** -1074  # 4 subnormal spacings
