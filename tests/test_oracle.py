@@ -307,14 +307,13 @@ def _documented_certified(problem, threshold=FALLBACK_THRESHOLD):
                 tight = max((math.fsum(abs(float(a) * float(c)) for a, c in zip(q[b, h, i], k[b, kh, j]))
                              for j in keys), default=0.0) / (1 - _gamma(D))
 
-                def bounds(magnitude):
-                    score_error = _U * abs(m) + _gamma(D + 2 + kr) * scale_hi * magnitude + extra
-                    return _documented_row_bounds(score_error, rounds, l, m, nk, v_max)
-
-                coefficient, tau, lse_bound = bounds(cheap)
+                row = (rounds, l, m, nk, v_max)
+                coefficient, tau, lse_bound = _documented_row_bounds(
+                    _U * abs(m) + _gamma(D + 2 + kr) * scale_hi * cheap + extra, *row)
                 if not coefficient <= threshold:
                     res["gemm_rows"] += 1
-                    coefficient, tau, lse_bound = bounds(min(cheap, tight))
+                    coefficient, tau, lse_bound = _documented_row_bounds(
+                        _U * abs(m) + _gamma(D + 2 + kr) * scale_hi * min(cheap, tight) + extra, *row)
                 res["certified_rows"][b, h, i] = coefficient <= threshold
                 for col in range(Dv):
                     vc = [float(v[b, kh, j, col]) for j in keys]
