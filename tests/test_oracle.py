@@ -204,3 +204,351 @@ def test_unknown_method_is_rejected():
     problem = _normal(np.random.default_rng(0), 1, 1, 1, 2, 2, 2)
     with pytest.raises(InvalidArgumentError, match="method='fast'"):
         reference(problem, method="fast")
+
+
+# --- The certified and mpmath bounds recomputed from their documented formulas --------------
+# (fa_verify/oracle/certified.py, bounds.py, mp_path.py module docstrings), row by row in plain
+# Python, and compared tightly with what the oracle returns.
+
+import importlib
+import re
+import warnings
+
+import mpmath
+
+from fa_verify.oracle import mp_path
+
+_U = 2.0 ** -53
+_SUBNORMAL = 2.0 ** -1074
+# Tight comparison: the recomputation sums in another order (fsum, other m, l, norms), which moves
+# each bound by ~1e-15 relative; every term of a bound is far more than 1e-12 of it on the inputs
+# below, and _BOUND_SLACK (1e-10) is far above.
+_RTOL = 1e-12
+
+
+def _gamma(n):
+    return n * _U / (1 - n * _U) if n * _U < 1 else math.inf
+
+
+def _exact_scale_roundings(scale, d):
+    """The least k >= 1 with |scale - 1/sqrt(D)| <= k u / sqrt(D) (certified's docstring)."""
+    with mpmath.workdps(40):
+        exact = 1 / mpmath.sqrt(d)
+        return max(1, int(mpmath.ceil(abs(mpmath.mpf(scale) - exact) / (exact * _U))))
+
+
+def _documented_row_bounds(b, rounds, l, m, nk, v_max):
+    """(coefficient, tau, lse bound) of one row from its score error b (certified's docstring,
+    softmax_output_coefficient's, and the D and tau factors of _bounds), in plain floats."""
+    r = math.expm1(b) + certified.EPS_EXP * math.exp(b) if b < 700 else math.inf
+    alpha = r + _gamma(rounds) * (1 + r)
+    if not alpha < 1:
+        return math.inf, math.inf, math.inf
+    ratio = 2 * alpha / (1 - alpha)
+    coefficient = (ratio + _U * (1 + ratio)) * (1 + alpha) / ((1 - alpha) * (1 - _U)) * (1 + 1e-10)
+    tau = 4 * (nk + rounds) * _SUBNORMAL * (1 + v_max) / (l * (1 - alpha))
+    log_l = math.log(l)
+    lse_bound = (-math.log1p(-alpha) + certified.EPS_EXP * abs(log_l)
+                 + 2 * _U * (abs(m) + abs(log_l))) * (1 + 1e-10)
+    return coefficient, tau, lse_bound
+
+
+def _documented_certified(problem, threshold=FALLBACK_THRESHOLD):
+    """Everything certified_reference returns, recomputed row by row in plain loops: the
+    logits with their variants, m, l, the extra rounding of softcap / ALiBi / sink, both grades
+    of A_i (the tight one only for rows whose free bound misses the threshold), and the bounds.
+    Rows left above the threshold (mpmath's) are marked in `certified_rows`."""
+    B, H, Nq, Dv = problem.out_shape
+    D, nk, g = problem.head_dim, problem.nk, problem.group_size
+    q, k, v = (x.astype(np.float64) for x in (problem.q, problem.k, problem.v))
+    scale = problem.scale_value
+    kr = 1 if problem.scale_is_exact else _exact_scale_roundings(scale, D)
+    scale_hi = scale / (1 - (0 if problem.scale_is_exact else kr * _U))
+    rounds = min(1024, nk) + -(-nk // 1024) + (problem.sinks is not None)
+    starts, limits = problem.key_start(), problem.key_limit()
+    offset = problem.diagonal_offset
+    res = {"out": np.zeros((B, H, Nq, Dv)), "row_scale": np.zeros((B, H, Nq, Dv)),
+           "out_bound": np.zeros((B, H, Nq, Dv)), "lse": np.full((B, H, Nq), -math.inf),
+           "lse_bound": np.zeros((B, H, Nq)), "certified_rows": np.ones((B, H, Nq), dtype=bool),
+           "gemm_rows": 0}
+
+    def norm(x):
+        return math.sqrt(math.fsum(float(e) * float(e) for e in x)) / (1 - _gamma(D + 1))
+
+    for b in range(B):
+        for h in range(H):
+            kh = h // g
+            v_max = float(np.abs(v[b, kh]).max())
+            sink = None if problem.sinks is None else float(problem.sinks[h])
+            for i in range(Nq):
+                keys = range(starts[i], limits[i])
+                if not keys and sink is None:
+                    continue  # fully masked: out 0, LSE -inf, bounds 0
+                qs = [scale * float(x) for x in q[b, h, i]]
+                t = [math.fsum(qs[d] * k[b, kh, j, d] for d in range(D)) for j in keys]
+                z, extra = list(t), 0.0
+                if problem.softcap > 0:
+                    c = problem.softcap
+                    z = [c * math.tanh(x / c) for x in t]
+                    extra += _U * max(map(abs, t), default=0.0)
+                    extra += (_U + certified.EPS_EXP) * max(map(abs, z), default=0.0)
+                if problem.alibi_slopes is not None:
+                    slopes = problem.alibi_slopes
+                    slope = float(slopes[b, h] if slopes.ndim == 2 else slopes[h])
+                    bias = [-slope * abs(i + offset - j) for j in keys]
+                    extra += 3 * _U * max(map(abs, bias), default=0.0) + _U * max(map(abs, z), default=0.0)
+                    z = [x + y for x, y in zip(z, bias)]
+                m = max(z + ([] if sink is None else [sink]))
+                if sink is not None:
+                    extra += _U * (abs(sink) + abs(m))
+                p = [math.exp(x - m) for x in z]
+                l = math.fsum(p + ([] if sink is None else [math.exp(sink - m)]))
+                cheap = norm(q[b, h, i]) * max(norm(k[b, kh, j]) for j in range(max(limits[i], 1)))
+                tight = max((math.fsum(abs(float(a) * float(c)) for a, c in zip(q[b, h, i], k[b, kh, j]))
+                             for j in keys), default=0.0) / (1 - _gamma(D))
+
+                row = (rounds, l, m, nk, v_max)
+                coefficient, tau, lse_bound = _documented_row_bounds(
+                    _U * abs(m) + _gamma(D + 2 + kr) * scale_hi * cheap + extra, *row)
+                if not coefficient <= threshold:
+                    res["gemm_rows"] += 1
+                    coefficient, tau, lse_bound = _documented_row_bounds(
+                        _U * abs(m) + _gamma(D + 2 + kr) * scale_hi * min(cheap, tight) + extra, *row)
+                res["certified_rows"][b, h, i] = coefficient <= threshold
+                for col in range(Dv):
+                    vc = [float(v[b, kh, j, col]) for j in keys]
+                    res["out"][b, h, i, col] = math.fsum(x * y for x, y in zip(p, vc)) / l
+                    rs = math.fsum(x * abs(y) for x, y in zip(p, vc)) / l
+                    res["row_scale"][b, h, i, col] = rs
+                    res["out_bound"][b, h, i, col] = coefficient * rs + tau
+                res["lse"][b, h, i] = m + math.log(l)
+                res["lse_bound"][b, h, i] = lse_bound
+    return res
+
+
+def _assert_close(got, expected, rtol=_RTOL, atol=0.0):
+    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    assert got.shape == expected.shape
+    same = (got == expected) | (np.abs(got - expected) <= rtol * np.abs(expected) + atol)
+    assert same.all(), (got[~same], expected[~same])
+
+
+def _assert_certified_matches_documented(ref, problem):
+    exp = _documented_certified(problem)
+    ok = exp["certified_rows"]
+    assert ref.method == "certified"
+    assert ref.gemm_rows == exp["gemm_rows"]
+    assert ref.mpmath_rows == int((~ok).sum())
+    # tau can sit in the subnormals, where a product rounds to a multiple of 2^-1074: 4 of them.
+    _assert_close(ref.out_bound[ok], exp["out_bound"][ok], atol=4 * _SUBNORMAL)
+    _assert_close(ref.lse_bound[ok], exp["lse_bound"][ok])
+    _assert_close(ref.row_scale[ok], exp["row_scale"][ok])
+    # The output itself: float64 of two summation orders, 1e-12 of the row scale apart at most.
+    assert (np.abs(ref.out[ok] - exp["out"][ok]) <= 1e-12 * exp["row_scale"][ok] + 1e-300).all()
+    finite = np.isfinite(exp["lse"])
+    np.testing.assert_array_equal(np.isfinite(ref.lse), finite)
+    _assert_close(ref.lse[finite], exp["lse"][finite], atol=1e-13)
+    assert (ref.lse[~finite] == -np.inf).all()
+
+
+def _variants_problem(rng, **kw):
+    """GQA (3 heads on 1 KV head), B=2, bottom-right causal with Nq > Nk (rows 0-1 attend no key),
+    D=6 (1/sqrt(6) inexact), scores in the tens against a softcap of 7, ALiBi slopes as large
+    as the scores, a sink per head (one far above the row maxima: m = the sink there)."""
+    kw = {"causal": True, "softcap": 7.0, "alibi_slopes": np.array([3.0, 0.5, 9.0], np.float32),
+          "sinks": np.array([-2.0, 60.0, 5.0], np.float32), **kw}
+    return _problem(rng.standard_normal((2, 3, 6, 6)) * 4, rng.standard_normal((2, 1, 4, 6)) * 4,
+                    rng.standard_normal((2, 1, 4, 6)), "fp32", **{k: x for k, x in kw.items() if x is not None})
+
+
+def _tau_problem():
+    """Head 0: v all zero (out_bound = tau alone, in the subnormals: v_max = 0); head 1: v zero on
+    the keys rows 1-2 attend and 1e30 on the last key (tau = 1e30 * 2^-1074 ... a normal number,
+    alone in those rows' out_bound). Bottom-right causal, Nq > Nk: row 0 attends no key."""
+    rng = np.random.default_rng(5)
+    v = np.zeros((1, 2, 3, 2))
+    v[0, 1, 2] = [1e30, -1e30]
+    return _problem(rng.standard_normal((1, 2, 4, 3)), rng.standard_normal((1, 2, 3, 3)), v, "fp32",
+                    causal=True)
+
+
+_DOCUMENTED_CASES = {
+    "variants": lambda: _variants_problem(np.random.default_rng(11)),
+    "softcap_only": lambda: _variants_problem(np.random.default_rng(12), alibi_slopes=None, sinks=None),
+    "alibi_only": lambda: _variants_problem(np.random.default_rng(13), softcap=None, sinks=None),
+    "sinks_only": lambda: _variants_problem(np.random.default_rng(14), softcap=None, alibi_slopes=None),
+    "split_support_gemm_rows": lambda: _split_support(
+        np.random.default_rng(15), 2, 2, 1, 5, 6, 8, "fp16", big=150.0, causal=True,
+        sinks=np.array([1.0, 30.0], np.float32)),
+    "keys_over_one_pv_chunk": lambda: _normal(np.random.default_rng(16), 1, 1, 1, 2, 1100, 2, "fp32"),
+    "tau": _tau_problem,
+    "explicit_scale": lambda: _normal(np.random.default_rng(17), 1, 1, 1, 3, 4, 5, "fp32", spread=3.0,
+                                      scale=0.3),
+    "large_lse": lambda: _normal(np.random.default_rng(18), 1, 2, 2, 3, 4, 4, "fp32", spread=12.0),
+}
+
+
+@pytest.mark.parametrize("heads_at_once", ["all", "one"])
+@pytest.mark.parametrize("name", sorted(_DOCUMENTED_CASES))
+def test_certified_bounds_are_the_documented_formulas(name, heads_at_once, monkeypatch):
+    """out_bound = coefficient * D + tau and the LSE bound, per row, as certified's docstring
+    states them, on variants, masked rows, GEMM rows, N > 1024 and subnormal or huge tau; the
+    same with the heads processed one at a time (_CHUNK_ENTRIES forced down)."""
+    problem = _DOCUMENTED_CASES[name]()
+    if heads_at_once == "one":
+        monkeypatch.setattr(certified, "_CHUNK_ENTRIES", 1)
+    ref = certified_reference(problem)
+    _assert_certified_matches_documented(ref, problem)
+    # Fully masked rows: out 0, row scale 0, bounds exactly 0 (the Reference contract).
+    masked = problem.masked_rows
+    if problem.sinks is None and masked.any():
+        for arr in (ref.out, ref.row_scale, ref.out_bound, ref.lse_bound):
+            assert (arr[:, :, masked] == 0).all()
+
+
+def test_documented_cases_reach_what_they_are_for():
+    """The cases above exercise the terms they are named for (else they would pin nothing)."""
+    ref = certified_reference(_DOCUMENTED_CASES["split_support_gemm_rows"]())
+    assert ref.gemm_rows >= 2 and ref.mpmath_rows < ref.out.shape[0] * ref.out.shape[1] * ref.out.shape[2]
+    tau = certified_reference(_tau_problem())
+    assert (tau.row_scale[0, 1, 1:3] == 0).all() and (tau.out_bound[0, 1, 1:3] > 1e-295).all()
+    assert (tau.out_bound[0, 0, 1:] > 0).all() and (tau.out_bound[0, 0, 1:] < 1e-320).all()
+
+
+def test_bounds_formula_with_large_alpha_and_no_bound_beyond_one():
+    """_bounds against the documented formulas where alpha is far from 0 (each (1 +- alpha)
+    factor visible), with tau a normal number, and alpha >= 1 (inf everywhere), all without a
+    floating-point warning (overflow of exp, inf - inf are expected there)."""
+    problem = _normal(np.random.default_rng(0), 1, 1, 1, 2, 3, 6, "fp32", scale=0.25)
+    b_values = [0.0, 1e-9, 1e-3, 0.05, 0.2, 0.4, 0.7, 5.0, 800.0]
+    m = np.array([[3.0, -200.0, 0.0, 7.0, -1.0, 2.0, 0.0, 1.0, 0.0]])
+    l = np.array([[1.0, 2.5, 1e100, 3.0, 1.5, 7.0, 1.0, 1.0, 1.0]])
+    magnitude = np.array([[0.0, 0.0, 10.0, 0.0, 1e3, 0.0, 0.0, 0.0, 0.0]])
+    rounds, v_max = 9, np.array([1e300])
+    # extra sets b: b = u|m| + g_{D+3} scale A + extra (scale exact: one rounding, k = 1)
+    base = _U * np.abs(m) + _gamma(6 + 3) * 0.25 * magnitude
+    extra = np.array([b_values]) - base
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c, tau, lb = certified._bounds(problem, l, m, magnitude, rounds, v_max, extra)
+    for col, b in enumerate(b_values):
+        bb = float(base[0, col] + extra[0, col])
+        exp = _documented_row_bounds(bb, rounds, l[0, col], m[0, col], problem.nk, 1e300)
+        for got, want in zip((c[0, col], tau[0, col], lb[0, col]), exp):
+            assert got == want or abs(got - want) <= _RTOL * abs(want), (b, got, want)
+    assert math.isinf(c[0, -2]) and math.isinf(lb[0, -1])  # alpha >= 1 there
+    # v_max = 0: the tau's (1 + v_max) factor shows alone
+    _, tau0, _ = certified._bounds(problem, l, m, magnitude, rounds, np.array([0.0]), extra)
+    exp = _documented_row_bounds(0.05, rounds, 3.0, 7.0, problem.nk, 0.0)[1]
+    assert abs(tau0[0, 3] - exp) <= 4 * _SUBNORMAL and exp > 12 * _SUBNORMAL
+
+
+def test_explicit_scale_counts_one_rounding_whatever_its_distance_to_one_over_sqrt_d():
+    """An explicit scale is exact (k = 1): far from 1/sqrt(D), the default's count of roundings
+    must not be applied to it."""
+    problem = _normal(np.random.default_rng(0), 1, 1, 1, 1, 2, 5, "fp32", scale=0.3)
+    assert _exact_scale_roundings(0.3, 5) > 1e10  # what the default's count would be
+    m, l, magnitude = np.array([[2.0]]), np.array([[1.5]]), np.array([[40.0]])
+    c, _, _ = certified._bounds(problem, l, m, magnitude, 3, np.array([1.0]))
+    b = _U * 2.0 + _gamma(5 + 3) * 0.3 * 40.0
+    assert abs(c[0, 0] - _documented_row_bounds(b, 3, 1.5, 2.0, 2, 1.0)[0]) <= _RTOL * c[0, 0]
+
+
+def test_softmax_output_coefficient_is_the_documented_formula():
+    """alpha = r + gamma_n (1 + r), coefficient = 2a/(1-a) + unit (1 + 2a/(1-a)); inf once
+    alpha >= 1 (never a negative or nan coefficient, never a warning)."""
+    from fa_verify.oracle.bounds import softmax_output_coefficient
+    unit = 2.0 ** -10
+    for r, n in [(0.0, 5), (0.01, 3), (0.2, 40), (0.45, 100), (0.9, 0)]:
+        nu = n * unit
+        alpha = r + nu / (1 - nu) * (1 + r)
+        ratio = 2 * alpha / (1 - alpha)
+        c, a = softmax_output_coefficient(r, n, unit)
+        assert abs(float(a) - alpha) <= 1e-14 * alpha + 1e-300
+        assert abs(float(c) - (ratio + unit * (1 + ratio))) <= 1e-14 * c
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for r, n in [(1.0, 0), (1.5, 0), (0.6, 400), (math.inf, 1)]:  # alpha = 1, 1.5, > 1, inf
+            c, a = softmax_output_coefficient(np.array([r]), n, unit)
+            assert c[0] == math.inf and not a[0] < 1
+
+
+def _mp_rows_expected(problem, rows, digits):
+    """out, LSE, row scale of mpmath rows at `digits` and their bounds as documented:
+    coefficient * D + u |out| (the float64 rounding of out), alpha + u |LSE|, 0 where LSE = -inf."""
+    coefficient, alpha = certified.mp_row_bounds(problem, rows, digits)
+    got = {}
+    for (b, h, i, o, lse, s), c, a in zip(mp_path.mp_rows(problem, rows, digits), coefficient, alpha):
+        got[b, h, i] = (o, lse, s, c * s + _U * np.abs(o), a + _U * abs(lse) if math.isfinite(lse) else 0.0)
+    return got
+
+
+def _mp_case():
+    """Bottom-right causal with Nq > Nk (row 0 attends nothing); logits of some hundreds (|LSE|
+    large: its u |LSE| term dominates alpha); v of mixed signs and size (row scale != 1)."""
+    rng = np.random.default_rng(21)
+    return _problem(rng.standard_normal((1, 2, 4, 3)) * 12, rng.standard_normal((1, 2, 3, 3)) * 12,
+                    rng.standard_normal((1, 2, 3, 2)) * 3, "fp32", causal=True)
+
+
+def _assert_reference_is_mp_rows(ref, problem, digits):
+    B, H, Nq, _ = problem.out_shape
+    rows = [(b, h, i) for b in range(B) for h in range(H) for i in range(Nq)]
+    expected = _mp_rows_expected(problem, rows, digits)
+    assert ref.mpmath_rows == len(rows)
+    for (b, h, i), (o, lse, s, ob, lb) in expected.items():
+        np.testing.assert_array_equal(ref.out[b, h, i], o)  # the same mpmath values, rounded once
+        np.testing.assert_array_equal(ref.row_scale[b, h, i], s)
+        assert ref.lse[b, h, i] == lse
+        _assert_close(ref.out_bound[b, h, i], ob)
+        _assert_close(ref.lse_bound[b, h, i], lb)
+    lse_finite = np.isfinite(ref.lse)
+    assert not lse_finite.all() and (ref.lse_bound[~lse_finite] == 0).all()
+    assert (np.abs(ref.lse[lse_finite]) > 50).any()  # the u |LSE| term is visible
+
+
+def test_mpmath_method_bounds_are_assembled_as_documented():
+    """reference(method="mpmath") at 15 digits (a coefficient comparable to u |out|): every row is
+    mpmath's at those digits with coefficient * D + u |out| and alpha + u |LSE| (0 when masked)."""
+    problem = _mp_case()
+    ref = reference(problem, "mpmath", digits=15)
+    assert ref.method == "mpmath" and ref.gemm_rows == 0
+    assert ref.lse_bound.dtype == np.float64 and ref.row_scale.shape == ref.out.shape
+    _assert_reference_is_mp_rows(ref, problem, 15)
+    # 15 digits must differ from the default's 50 somewhere (else the digits would pin nothing)
+    assert not np.array_equal(mp_path.mp_reference_arrays(problem, 50)[0], ref.out)
+
+
+def test_certified_rows_handed_to_mpmath_are_assembled_as_documented():
+    """threshold < 0 sends every row (masked ones too) to mpmath at the given digits."""
+    problem = _mp_case()
+    ref = certified_reference(problem, digits=15, threshold=-1.0)
+    assert ref.method == "certified"
+    _assert_reference_is_mp_rows(ref, problem, 15)
+
+
+def test_reference_passes_digits_to_the_certified_path():
+    """The certified path's mpmath rows use the caller's digits (their bounds depend on them)."""
+    problem = _adversarial(np.random.default_rng(0))["fp32_enormous_logits"]
+    ref = reference(problem, digits=20)
+    assert ref.mpmath_rows > 0
+    want = certified_reference(problem, digits=20)
+    for name in ("out", "lse", "out_bound", "lse_bound"):
+        np.testing.assert_array_equal(getattr(ref, name), getattr(want, name))
+    assert not np.array_equal(certified_reference(problem).out_bound, want.out_bound)
+
+
+def test_wrong_problem_type_message_names_real_apis():
+    """The message points to AttentionProblem(...), AttentionProblem.from_float and
+    fa_verify.oracle.ragged.reference_ragged: each name it spells must exist."""
+    with pytest.raises(InvalidArgumentError) as info:
+        reference(np.zeros((1, 1, 2, 2)))
+    message = str(info.value)
+    dotted = re.findall(r"\bfa_verify(?:\.\w+)+", message)
+    assert dotted
+    for name in dotted:
+        module, attr = name.rsplit(".", 1)
+        assert hasattr(importlib.import_module(module), attr), name
+    methods = re.findall(r"\bAttentionProblem\.(\w+)\(q, k, v, 'fp16'", message)
+    assert methods and all(hasattr(AttentionProblem, x) for x in methods)
+    assert "AttentionProblem(q, k, v, causal=" in message
