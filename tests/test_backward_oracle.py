@@ -702,12 +702,14 @@ def _doc_case(name):
         return _problem(rng, 2, 2, 1, 3, 4, 4, sinks=[0.5, -2.0])
     if name == "large_logits":  # logits ~ 1e5: the probabilities' relative error rho ~ 1e-10
         return _problem(rng, 1, 2, 1, 3, 4, 4, spread=300.0)
+    if name == "given_scale":  # a scale the caller gives is exact: one rounding, not 1/sqrt(D)'s count
+        return _problem(rng, 1, 2, 1, 3, 4, 4, scale=0.3)
     raise KeyError(name)
 
 
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no_dlse", "dlse"])
 @pytest.mark.parametrize("name", ["causal_empty_rows", "gqa_inexact_scale_window", "softcap_alibi", "sinks",
-                                  "large_logits"])
+                                  "large_logits", "given_scale"])
 def test_certified_bounds_are_the_documented_formula(name, with_dlse):
     problem = _doc_case(name)
     dout, dlse = _upstream(problem, 11, with_dlse)
