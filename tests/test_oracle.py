@@ -552,3 +552,107 @@ def test_wrong_problem_type_message_names_real_apis():
     methods = re.findall(r"\bAttentionProblem\.(\w+)\(q, k, v, 'fp16'", message)
     assert methods and all(hasattr(AttentionProblem, x) for x in methods)
     assert "AttentionProblem(q, k, v, causal=" in message
+
+
+# --- The mpmath path's a-posteriori bound (mp_path.mp_bound) and its inputs per row ----------
+# (certified.mp_row_bounds), the tight |Q||K|^T magnitude, the mpmath rows' row scale and
+# sink: recomputed from mp_path's and certified's docstrings in plain floats / mpmath.
+
+def _documented_mp_bound(nk, d, scale, magnitude, logit, digits):
+    """mp_bound's docstring: unit = 2^-prec at `digits`, score error (D + 3) unit scale A +
+    4 unit L, r = expm1(score error + 2 unit) (x's subtraction and exp), alpha = r +
+    gamma_{N+4} (1 + r), coefficient 2 alpha / (1 - alpha) + unit (1 + that); both doubled."""
+    with mpmath.workdps(digits):
+        unit = 2.0 ** -mpmath.mp.prec
+    r = math.expm1((d + 3) * unit * scale * magnitude + 4 * unit * logit + 2 * unit)
+    n = nk + 4
+    alpha = r + n * unit / (1 - n * unit) * (1 + r)
+    ratio = 2 * alpha / (1 - alpha)
+    return 2 * (ratio + unit * (1 + ratio)), 2 * alpha
+
+
+@pytest.mark.parametrize("nk, d, scale, magnitude, logit, digits", [
+    (5, 8, 0.35, 10.0, 50.0, 15),     # every term within a factor ~30 of the others
+    (3, 64, 0.125, 300.0, 1.0, 15),   # the scores' term dominates
+    (1000, 4, 0.5, 1.0, 0.0, 20),     # the sums' N + 4 roundings dominate
+    (0, 2, 3.0, 0.0, 7.0, 30),        # no key (a sink row): the logits' term and the constants
+])
+def test_mp_bound_is_its_documented_formula(nk, d, scale, magnitude, logit, digits):
+    """Each term of the mpmath path's bound is its docstring's, to 1e-12 (every term is more than
+    1e-4 of the bound on these inputs, so a changed constant or sign shows)."""
+    got = mp_path.mp_bound(nk, d, scale, magnitude, logit, digits)
+    want = _documented_mp_bound(nk, d, scale, magnitude, logit, digits)
+    for g, w in zip(got, want, strict=True):
+        assert w > 0 and abs(float(g) - w) <= _RTOL * w, (g, w)
+
+
+def _documented_mp_row_bounds(problem, rows, digits):
+    """mp_row_bounds's inputs to mp_bound, per row: A = max over attended keys of
+    sum_d |q_d||k_d| and L = max |scale q.k|, each times 1.01 (L + 1); with variants L =
+    2 (2 max|scale q.k| + max|bias| + |sink|) and the sink one more term of the sums."""
+    q = problem.q.astype(np.float64)
+    k = problem.k.astype(np.float64)
+    g, scale, d = problem.group_size, problem.scale_value, problem.head_dim
+    starts, limits = problem.key_start(), problem.key_limit()
+    coefficients, alphas = [], []
+    for b, h, i in rows:
+        keys = range(starts[i], limits[i])
+        qi, kh = [float(x) for x in q[b, h, i]], k[b, h // g]
+        a = max((math.fsum(abs(x * float(y)) for x, y in zip(qi, kh[j], strict=True)) for j in keys), default=0.0)
+        t = max((abs(scale * math.fsum(x * float(y) for x, y in zip(qi, kh[j], strict=True))) for j in keys),
+                default=0.0)
+        n = len(keys)
+        if problem.features:
+            bias = 0.0
+            if problem.alibi_slopes is not None:
+                slopes = problem.alibi_slopes
+                slope = float(slopes[b, h] if slopes.ndim == 2 else slopes[h])
+                bias = max((abs(slope) * abs(i + problem.diagonal_offset - j) for j in keys), default=0.0)
+            sink = 0.0 if problem.sinks is None else abs(float(problem.sinks[h]))
+            t = 2 * (2 * t + bias + sink)
+            n += problem.sinks is not None
+        c, al = _documented_mp_bound(n, d, scale, 1.01 * a, 1.01 * t + 1, digits)
+        coefficients.append(c)
+        alphas.append(al)
+    return np.array(coefficients), np.array(alphas)
+
+
+_MP_ROW_CASES = {
+    # plain rows: causal Nq > Nk (row 0 attends nothing), logits in the hundreds
+    "plain": _mp_case,
+    # features, but every |score| < 1 and no bias or sink: the constant terms stand alone
+    "softcap_small_scores": lambda: _problem(
+        np.random.default_rng(31).standard_normal((1, 2, 3, 4)) * 0.3,
+        np.random.default_rng(32).standard_normal((1, 1, 5, 4)) * 0.3,
+        np.random.default_rng(33).standard_normal((1, 1, 5, 4)), "fp32", softcap=5.0),
+    # ALiBi and sinks of the size of the scores, GQA, causal with rows that see only the sink
+    "alibi_sinks": lambda: _variants_problem(np.random.default_rng(34), softcap=None),
+    # everything at once, per-batch ALiBi slopes
+    "everything": lambda: _variants_problem(
+        np.random.default_rng(35), alibi_slopes=np.array([[0.25, 4.0, 1.0], [2.0, 0.5, 8.0]], np.float32)),
+}
+
+
+@pytest.mark.parametrize("digits", [15, 30])
+@pytest.mark.parametrize("name", sorted(_MP_ROW_CASES))
+def test_mp_row_bounds_feed_mp_bound_the_documented_magnitudes(name, digits):
+    """The mpmath rows' bounds (both paths use them) are mp_bound of each row's documented A, L
+    and N, to 1e-12: the scores, biases and sink all reach it."""
+    problem = _MP_ROW_CASES[name]()
+    B, H, Nq, _ = problem.out_shape
+    rows = [(b, h, i) for b in range(B) for h in range(H) for i in range(Nq)]
+    got = certified.mp_row_bounds(problem, rows, digits)
+    want = _documented_mp_row_bounds(problem, rows, digits)
+    for g, w in zip(got, want, strict=True):
+        _assert_close(g, w)
+
+
+def test_mp_row_bound_cases_reach_what_they_are_for():
+    """The cases above have what their names say (else they would pin nothing)."""
+    small = _MP_ROW_CASES["softcap_small_scores"]()
+    t = np.abs(small.scale_value * small.q64()[0] @ small.kv64()[0][0].swapaxes(-1, -2))
+    assert small.features and t.max() < 1 and small.sinks is None and small.alibi_slopes is None
+    for name in ("alibi_sinks", "everything"):
+        problem = _MP_ROW_CASES[name]()
+        assert problem.masked_rows.any() and problem.sinks is not None and problem.alibi_slopes is not None
+    assert _MP_ROW_CASES["plain"]().masked_rows.any() and not _MP_ROW_CASES["plain"]().features
