@@ -656,3 +656,49 @@ def test_mp_row_bound_cases_reach_what_they_are_for():
         problem = _MP_ROW_CASES[name]()
         assert problem.masked_rows.any() and problem.sinks is not None and problem.alibi_slopes is not None
     assert _MP_ROW_CASES["plain"]().masked_rows.any() and not _MP_ROW_CASES["plain"]().features
+
+
+def test_gemm_magnitude_is_the_exact_attended_maximum_over_one_minus_gamma_d():
+    """The tight A_i is max over the keys row i attends of sum_d |q_d||k_d|, over (1 - g_D), to
+    1e-12 (not merely above it): entries of size 0.1, so each sum is far below 1 and a masked key
+    counted as anything but 0 would show; bottom-right causal with Nq > Nk (row 0 attends nothing)."""
+    rng = np.random.default_rng(41)
+    problem = _problem(rng.standard_normal((1, 2, 5, 6)) * 0.1, rng.standard_normal((1, 2, 4, 6)) * 0.1,
+                       rng.standard_normal((1, 2, 4, 6)), "fp32", causal=True)
+    q, k = problem.q64()[0], problem.kv64()[0][0]
+    limits = problem.key_limit()
+    exact = np.array([[max((math.fsum(np.abs(q[h, i] * k[h, j])) for j in range(limits[i])), default=0.0)
+                       for i in range(problem.nq)] for h in range(2)]) / (1 - _gamma(6))
+    assert exact.max() < 0.5 and (limits == 0).any()
+    rows = np.nonzero(np.ones(exact.shape, dtype=bool))
+    _assert_close(certified._gemm_magnitude(q, k, problem.mask, rows), exact.ravel())
+
+
+def test_mpmath_row_scale_is_the_weighted_mean_of_abs_v():
+    """The mpmath path's row scale D_c = sum_j p_j |v_jc| / sum_j p_j (mp_path._row's docstring),
+    recomputed in float64 with fsum from the logits, to 1e-12; rows with several comparable keys
+    (sum_j p_j far from 1 relative to the row's max)."""
+    rng = np.random.default_rng(42)
+    problem = _problem(rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 1, 5, 4)),
+                       rng.standard_normal((1, 1, 5, 3)) * 4, "fp32")
+    ref = reference(problem, "mpmath")
+    q, k, v = problem.q64()[0], problem.kv64()[0][0], problem.kv64()[1][0]
+    for h in range(2):
+        for i in range(3):
+            t = [problem.scale_value * math.fsum(q[h, i] * k[h, j]) for j in range(5)]
+            p = [math.exp(x - max(t)) for x in t]
+            assert math.fsum(p) > 1.5
+            want = [math.fsum(w * abs(v[h, j, c]) for j, w in enumerate(p)) / math.fsum(p) for c in range(3)]
+            _assert_close(ref.row_scale[0, h, i], want)
+
+
+def test_mpmath_rows_without_keys_have_lse_minus_inf():
+    """The mpmath path (whole problem, and rows handed over by the certified path) gives a row
+    that attends no key out 0, row scale 0, LSE -inf and bounds 0, as the Reference contract says."""
+    problem = _mp_case()  # row 0 of each head attends no key
+    masked = problem.masked_rows
+    assert masked.any()
+    for ref in (reference(problem, "mpmath", digits=15), certified_reference(problem, digits=15, threshold=-1.0)):
+        assert (ref.lse[:, :, masked] == -np.inf).all() and np.isfinite(ref.lse[:, :, ~masked]).all()
+        for arr in (ref.out, ref.row_scale, ref.out_bound, ref.lse_bound):
+            assert (arr[:, :, masked] == 0).all()
