@@ -702,3 +702,37 @@ def test_mpmath_rows_without_keys_have_lse_minus_inf():
         assert (ref.lse[:, :, masked] == -np.inf).all() and np.isfinite(ref.lse[:, :, ~masked]).all()
         for arr in (ref.out, ref.row_scale, ref.out_bound, ref.lse_bound):
             assert (arr[:, :, masked] == 0).all()
+
+
+def test_norm_magnitude_is_the_documented_product_of_norms_bit_for_bit():
+    """The free A_i = |q_i| / (1 - g_{D+1}) * max over keys j < limit_i (at least key 0) of
+    |k_j| / (1 - g_{D+1}). Integer entries with integer norms (3^2 + 4^2 = 5^2, 1 + 4 + 4 + 16 =
+    5^2, ...) make every sum of squares and sqrt exact, so the only roundings are the documented
+    divisions and product, and the result is pinned bit for bit: a slack of g_{D+2}, g_D or
+    g_{Nq+1} moves it by an ulp. Nq = 3 and D = 4 differ; bottom-right causal over 5 keys."""
+    quads = np.array([[1, 2, 2, 0], [2, 3, 6, 0], [1, 4, 8, 0], [4, 4, 7, 0], [0, 0, 0, 5],
+                      [3, 4, 0, 0], [1, 2, 2, 4], [2, 4, 5, 6], [2, 6, 9, 0]], dtype=np.float64)
+    norms = np.array([3, 7, 9, 9, 5, 5, 5, 9, 11], dtype=np.float64)
+    assert (np.sqrt((quads * quads).sum(axis=-1)) == norms).all()
+    rng = np.random.default_rng(43)
+    q_pick, k_pick = np.array([[7, 1, 4], [8, 2, 6]]), np.array([[0, 5, 8, 3, 1], [4, 2, 6, 7, 0]])
+    q = quads[q_pick] * rng.choice([-1.0, 1.0], (2, 3, 4))
+    k = quads[k_pick] * rng.choice([-1.0, 1.0], (2, 5, 4))
+    problem = _problem(q[None], k[None], np.ones((1, 2, 5, 1)), "fp32", causal=True)
+    limits = problem.key_limit()
+    assert list(limits) == [3, 4, 5]
+    slack = 1 - _gamma(4 + 1)
+    q_norm, k_norm = norms[q_pick] / slack, norms[k_pick] / slack
+    want = np.array([[q_norm[h, i] * max(k_norm[h, :limits[i]]) for i in range(3)] for h in range(2)])
+    got = certified._norm_magnitude(problem.q64()[0], problem.kv64()[0][0], limits)
+    np.testing.assert_array_equal(got, want)
+    # a row that attends no key takes key 0's norm (its bound is never used: p = 0 there)
+    np.testing.assert_array_equal(certified._norm_magnitude(q, k, np.array([0, 0, 2]))[:, 0],
+                                  q_norm[:, 0] * k_norm[:, 0])
+
+
+def test_wrong_problem_type_message_names_the_type_given():
+    """The message says which type it got (the caller's, not a placeholder)."""
+    for bad, name in [(np.zeros((1, 1, 2, 2)), "ndarray"), ([1.0], "list"), (None, "NoneType")]:
+        with pytest.raises(InvalidArgumentError, match=f"got {name};"):
+            reference(bad)
