@@ -736,3 +736,26 @@ def test_wrong_problem_type_message_names_the_type_given():
     for bad, name in [(np.zeros((1, 1, 2, 2)), "ndarray"), ([1.0], "list"), (None, "NoneType")]:
         with pytest.raises(InvalidArgumentError, match=f"got {name};"):
             reference(bad)
+
+
+def test_gamma_is_n_u_over_one_minus_n_u_and_inf_from_n_u_equal_one():
+    """bounds.gamma: n u / (1 - n u) while n u < 1, inf from n u = 1 on (exactly 1 included, and
+    between 1 and 2), elementwise over arrays of counts, in float64 whatever the counts' type
+    (integers, float32 or float16), no warning."""
+    from fa_verify.oracle.bounds import gamma
+    unit = 2.0 ** -10
+    counts = np.array([0, 1, 7, 512, 1000, 1023, 1024, 1025, 1536, 2047, 2048, 5000])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = gamma(counts, unit)
+        scalar = gamma(1024, unit)
+    assert got.dtype == np.float64 and got.shape == counts.shape
+    for n, g in zip(counts.tolist(), got.tolist(), strict=True):
+        nu = n * unit
+        assert (g == nu / (1 - nu)) if nu < 1 else g == math.inf, (n, g)
+    assert scalar == math.inf
+    assert gamma(3) == 3 * _U / (1 - 3 * _U)  # float64's u by default
+    # a count held in a narrower float type is the same count: the arithmetic stays float64
+    for dtype in (np.float32, np.float16):
+        g32 = gamma(np.array([3, 1000], dtype=dtype))
+        assert g32.dtype == np.float64 and g32.tolist() == [3 * _U / (1 - 3 * _U), 1000 * _U / (1 - 1000 * _U)]
