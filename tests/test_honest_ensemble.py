@@ -3,6 +3,7 @@ thread configuration, each member within the rigorous error-model bound, a deter
 and no false positive for the correct-but-different implementations of
 tests/fixtures/honest_variants.py."""
 
+import math
 import os
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import numpy as np
 import pytest
 
 from fa_verify import AttentionProblem, PrecisionModel
+from fa_verify.dtypes import numpy_dtype
 from fa_verify.error_model import error_bound
-from fa_verify.honest_ensemble import (FULL_WORK, MAX_ROWS, MEMBERS, ensemble_errors, ensemble_outputs, exp2_64, exp64,
+from fa_verify.honest_ensemble import (FULL_WORK, MAX_ROWS, MEMBERS, Member, ensemble_errors, ensemble_outputs, exp2_64, exp64,
                                       largest_and_spread, tanh64)
 from fa_verify.oracle import reference
 from fa_verify.strategies import make_problem
@@ -239,3 +241,177 @@ def test_honest_variants_pass_the_verdict(dist, shape, dtype, causal):
         verdict = check_attention(out, problem, lse=lse, reference=ref, bound=bound, ensemble=ensemble)
         assert verdict.passed, f"{name}: {verdict.message()}"
         assert verdict.ensemble_ratio < 0.5, f"{name}: {verdict.message()}"
+
+
+# --- every member pinned bit for bit to a plain-loop recomputation of its documented arithmetic ---
+
+_LOG2E = math.log2(math.e)
+
+
+def _rounder(dtype):
+    """x (a Python float holding one exact or float64-rounded operation) rounded to `dtype`:
+    correctly rounded, since 53 >= 2 p + 2 bits makes the double rounding exact."""
+    kind = numpy_dtype(dtype).type
+    return lambda x: float(kind(x))
+
+
+def _significand(x, bits):
+    """x rounded to `bits` significant bits, ties to even (Python's round)."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    mantissa, exponent = math.frexp(x)
+    return math.ldexp(round(math.ldexp(mantissa, bits)), exponent - bits)
+
+
+def _loop_sum(terms, order, r, init=None):
+    """init + the terms, every addition rounded: forward, reversed, or pairwise (element j with
+    element j + half, the odd one carried; init added last)."""
+    if order == "pairwise":
+        while len(terms) > 1:
+            half = len(terms) // 2
+            terms = [r(terms[j] + terms[j + half]) for j in range(half)] + terms[2 * half:]
+        return terms[0] if init is None else r(init + terms[0])
+    total = init
+    for term in (terms if order == "forward" else terms[::-1]):
+        total = term if total is None else r(total + term)
+    return total
+
+
+def _loop_dot(a, b, member, r, init=None):
+    """init + sum a_j b_j: rounded products and rounded sums, or (fused, not pairwise) exact
+    products, each addition rounded to float64 and then to the stage."""
+    if member.fused and member.order != "pairwise":
+        total = 0.0 if init is None else init
+        for j in (range(len(a)) if member.order == "forward" else range(len(a) - 1, -1, -1)):
+            total = r(total + a[j] * b[j])
+        return total
+    return _loop_sum([r(x * y) for x, y in zip(a, b, strict=True)], member.order, r, init)
+
+
+def _loop_member_row(member, precision, q, k, v, mask, scale, softcap, bias, sink):
+    """One member's output row as the module doc describes it, in Python floats, one rounding
+    per operation (the score stage's ops in fp32 where the work dtype is fp32, rounded)."""
+    stages = (precision.score_accumulation, precision.p_rounding, precision.pv_accumulation)
+    sc, pr, pv = (_rounder(d) for d in stages)
+    work = _rounder("fp64" if "fp64" in stages else "fp32")  # what the values are held in
+    exp2 = member.exp == "exp2"
+    unit = _LOG2E if exp2 else 1.0
+
+    def power(y):  # the module's deterministic exp (pinned to mpmath above), to 22 bits for ex2.approx
+        value = float(exp2_64(y) if exp2 else exp64(y))
+        return _significand(value, 22) if precision.exp == "approx" else value
+
+    def tanh(x):
+        if precision.tanh == "absolute":  # 1 - 2 / (e^{2x} + 1), every operation rounded
+            return sc(1.0 - sc(2.0 / sc(sc(float(exp64(2.0 * x))) + 1.0)))
+        value = float(tanh64(x))
+        return sc(_significand(value, 11) if precision.tanh == "approx" else value)  # tanh.approx: 2^-11
+
+    t = []
+    for j in range(len(k)):
+        s = _loop_dot(q, k[j], member, sc)
+        if softcap > 0 and exp2:
+            x = sc(tanh(sc(s * sc(scale / softcap))) * sc(softcap * _LOG2E))
+        elif softcap > 0:
+            x = sc(softcap * tanh(sc(sc(s * sc(scale)) / sc(softcap))))
+        else:
+            x = sc(s * sc(scale * _LOG2E if exp2 else scale))
+        if bias is not None:
+            x = sc(x + sc(bias[j] * unit))
+        t.append(x if mask[j] else -math.inf)
+    tile = member.tile or len(k)
+    starts = list(range(0, len(k), tile))[::-1 if member.order == "reversed" else 1]
+    m, l, acc = -math.inf, 0.0, [0.0] * len(v[0])
+    for start in starts:
+        block = t[start:start + tile]
+        m_new = max(m, *block)
+        shift = m_new if math.isfinite(m_new) else 0.0
+        alpha = sc(power(sc(m - shift)))
+        p = [sc(power(sc(x - shift))) for x in block]
+        p_rounded = [pr(x) for x in p]
+        l = _loop_sum([pv(x) for x in (p_rounded if member.sum_rounded_p else p)], member.order, pv, pv(l * alpha))
+        acc = [_loop_dot(p_rounded, [v[start + j][d] for j in range(len(block))], member, pv, pv(acc[d] * alpha))
+               for d in range(len(acc))]
+        m = m_new
+    if sink is not None:  # one more rescale; the sink's term in the row sum only (sinks held in fp32)
+        sink = sc(sink * work(unit))
+        m_new = max(m, sink)
+        alpha = sc(power(sc(m - m_new)))
+        l = pv(pv(l * alpha) + sc(power(sc(sink - m_new))))
+        acc = [pv(a * alpha) for a in acc]
+    out = _rounder(precision.output)
+    return [out(pv(a / (l if l > 0 else 1.0))) for a in acc]
+
+
+def _loop_outputs(problem, precision, members):
+    B, H, Nq, D = problem.out_shape
+    rounded = numpy_dtype(precision.input_rounding or problem.dtype)  # rounded first, where declared
+    q, k, v = (x.astype(rounded).astype(np.float64).tolist() for x in (problem.q, problem.k, problem.v))
+    outs = {m.name: np.zeros((B * H * Nq, D)) for m in members}
+    for b in range(B):
+        for h in range(H):
+            kv = h // problem.group_size
+            for i in range(Nq):
+                bias = problem.alibi_bias(b, h, i)
+                sink = None if problem.sinks is None else float(np.float32(problem.sinks[h]))
+                for member in members:
+                    outs[member.name][(b * H + h) * Nq + i] = _loop_member_row(
+                        member, precision, q[b][h][i], k[b][kv], v[b][kv], problem.mask[i],
+                        problem.scale_value, problem.softcap, None if bias is None else list(bias), sink)
+    return outs
+
+
+#: (distribution, shape (B, H, H_kv, Nq, Nk, D), dtype, variants, precision spec): Nk = 70 makes the
+#: 64-key tile and the 16-key tiles split the row (three 16-key tiles and a part one).
+LOOP_CASES = {
+    "fp16-flash-causal": ("large_logits", (1, 2, 1, 3, 70, 3), "fp16", {}, "flash"),
+    "fp32-variants": ("large_logits", (1, 2, 1, 3, 70, 3), "fp32",
+                      dict(softcap=3.0, alibi_slopes=[0.5, 0.125], sinks=[2.5, -1.0]), "flash"),
+    "fp16-same-precision-window": ("normal", (1, 2, 2, 3, 70, 3), "fp16", dict(window_size=(40, 5), sinks=[1.0, 9.0]),
+                                   "same-precision"),
+    "fp32-absolute-tanh-approx-exp": ("large_logits", (1, 1, 1, 3, 70, 3), "fp32", dict(softcap=2.0),
+                                      "flash,tanh=absolute,exp=approx"),
+    "fp32-approx-tanh-fp16-inputs": ("large_logits", (1, 1, 1, 3, 70, 3), "fp32",
+                                     dict(softcap=5.0, alibi_slopes=[0.25]), "fp32-accumulate,tanh=approx,inputs=fp16"),
+    # softcap below 1, sinks whose fp32 product with log2(e) depends on log2(e) being held in fp32
+    "fp32-small-softcap-sinks": ("normal", (1, 2, 1, 3, 70, 3), "fp32", dict(softcap=0.75, sinks=[4.5, -2.25]),
+                                 "flash"),
+    # Nq > Nk (bottom-right causal): rows 0 and 1 attend no key
+    "fp16-masked-rows": ("large_logits", (1, 1, 1, 6, 4, 2), "fp16", {}, "flash"),
+    # Nk = 65: a last 64-key tile and a last 16-key tile of one key
+    "fp32-one-key-tiles": ("large_logits", (1, 1, 1, 2, 65, 2), "fp32", {}, "flash"),
+    # fp64 stages: every value held in float64
+    "fp64-stages": ("large_logits", (1, 1, 1, 3, 70, 3), "fp32", dict(softcap=3.0, sinks=[9.0]),
+                    "score=fp64,p=fp32,pv=fp64,out=fp64"),
+}
+
+#: Members beyond MEMBERS, so that every combination of the choices is reached: pairwise sums over
+#: tiles (the running sums added last), a fused pairwise sum (rounded products), a fused sum over
+#: tiles in order, and the two-pass exp2 fold reversed.
+EXTRA_MEMBERS = (
+    Member("online-16-pairwise", "pairwise", tile=16),
+    Member("fused-pairwise", "pairwise", fused=True, tile=16),
+    Member("online-16-fused-forward-unrounded", "forward", fused=True, tile=16, sum_rounded_p=False),
+    Member("reversed-exp2", "reversed", exp="exp2"),
+)
+
+
+@pytest.mark.parametrize("case", list(LOOP_CASES))
+def test_every_member_computes_its_documented_arithmetic_bit_for_bit(case):
+    """Each member's output is, bit for bit, a plain-loop recomputation of what the module doc
+    and `Member` say it computes (orders, tiles and their order, FMA, exp or exp2 fold, the row
+    sum before or after P's rounding, softcap, ALiBi, sinks, the declared tanh and exp, inputs
+    rounded first): a change in any of them moves some output bits at these large logits."""
+    dist, shape, dtype, variants, spec = LOOP_CASES[case]
+    problem = make_problem(dist, shape, dtype, 2, causal=True).replace(**variants)
+    precision = PrecisionModel.parse(spec, dtype)
+    members = MEMBERS + EXTRA_MEMBERS
+    got = ensemble_outputs(problem, precision, members=members)
+    expected = _loop_outputs(problem, precision, members)
+    for member in members:
+        np.testing.assert_array_equal(got[member.name], expected[member.name], err_msg=member.name)
+    distinct = {got[m.name].tobytes() for m in members}
+    if case == "fp16-masked-rows":  # rows without keys: exactly 0 (all members agree on these 4 keys)
+        assert not np.any(got["sequential"][:2]) and np.all(got["sequential"][2:] != 0)
+    else:
+        assert len(distinct) >= 3, case  # the members differ on these inputs
