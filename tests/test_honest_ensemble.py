@@ -313,7 +313,7 @@ def _loop_member_row(member, precision, q, k, v, mask, scale, softcap, bias, sin
         if softcap > 0 and exp2:
             x = sc(tanh(sc(s * sc(scale / softcap))) * sc(softcap * _LOG2E))
         elif softcap > 0:
-            x = sc(softcap * tanh(sc(sc(s * sc(scale)) / sc(softcap))))
+            x = sc(work(softcap) * tanh(sc(sc(s * sc(scale)) / sc(softcap))))  # the cap held like a value
         else:
             x = sc(s * sc(scale * _LOG2E if exp2 else scale))
         if bias is not None:
@@ -373,13 +373,14 @@ LOOP_CASES = {
                                       "flash,tanh=absolute,exp=approx"),
     "fp32-approx-tanh-fp16-inputs": ("large_logits", (1, 1, 1, 3, 70, 3), "fp32",
                                      dict(softcap=5.0, alibi_slopes=[0.25]), "fp32-accumulate,tanh=approx,inputs=fp16"),
-    # softcap below 1, sinks whose fp32 product with log2(e) depends on log2(e) being held in fp32
-    "fp32-small-softcap-sinks": ("normal", (1, 2, 1, 3, 70, 3), "fp32", dict(softcap=0.75, sinks=[4.5, -2.25]),
+    # a softcap below 1 and not an fp32 number, sinks whose fp32 product with log2(e) depends on
+    # log2(e) being held in fp32
+    "fp32-small-softcap-sinks": ("normal", (1, 2, 1, 3, 70, 3), "fp32", dict(softcap=0.7, sinks=[4.5, -2.25]),
                                  "flash"),
     # Nq > Nk (bottom-right causal): rows 0 and 1 attend no key
     "fp16-masked-rows": ("large_logits", (1, 1, 1, 6, 4, 2), "fp16", {}, "flash"),
-    # Nk = 65: a last 64-key tile and a last 16-key tile of one key
-    "fp32-one-key-tiles": ("large_logits", (1, 1, 1, 2, 65, 2), "fp32", {}, "flash"),
+    # Nk = 65: a last 64-key tile and a last 16-key tile of one key; D = 1: q·k of one product
+    "fp32-one-key-tiles": ("large_logits", (1, 1, 1, 6, 65, 1), "fp32", {}, "flash"),
     # fp64 stages: every value held in float64
     "fp64-stages": ("large_logits", (1, 1, 1, 3, 70, 3), "fp32", dict(softcap=3.0, sinks=[9.0]),
                     "score=fp64,p=fp32,pv=fp64,out=fp64"),
@@ -410,8 +411,43 @@ def test_every_member_computes_its_documented_arithmetic_bit_for_bit(case):
     expected = _loop_outputs(problem, precision, members)
     for member in members:
         np.testing.assert_array_equal(got[member.name], expected[member.name], err_msg=member.name)
+    picked = [len(got["sequential"]) - 1, 0]
+    part = ensemble_outputs(problem, precision, rows=picked, members=members[:2])  # rows given: those rows
+    for member in members[:2]:
+        np.testing.assert_array_equal(part[member.name], got[member.name][picked])
     distinct = {got[m.name].tobytes() for m in members}
     if case == "fp16-masked-rows":  # rows without keys: exactly 0 (all members agree on these 4 keys)
         assert not np.any(got["sequential"][:2]) and np.all(got["sequential"][2:] != 0)
     else:
         assert len(distinct) >= 3, case  # the members differ on these inputs
+
+
+def test_logits_and_the_power_function_default_to_accurate_and_give_tanh_only_with_a_softcap():
+    """exp_kind and logits without an accuracy: the accurate exp64 / exp2_64 and tanh64, unrounded
+    beyond the score stage; logits returns th = None without a softcap (the backward's 1 - th^2
+    has no term then) and the rounded tanh with one."""
+    from fa_verify.honest_ensemble import Stage, exp_kind, logits
+
+    assert exp_kind("exp") == (1.0, exp64) and exp_kind("exp2") == (math.log2(math.e), exp2_64)
+    score = Stage("fp32", np.dtype(np.float32))
+    s = np.float32([[0.3, -2.0, 7.5]])
+    t, th, unit, power = logits(s, "exp", score, 0.5)
+    assert th is None and unit == 1.0 and power is exp64
+    np.testing.assert_array_equal(t, np.float32(s * np.float32(0.5)))
+    t, th, unit, power = logits(s, "exp", score, 0.5, softcap=2.0)
+    np.testing.assert_array_equal(th, np.float32(tanh64(np.float32(np.float32(s * np.float32(0.5)) / 2))))
+    np.testing.assert_array_equal(t, np.float32(2 * th))
+
+
+def test_members_overflow_silently_as_a_kernel_would():
+    """fp16 accumulation of V near the fp16 maximum overflows to inf (and inf - inf to NaN) in
+    the members without a numpy warning: the members compute under their own error state."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, 1, 1, 8, 16))
+    problem = AttentionProblem.from_float(q, k, np.full((1, 1, 8, 16), 6e4), "fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs = ensemble_outputs(problem, PrecisionModel.same_precision("fp16"))
+    assert any(not np.all(np.isfinite(out)) for out in outs.values())
