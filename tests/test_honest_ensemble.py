@@ -451,3 +451,9 @@ def test_members_overflow_silently_as_a_kernel_would():
         warnings.simplefilter("error")
         outs = ensemble_outputs(problem, PrecisionModel.same_precision("fp16"))
     assert any(not np.all(np.isfinite(out)) for out in outs.values())
+    scores = AttentionProblem.from_float(np.full((1, 1, 2, 16), 250.0), np.full((1, 1, 4, 16), 250.0),
+                                         np.ones((1, 1, 4, 16)), "fp16")  # q·k = 1e6: inf, then inf / inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs = ensemble_outputs(scores, PrecisionModel.same_precision("fp16"))
+    assert all(np.all(np.isnan(out)) for out in outs.values())
