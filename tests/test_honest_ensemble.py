@@ -457,3 +457,21 @@ def test_members_overflow_silently_as_a_kernel_would():
         warnings.simplefilter("error")
         outs = ensemble_outputs(scores, PrecisionModel.same_precision("fp16"))
     assert all(np.all(np.isnan(out)) for out in outs.values())
+
+
+def test_exp_works_in_float64_saturates_at_any_magnitude_and_warns_about_nothing():
+    """float32 arguments are widened first (the members pass float32 logits); arguments beyond
+    the clip limits, up to the float64 maximum, still give exactly 0 and inf; NaN stays NaN; the
+    overflow to inf is silent."""
+    import warnings
+
+    x32 = np.float32([-87.3, -3.1, 0.7, 11.2, 80.9])
+    for power in (exp64, exp2_64):
+        assert power(x32).dtype == np.float64
+        np.testing.assert_array_equal(power(x32), power(x32.astype(np.float64)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            huge = power(np.array([-1e300, -np.finfo(np.float64).max, 1e300, np.finfo(np.float64).max, 2000.0]))
+        np.testing.assert_array_equal(huge, [0.0, 0.0, np.inf, np.inf, np.inf])
+        both = power(np.array([np.nan, 0.0]))
+        assert both.dtype == np.float64 and np.isnan(both[0]) and both[1] == 1.0
