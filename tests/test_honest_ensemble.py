@@ -475,3 +475,68 @@ def test_exp_works_in_float64_saturates_at_any_magnitude_and_warns_about_nothing
         np.testing.assert_array_equal(huge, [0.0, 0.0, np.inf, np.inf, np.inf])
         both = power(np.array([np.nan, 0.0]))
         assert both.dtype == np.float64 and np.isnan(both[0]) and both[1] == 1.0
+
+
+def test_the_rows_chosen_are_all_up_to_the_limits_then_the_largest_relative_bounds_and_a_spread():
+    """`_chosen_rows` on stand-ins (only the shapes, bound.out and row_scale are read): every row
+    while B·H·Nq·Nk·D <= FULL_WORK or the rows <= MAX_ROWS; above both, the MAX_ROWS // 2 rows
+    with the largest max_d bound.out / row_scale (0/0 and x/0 counting as 0) and MAX_ROWS // 2
+    spread evenly; the spread alone without a bound. No numpy warning for the zero scales."""
+    import warnings
+    from types import SimpleNamespace
+
+    from fa_verify.honest_ensemble import _chosen_rows
+
+    def problem(B, H, Nq, Nk, D):
+        return SimpleNamespace(out_shape=(B, H, Nq, D), nk=Nk)
+
+    D = 4
+    nk = FULL_WORK // (2 * 200 * D)  # 2 x 200 rows: exactly FULL_WORK
+    assert 2 * 200 * nk * D == FULL_WORK
+    np.testing.assert_array_equal(_chosen_rows(problem(1, 2, 200, nk, D), None, None), np.arange(400))
+    np.testing.assert_array_equal(_chosen_rows(problem(1, 1, MAX_ROWS, 10 ** 6, D), None, None), np.arange(MAX_ROWS))
+    big = problem(1, 2, 200, nk + 1, D)
+    spread = np.unique(np.linspace(0, 399, MAX_ROWS // 2).round().astype(int))
+    np.testing.assert_array_equal(_chosen_rows(big, None, None), spread)
+    rng = np.random.default_rng(5)
+    row_scale = rng.uniform(0.5, 2.0, (1, 2, 200, 1))
+    bound_out = rng.uniform(0.0, 1.0, (1, 2, 200, D)) * row_scale
+    bound_out[0, 0, 7, 2] = 9.0 * row_scale[0, 0, 7, 0]  # the max over d decides
+    row_scale[0, 1, :30] = 0.0  # x / 0 and 0 / 0 count as 0
+    bound_out[0, 1, :15] = 0.0
+    relative = np.zeros(400)
+    for row in range(400):
+        b_out, scale = bound_out.reshape(400, D)[row], row_scale.reshape(400)[row]
+        relative[row] = max(x / scale for x in b_out) if scale > 0 else 0.0
+    largest = [int(i) for i in sorted(range(400), key=lambda i: (relative[i], i), reverse=True)[:MAX_ROWS // 2]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chosen = _chosen_rows(big, SimpleNamespace(row_scale=row_scale), SimpleNamespace(out=bound_out))
+    np.testing.assert_array_equal(chosen, np.union1d(spread, largest))
+    assert 7 in largest and not set(range(200, 230)) & set(largest)
+
+
+def test_the_ensemble_error_is_each_members_max_normalised_error_over_the_rows_chosen(monkeypatch):
+    """With FULL_WORK lowered, a 300-row problem runs on the rows `_chosen_rows` picks from the
+    bound: each member's error is its max |out - ref| / row scale over those rows, recomputed
+    here (fully masked rows: error 0); `members` selects the members run."""
+    from fa_verify import honest_ensemble
+    from fa_verify.honest_ensemble import _chosen_rows
+
+    monkeypatch.setattr(honest_ensemble, "FULL_WORK", 1000)
+    problem = make_problem("large_logits", (1, 2, 1, 150, 8, 4), "bf16", 3, causal=True)
+    ref = reference(problem)
+    precision = PrecisionModel.flash("bf16")
+    bound = error_bound(problem, precision, ref)
+    rows = _chosen_rows(problem, ref, bound)
+    assert MAX_ROWS // 2 < len(rows) <= MAX_ROWS
+    assert not np.array_equal(rows, _chosen_rows(problem, ref, None))
+    ens = ensemble_errors(problem, precision, ref, bound, members=MEMBERS[1:3])
+    assert set(ens.errors) == {MEMBERS[1].name, MEMBERS[2].name}
+    assert (ens.rows, ens.total_rows) == (len(rows), 300)
+    outs = ensemble_outputs(problem, precision, rows, MEMBERS[1:3])
+    flat_ref, flat_scale = ref.out.reshape(300, 4)[rows], np.broadcast_to(ref.row_scale, ref.out.shape).reshape(300, 4)[rows]
+    for name, out in outs.items():
+        expected = max(abs(o - r) / s if o != r else 0.0  # fully masked rows: 0 = 0, error 0
+                       for o, r, s in zip(out.ravel(), flat_ref.ravel(), flat_scale.ravel(), strict=True))
+        assert ens.errors[name] == pytest.approx(expected, rel=1e-15) and expected > 0
