@@ -12,6 +12,7 @@ from implementations import torch_math_public
 from fa_verify import AttentionMismatch, AttentionProblem, InvalidArgumentError, PrecisionModel
 from fa_verify.backends import naive_attention, tiled_attention
 from fa_verify.dtypes import numpy_dtype, round_to
+from fa_verify.error_model import error_bound
 from fa_verify.oracle import reference
 from fa_verify.verdict import (
     DEFAULT_ENSEMBLE_FACTOR,
@@ -509,3 +510,109 @@ def test_assert_attention_close_returns_the_passing_verdict_and_raises_with_the_
         assert_attention_close(out, problem, lse=lse, reference=ref, precision="fp32-accumulate",
                                ensemble_factor=None)
     assert "p=fp32" in str(strict.value)
+
+
+# --- each part of check_attention decides on an input made for it -----------------------------
+
+@lru_cache(maxsize=None)
+def _tiny(spec="flash,out=fp64", dtype="fp16"):
+    """B=1, H=2 (one K/V head), Nq=10 > Nk=8 bottom-right causal: rows 0 and 1 attend no key;
+    V's column 0 is 0, so the row scale is 0 there. out=fp64: outputs carry any error exactly."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 2, 10, 16))
+    k, v = rng.standard_normal((2, 1, 1, 8, 16))
+    v[..., 0] = 0.0
+    problem = AttentionProblem.from_float(q, k, v, dtype, causal=True)
+    precision = PrecisionModel.parse(spec, dtype)
+    ref = reference(problem)
+    return problem, precision, ref, error_bound(problem, precision, ref)
+
+
+def _exact(problem, precision, ref):
+    """The reference as the precision model stores the output (lse in fp32)."""
+    return round_to(ref.out, precision.output), ref.lse.astype(np.float32)
+
+
+def _fake_ensemble(errors, rows=20):
+    from fa_verify.honest_ensemble import EnsembleErrors
+    return EnsembleErrors(dict(errors), rows=rows, total_rows=20)
+
+
+def _allowance(problem, precision, ref, factor, e, ftz_part=0.0):
+    """(K E + floor) row scale + absolute floor, from the module doc's formula."""
+    from fa_verify.dtypes import finfo, unit_roundoff
+    floor = FLOOR_ROUNDINGS * (unit_roundoff(precision.output) + np.sqrt(problem.nk) * unit_roundoff(precision.pv_accumulation))
+    absolute = (problem.nk + 2) * float(finfo(precision.pv_accumulation).smallest_subnormal) + ftz_part
+    return (factor * e + floor) * np.broadcast_to(ref.row_scale, problem.out_shape) + absolute, floor, absolute
+
+
+@pytest.mark.parametrize("used", [0.9, 1.1])
+@pytest.mark.parametrize("e", [2e-5, 0.0], ids=["K*E-decides", "floor-decides"])
+def test_the_ensemble_rule_allows_k_e_plus_floor_per_element_and_no_more(e, used):
+    """One element off by 0.9 or 1.1 x (K E + floor) x its row scale + absolute floor (E = 2e-5:
+    K E is 200x the floor; E = 0: the floor alone): passes at 0.9 and fails the ensemble rule at
+    1.1 (the error-model bound, 5x wider here, passes both); every field of the rule is its
+    formula; E is the largest finite member error and K scales it."""
+    problem, precision, ref, bound = _tiny()
+    ensemble = _fake_ensemble({"a": e / 2, "b": e, "c": np.inf})
+    allowed, floor, absolute = _allowance(problem, precision, ref, DEFAULT_ENSEMBLE_FACTOR, e)
+    out, lse = _exact(problem, precision, ref)
+    index = (0, 1, 6, 5)
+    out[index] += used * allowed[index]
+    verdict = check_attention(out, problem, lse=lse, precision=precision, reference=ref, bound=bound, ensemble=ensemble)
+    assert verdict.bound_ratio < 0.5 and verdict.lse_bound_ratio < 1e-3
+    assert verdict.passed == (used < 1) and verdict.rule == (None if used < 1 else "ensemble"), verdict.message()
+    assert verdict.ensemble_ratio == pytest.approx(used, rel=1e-9) and verdict.ensemble_worst_index == index
+    assert verdict.ensemble_worst_error == abs(out[index] - ref.out[index])
+    assert verdict.ensemble_worst_row_scale == ref.row_scale[index]
+    assert verdict.ensemble_worst_allowed == pytest.approx(allowed[index], rel=1e-12)
+    assert (verdict.ensemble_factor, verdict.ensemble_error, verdict.ensemble_member) == (4.0, e, "b" if e else "a")
+    assert verdict.ensemble_errors == ensemble.errors and (verdict.ensemble_rows, verdict.total_rows) == (20, 20)
+    assert (verdict.floor_u_out, verdict.floor_sqrt_nk, verdict.floor_u_pv) == (2.0 ** -53, np.sqrt(8), 2.0 ** -24)
+    assert verdict.ensemble_floor == pytest.approx(floor, rel=1e-15) and verdict.absolute_floor == absolute
+    half = check_attention(out, problem, lse=lse, precision=precision, reference=ref, bound=bound, ensemble=ensemble,
+                           ensemble_factor=2)
+    expected = used * allowed[index] / _allowance(problem, precision, ref, 2.0, e)[0][index]
+    assert half.ensemble_ratio == pytest.approx(expected, rel=1e-9) and half.ensemble_factor == 2.0
+
+
+@pytest.mark.parametrize("ftz", [False, True])
+def test_where_the_row_scale_is_0_the_absolute_floor_decides(ftz):
+    """V's column 0 is 0: the allowance there is the absolute floor alone, (Nk + 2) subnormal
+    spacings of the P·V dtype, plus flushing V and the output when ftz is declared (fp16
+    same-precision: all three terms of comparable size)."""
+    from fa_verify.error_model import flushed_output_error
+
+    problem, precision, ref, bound = _tiny("same-precision,out=fp64")
+    if ftz:
+        precision = precision.replace(ftz=True)
+    flushed = flushed_output_error(precision) if ftz else 0.0
+    allowed, _, absolute = _allowance(problem, precision, ref, DEFAULT_ENSEMBLE_FACTOR, 0.0, flushed)
+    assert absolute == 10 * 2.0 ** -24 + (2.0 ** -14 + 2.0 ** -1022 if ftz else 0.0)
+    out, _ = _exact(problem, precision, ref)
+    index = (0, 0, 4, 0)
+    assert ref.row_scale[index] == 0
+    out[index] = 0.9 * absolute
+    verdict = check_attention(out, problem, precision=precision, reference=ref, bound=bound,
+                              ensemble=_fake_ensemble({"a": 0.0}))
+    assert verdict.absolute_floor == absolute and verdict.ensemble_worst_index == index
+    assert verdict.ensemble_ratio == pytest.approx(0.9, rel=1e-12) and verdict.ensemble_worst_row_scale == 0
+
+
+def test_without_a_precomputed_ensemble_the_rule_runs_it_on_the_rows_the_bound_picks(monkeypatch):
+    """ensemble=None: the members run on this problem and precision, against this reference, on
+    the rows the bound picks (FULL_WORK lowered so that 20 rows are a large problem)."""
+    from fa_verify import honest_ensemble
+    from fa_verify.honest_ensemble import ensemble_errors
+
+    monkeypatch.setattr(honest_ensemble, "FULL_WORK", 100)
+    monkeypatch.setattr(honest_ensemble, "MAX_ROWS", 8)
+    problem, precision, ref, bound = _tiny("flash")
+    out, lse = _exact(problem, precision, ref)
+    verdict = check_attention(out, problem, lse=lse, precision="flash", reference=ref, bound=bound)
+    expected = ensemble_errors(problem, precision, ref, bound)
+    assert verdict.ensemble_errors == expected.errors and verdict.ensemble_error == expected.max_error > 0
+    assert (verdict.ensemble_rows, verdict.total_rows) == (expected.rows, 20) and expected.rows < 20
+    assert expected.rows != ensemble_errors(problem, precision, ref).rows  # the bound's rows, not the spread alone
+    skipped = check_attention(out, problem, lse=lse, reference=ref, bound=bound, ensemble_factor=None)
+    assert skipped.passed and skipped.ensemble_ratio is None and skipped.ensemble_errors is None
