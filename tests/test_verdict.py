@@ -583,20 +583,22 @@ def test_where_the_row_scale_is_0_the_absolute_floor_decides(ftz):
     same-precision: all three terms of comparable size)."""
     from fa_verify.error_model import flushed_output_error
 
-    problem, precision, ref, bound = _tiny("same-precision,out=fp64")
+    problem, precision, ref, bound = _tiny("same-precision")
     if ftz:
         precision = precision.replace(ftz=True)
     flushed = flushed_output_error(precision) if ftz else 0.0
     allowed, _, absolute = _allowance(problem, precision, ref, DEFAULT_ENSEMBLE_FACTOR, 0.0, flushed)
-    assert absolute == 10 * 2.0 ** -24 + (2.0 ** -14 + 2.0 ** -1022 if ftz else 0.0)
+    assert absolute == 10 * 2.0 ** -24 + (2 * 2.0 ** -14 if ftz else 0.0)
     out, _ = _exact(problem, precision, ref)
     index = (0, 0, 4, 0)
     assert ref.row_scale[index] == 0
-    out[index] = 0.9 * absolute
+    out[index] = 0.9 * absolute  # rounded to fp16
+    assert 0.85 < float(out[index]) / absolute < 0.95
     verdict = check_attention(out, problem, precision=precision, reference=ref, bound=bound,
                               ensemble=_fake_ensemble({"a": 0.0}))
     assert verdict.absolute_floor == absolute and verdict.ensemble_worst_index == index
-    assert verdict.ensemble_ratio == pytest.approx(0.9, rel=1e-12) and verdict.ensemble_worst_row_scale == 0
+    assert verdict.ensemble_ratio == pytest.approx(float(out[index]) / absolute, rel=1e-12)
+    assert verdict.ensemble_worst_row_scale == 0 and verdict.floor_u_out == verdict.floor_u_pv == 2.0 ** -11
 
 
 def test_without_a_precomputed_ensemble_the_rule_runs_it_on_the_rows_the_bound_picks(monkeypatch):
