@@ -423,7 +423,7 @@ def test_every_number_in_the_message_is_the_verdicts_own():
     assert summary, lines[-1]
     s = verdict.summary
     expected = (s.normalised.max, s.normalised.p99, s.normalised.median, s.abs.max, s.abs.rmse, s.abs.mean)
-    for shown, field in zip(summary.groups()[:6], expected):
+    for shown, field in zip(summary.groups()[:6], expected, strict=True):
         assert float(shown) == pytest.approx(field, rel=0.05)
     assert summary[7] == s.dtype and float(summary[8]) == pytest.approx(s.ulp.max, rel=5e-3)
 
@@ -618,3 +618,119 @@ def test_without_a_precomputed_ensemble_the_rule_runs_it_on_the_rows_the_bound_p
     assert expected.rows != ensemble_errors(problem, precision, ref).rows  # the bound's rows, not the spread alone
     skipped = check_attention(out, problem, lse=lse, reference=ref, bound=bound, ensemble_factor=None)
     assert skipped.passed and skipped.ensemble_ratio is None and skipped.ensemble_errors is None
+
+
+def _flash_tiny():
+    problem, precision, ref, bound = _tiny("flash")
+    out, lse = _exact(problem, precision, ref)
+    return problem, ref, bound, out, lse
+
+
+def _judge(out, lse=None, **kwargs):
+    problem, ref, bound, *_ = _flash_tiny()
+    return check_attention(out, problem, lse=lse, reference=ref, bound=bound, **kwargs)
+
+
+def test_the_rounded_reference_passes_every_rule_with_the_counts_over_live_rows():
+    """The reference rounded to fp16 passes; the counts are over the rows that attend a key
+    (8 of 10 per head: 8 x 2 x 16 outputs, 16 LSEs); nothing over, nothing unbounded, no cause."""
+    problem, ref, bound, out, lse = _flash_tiny()
+    verdict = _judge(out, lse)
+    assert verdict.passed and verdict.rule is None and verdict.detail == "" and verdict.cause == ""
+    assert (verdict.total, verdict.over_count, verdict.unbounded_count) == (256, 0, 0)
+    assert (verdict.lse_total, verdict.lse_over_count) == (16, 0)
+    assert verdict.summary is not None and verdict.summary.dtype == "fp16"
+    assert verdict.normalised_error == pytest.approx(np.max(np.where(
+        ref.row_scale > 0, np.abs(out - ref.out) / np.where(ref.row_scale > 0, ref.row_scale, 1), 0)), rel=1e-12)
+
+
+def test_one_element_over_the_bound_is_found_and_described():
+    """An error 3x the bound at one element: rule error_bound, 1 element over, and the worst
+    element's fields are that element's own numbers."""
+    problem, ref, bound, out, lse = _flash_tiny()
+    index = (0, 1, 7, 9)
+    out[index] = ref.out[index] + 3 * bound.out[index]
+    verdict = _judge(out, lse)
+    err = abs(float(out[index]) - ref.out[index])
+    assert verdict.rule == "error_bound" and not verdict.passed and verdict.over_count == 1
+    assert verdict.worst_index == index and verdict.bound_ratio == pytest.approx(err / bound.out[index], rel=1e-12)
+    assert 2.5 < verdict.bound_ratio < 3.5
+    assert (verdict.worst_value, verdict.worst_reference) == (float(out[index]), ref.out[index])
+    assert verdict.worst_reference_bound == ref.out_bound[index] and verdict.worst_bound == bound.out[index]
+    assert verdict.worst_error == err and verdict.dominant_term == bound.dominant_out_term(index)
+
+
+def test_one_lse_over_its_bound_is_found_and_described():
+    problem, ref, bound, out, lse = _flash_tiny()
+    row = (0, 0, 6)
+    lse[row] = ref.lse[row] + 4 * bound.lse[row]
+    verdict = _judge(out, lse)
+    err = abs(float(lse[row]) - ref.lse[row])
+    assert verdict.rule == "lse_bound" and verdict.lse_over_count == 1 and verdict.lse_worst_index == row
+    assert verdict.lse_bound_ratio == pytest.approx(err / bound.lse[row], rel=1e-9) and verdict.lse_bound_ratio > 3
+    assert (verdict.lse_worst_value, verdict.lse_worst_reference) == (float(lse[row]), ref.lse[row])
+    assert verdict.lse_worst_error == pytest.approx(err, rel=1e-12) and verdict.lse_worst_bound == bound.lse[row]
+    assert verdict.lse_dominant_term == bound.dominant_lse_term(row) and verdict.over_count == 0
+
+
+CONVENTION = " (convention: output 0, LSE -inf)"
+
+
+@pytest.mark.parametrize("where, value, rule, text", [
+    ("out", np.inf, "finite", "out holds 1 NaN/Inf values where the reference is finite (first inf at [0, 1, 4, 2])"),
+    ("out", np.nan, "finite", "out holds 1 NaN/Inf values where the reference is finite (first nan at [0, 1, 4, 2])"),
+    ("out-masked", 0.5, "masked_rows", "1 outputs of fully masked rows are not 0 (first 0.5 at [0, 1, 1, 2])" + CONVENTION),
+    ("lse", -np.inf, "finite", "lse holds 1 NaN/Inf values where the reference is finite (first -inf at [0, 1, 4])"),
+    ("lse", np.nan, "finite", "lse holds 1 NaN/Inf values where the reference is finite (first nan at [0, 1, 4])"),
+    ("lse-masked", np.nan, "finite", "lse holds 1 NaN/Inf values where the reference is finite (first nan at [0, 1, 1]); "
+                                     "1 LSEs of fully masked rows are not -inf (first nan at [0, 1, 1])" + CONVENTION),
+    ("lse-masked", np.inf, "masked_rows", "1 LSEs of fully masked rows are not -inf (first inf at [0, 1, 1])" + CONVENTION),
+    ("lse-masked", 0.0, "masked_rows", "1 LSEs of fully masked rows are not -inf (first 0.0 at [0, 1, 1])" + CONVENTION),
+])
+def test_each_non_finite_or_masked_row_value_names_its_rule_and_its_first_element(where, value, rule, text):
+    """NaN anywhere and ±inf where the reference is finite break "finite"; a masked row must be
+    exactly 0 with LSE -inf, and -inf there is right; each detail names the count and the first
+    element. Rows 0-1 attend no key; errors there do not count against the bound."""
+    problem, ref, bound, out, lse = _flash_tiny()
+    (out if where.startswith("out") else lse)[(0, 1, 1 if where.endswith("masked") else 4) + ((2,) if where.startswith("out") else ())] = value
+    verdict = _judge(out, lse)
+    assert (verdict.rule, verdict.passed) == (rule, False) and verdict.detail == text, verdict.detail
+    if where == "out-masked":
+        assert verdict.over_count == 0 and verdict.bound_ratio < 1 and verdict.total == 256
+    if where == "lse-masked":
+        assert verdict.lse_over_count == 0 and verdict.lse_total == 16
+    assert _judge(out).rule == (rule if where.startswith("out") else None)  # without the LSE: out alone
+
+
+def test_failures_are_reported_in_rule_order_with_every_detail():
+    """A masked-row output, an LSE -inf where finite and an element over its bound together: the
+    verdict names the first rule in RULES order and joins the details of all."""
+    problem, ref, bound, out, lse = _flash_tiny()
+    out[0, 0, 0, 3] = 0.25
+    out[0, 1, 7, 9] = ref.out[0, 1, 7, 9] + 3 * bound.out[0, 1, 7, 9]
+    lse[0, 0, 5] = -np.inf
+    verdict = _judge(out, lse)
+    assert verdict.rule == "finite" and verdict.over_count == 1
+    assert verdict.detail.startswith("lse holds 1 NaN/Inf") and "; 1 outputs of fully masked rows are not 0" in verdict.detail
+    assert verdict.lse_over_count == 1 and verdict.lse_bound_ratio == np.inf
+    without = _judge(out)  # no LSE: the masked row comes first
+    assert without.rule == "masked_rows" and without.detail.startswith("1 outputs of fully masked rows")
+
+
+def test_the_arguments_are_checked_before_anything_is_computed():
+    problem, ref, bound, out, lse = _flash_tiny()
+    for factor in (0, -1.0, np.inf, np.nan, "4"):
+        with pytest.raises(InvalidArgumentError, match="ensemble_factor"):
+            _judge(out, lse, ensemble_factor=factor)
+    assert _judge(out, lse, ensemble_factor=4).ensemble_factor == 4.0
+    assert _judge(out, lse, ensemble_factor=0.5).ensemble_factor == 0.5
+    with pytest.raises(InvalidArgumentError, match="out is None; pass the kernel's output"):
+        _judge(None, lse)
+    wide = _judge(out.astype(np.float32), lse)
+    assert wide.rule == "shape" and wide.detail.startswith("out.dtype=float32 but the precision model (") and not wide.passed
+    short = _judge(out[:, :, 1:], lse)
+    assert (short.rule, short.passed) == ("shape", False)
+    assert short.detail == "out.shape=(1, 2, 9, 16) but the problem needs [B, H, Nq, D] = (1, 2, 10, 16)"
+    bad_lse = _judge(out, lse[..., None])
+    assert bad_lse.rule == "shape" and bad_lse.detail == "lse.shape=(1, 2, 10, 1) but the problem needs [B, H, Nq] = (1, 2, 10)"
+    assert problem.describe() == short.problem and short.precision == PrecisionModel.flash("fp16").describe()
