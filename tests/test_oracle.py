@@ -552,3 +552,229 @@ def test_wrong_problem_type_message_names_real_apis():
     methods = re.findall(r"\bAttentionProblem\.(\w+)\(q, k, v, 'fp16'", message)
     assert methods and all(hasattr(AttentionProblem, x) for x in methods)
     assert "AttentionProblem(q, k, v, causal=" in message
+
+
+# --- The mpmath path's a-posteriori bound (mp_path.mp_bound) and its inputs per row ----------
+# (certified.mp_row_bounds), the tight |Q||K|^T magnitude, the mpmath rows' row scale and
+# sink: recomputed from mp_path's and certified's docstrings in plain floats / mpmath.
+
+def _documented_mp_bound(nk, d, scale, magnitude, logit, digits):
+    """mp_bound's docstring: unit = 2^-prec at `digits`, score error (D + 3) unit scale A +
+    4 unit L, r = expm1(score error + 2 unit) (x's subtraction and exp), alpha = r +
+    gamma_{N+4} (1 + r), coefficient 2 alpha / (1 - alpha) + unit (1 + that); both doubled."""
+    with mpmath.workdps(digits):
+        unit = 2.0 ** -mpmath.mp.prec
+    r = math.expm1((d + 3) * unit * scale * magnitude + 4 * unit * logit + 2 * unit)
+    n = nk + 4
+    alpha = r + n * unit / (1 - n * unit) * (1 + r)
+    ratio = 2 * alpha / (1 - alpha)
+    return 2 * (ratio + unit * (1 + ratio)), 2 * alpha
+
+
+@pytest.mark.parametrize("nk, d, scale, magnitude, logit, digits", [
+    (5, 8, 0.35, 10.0, 50.0, 15),     # every term within a factor ~30 of the others
+    (3, 64, 0.125, 300.0, 1.0, 15),   # the scores' term dominates
+    (1000, 4, 0.5, 1.0, 0.0, 20),     # the sums' N + 4 roundings dominate
+    (0, 2, 3.0, 0.0, 7.0, 30),        # no key (a sink row): the logits' term and the constants
+])
+def test_mp_bound_is_its_documented_formula(nk, d, scale, magnitude, logit, digits):
+    """Each term of the mpmath path's bound is its docstring's, to 1e-12 (every term is more than
+    1e-4 of the bound on these inputs, so a changed constant or sign shows)."""
+    got = mp_path.mp_bound(nk, d, scale, magnitude, logit, digits)
+    want = _documented_mp_bound(nk, d, scale, magnitude, logit, digits)
+    for g, w in zip(got, want, strict=True):
+        assert w > 0 and abs(float(g) - w) <= _RTOL * w, (g, w)
+
+
+def _documented_mp_row_bounds(problem, rows, digits):
+    """mp_row_bounds's inputs to mp_bound, per row: A = max over attended keys of
+    sum_d |q_d||k_d| and L = max |scale q.k|, each times 1.01 (L + 1); with variants L =
+    2 (2 max|scale q.k| + max|bias| + |sink|) and the sink one more term of the sums."""
+    q = problem.q.astype(np.float64)
+    k = problem.k.astype(np.float64)
+    g, scale, d = problem.group_size, problem.scale_value, problem.head_dim
+    starts, limits = problem.key_start(), problem.key_limit()
+    coefficients, alphas = [], []
+    for b, h, i in rows:
+        keys = range(starts[i], limits[i])
+        qi, kh = [float(x) for x in q[b, h, i]], k[b, h // g]
+        a = max((math.fsum(abs(x * float(y)) for x, y in zip(qi, kh[j], strict=True)) for j in keys), default=0.0)
+        t = max((abs(scale * math.fsum(x * float(y) for x, y in zip(qi, kh[j], strict=True))) for j in keys),
+                default=0.0)
+        n = len(keys)
+        if problem.features:
+            bias = 0.0
+            if problem.alibi_slopes is not None:
+                slopes = problem.alibi_slopes
+                slope = float(slopes[b, h] if slopes.ndim == 2 else slopes[h])
+                bias = max((abs(slope) * abs(i + problem.diagonal_offset - j) for j in keys), default=0.0)
+            sink = 0.0 if problem.sinks is None else abs(float(problem.sinks[h]))
+            t = 2 * (2 * t + bias + sink)
+            n += problem.sinks is not None
+        c, al = _documented_mp_bound(n, d, scale, 1.01 * a, 1.01 * t + 1, digits)
+        coefficients.append(c)
+        alphas.append(al)
+    return np.array(coefficients), np.array(alphas)
+
+
+_MP_ROW_CASES = {
+    # plain rows: causal Nq > Nk (row 0 attends nothing), logits in the hundreds
+    "plain": _mp_case,
+    # features, but every |score| < 1 and no bias or sink: the constant terms stand alone
+    "softcap_small_scores": lambda: _problem(
+        np.random.default_rng(31).standard_normal((1, 2, 3, 4)) * 0.3,
+        np.random.default_rng(32).standard_normal((1, 1, 5, 4)) * 0.3,
+        np.random.default_rng(33).standard_normal((1, 1, 5, 4)), "fp32", softcap=5.0),
+    # ALiBi and sinks of the size of the scores, GQA, causal with rows that see only the sink
+    "alibi_sinks": lambda: _variants_problem(np.random.default_rng(34), softcap=None),
+    # everything at once, per-batch ALiBi slopes
+    "everything": lambda: _variants_problem(
+        np.random.default_rng(35), alibi_slopes=np.array([[0.25, 4.0, 1.0], [2.0, 0.5, 8.0]], np.float32)),
+}
+
+
+@pytest.mark.parametrize("digits", [15, 30])
+@pytest.mark.parametrize("name", sorted(_MP_ROW_CASES))
+def test_mp_row_bounds_feed_mp_bound_the_documented_magnitudes(name, digits):
+    """The mpmath rows' bounds (both paths use them) are mp_bound of each row's documented A, L
+    and N, to 1e-12: the scores, biases and sink all reach it."""
+    problem = _MP_ROW_CASES[name]()
+    B, H, Nq, _ = problem.out_shape
+    rows = [(b, h, i) for b in range(B) for h in range(H) for i in range(Nq)]
+    got = certified.mp_row_bounds(problem, rows, digits)
+    want = _documented_mp_row_bounds(problem, rows, digits)
+    for g, w in zip(got, want, strict=True):
+        _assert_close(g, w)
+
+
+def test_mp_row_bound_cases_reach_what_they_are_for():
+    """The cases above have what their names say (else they would pin nothing)."""
+    small = _MP_ROW_CASES["softcap_small_scores"]()
+    t = np.abs(small.scale_value * small.q64()[0] @ small.kv64()[0][0].swapaxes(-1, -2))
+    assert small.features and t.max() < 1 and small.sinks is None and small.alibi_slopes is None
+    for name in ("alibi_sinks", "everything"):
+        problem = _MP_ROW_CASES[name]()
+        assert problem.masked_rows.any() and problem.sinks is not None and problem.alibi_slopes is not None
+    assert _MP_ROW_CASES["plain"]().masked_rows.any() and not _MP_ROW_CASES["plain"]().features
+
+
+def test_gemm_magnitude_is_the_exact_attended_maximum_over_one_minus_gamma_d():
+    """The tight A_i is max over the keys row i attends of sum_d |q_d||k_d|, over (1 - g_D), to
+    1e-12 (not merely above it): entries of size 0.1, so each sum is far below 1 and a masked key
+    counted as anything but 0 would show; bottom-right causal with Nq > Nk (row 0 attends nothing)."""
+    rng = np.random.default_rng(41)
+    problem = _problem(rng.standard_normal((1, 2, 5, 6)) * 0.1, rng.standard_normal((1, 2, 4, 6)) * 0.1,
+                       rng.standard_normal((1, 2, 4, 6)), "fp32", causal=True)
+    q, k = problem.q64()[0], problem.kv64()[0][0]
+    limits = problem.key_limit()
+    exact = np.array([[max((math.fsum(np.abs(q[h, i] * k[h, j])) for j in range(limits[i])), default=0.0)
+                       for i in range(problem.nq)] for h in range(2)]) / (1 - _gamma(6))
+    assert exact.max() < 0.5 and (limits == 0).any()
+    rows = np.nonzero(np.ones(exact.shape, dtype=bool))
+    _assert_close(certified._gemm_magnitude(q, k, problem.mask, rows), exact.ravel())
+
+
+def test_mpmath_row_scale_is_the_weighted_mean_of_abs_v():
+    """The mpmath path's row scale D_c = sum_j p_j |v_jc| / sum_j p_j (mp_path._row's docstring),
+    recomputed in float64 with fsum from the logits, to 1e-12; rows with several comparable keys
+    (sum_j p_j far from 1 relative to the row's max)."""
+    rng = np.random.default_rng(42)
+    problem = _problem(rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 1, 5, 4)),
+                       rng.standard_normal((1, 1, 5, 3)) * 4, "fp32")
+    ref = reference(problem, "mpmath")
+    q, k, v = problem.q64()[0], problem.kv64()[0][0], problem.kv64()[1][0]
+    for h in range(2):
+        for i in range(3):
+            t = [problem.scale_value * math.fsum(q[h, i] * k[h, j]) for j in range(5)]
+            p = [math.exp(x - max(t)) for x in t]
+            assert math.fsum(p) > 1.5
+            want = [math.fsum(w * abs(v[h, j, c]) for j, w in enumerate(p)) / math.fsum(p) for c in range(3)]
+            _assert_close(ref.row_scale[0, h, i], want)
+
+
+def test_mpmath_rows_without_keys_have_lse_minus_inf():
+    """The mpmath path (whole problem, and rows handed over by the certified path) gives a row
+    that attends no key out 0, row scale 0, LSE -inf and bounds 0, as the Reference contract says."""
+    problem = _mp_case()  # row 0 of each head attends no key
+    masked = problem.masked_rows
+    assert masked.any()
+    for ref in (reference(problem, "mpmath", digits=15), certified_reference(problem, digits=15, threshold=-1.0)):
+        assert (ref.lse[:, :, masked] == -np.inf).all() and np.isfinite(ref.lse[:, :, ~masked]).all()
+        for arr in (ref.out, ref.row_scale, ref.out_bound, ref.lse_bound):
+            assert (arr[:, :, masked] == 0).all()
+
+
+def test_norm_magnitude_is_the_documented_product_of_norms_bit_for_bit():
+    """The free A_i = |q_i| / (1 - g_{D+1}) * max over keys j < limit_i (at least key 0) of
+    |k_j| / (1 - g_{D+1}). Integer entries with integer norms (3^2 + 4^2 = 5^2, 1 + 4 + 4 + 16 =
+    5^2, ...) make every sum of squares and sqrt exact, so the only roundings are the documented
+    divisions and product, and the result is pinned bit for bit: a slack of g_{D+2}, g_D or
+    g_{Nq+1} moves it by an ulp. Nq = 3 and D = 4 differ; bottom-right causal over 5 keys."""
+    quads = np.array([[1, 2, 2, 0], [2, 3, 6, 0], [1, 4, 8, 0], [4, 4, 7, 0], [0, 0, 0, 5],
+                      [3, 4, 0, 0], [1, 2, 2, 4], [2, 4, 5, 6], [2, 6, 9, 0]], dtype=np.float64)
+    norms = np.array([3, 7, 9, 9, 5, 5, 5, 9, 11], dtype=np.float64)
+    assert (np.sqrt((quads * quads).sum(axis=-1)) == norms).all()
+    rng = np.random.default_rng(43)
+    q_pick, k_pick = np.array([[7, 1, 4], [8, 2, 6]]), np.array([[0, 5, 8, 3, 1], [4, 2, 6, 7, 0]])
+    q = quads[q_pick] * rng.choice([-1.0, 1.0], (2, 3, 4))
+    k = quads[k_pick] * rng.choice([-1.0, 1.0], (2, 5, 4))
+    problem = _problem(q[None], k[None], np.ones((1, 2, 5, 1)), "fp32", causal=True)
+    limits = problem.key_limit()
+    assert list(limits) == [3, 4, 5]
+    slack = 1 - _gamma(4 + 1)
+    q_norm, k_norm = norms[q_pick] / slack, norms[k_pick] / slack
+    want = np.array([[q_norm[h, i] * max(k_norm[h, :limits[i]]) for i in range(3)] for h in range(2)])
+    got = certified._norm_magnitude(problem.q64()[0], problem.kv64()[0][0], limits)
+    np.testing.assert_array_equal(got, want)
+    # a row that attends no key takes key 0's norm (its bound is never used: p = 0 there)
+    np.testing.assert_array_equal(certified._norm_magnitude(q, k, np.array([0, 0, 2]))[:, 0],
+                                  q_norm[:, 0] * k_norm[:, 0])
+
+
+def test_wrong_problem_type_message_names_the_type_given():
+    """The message says which type it got (the caller's, not a placeholder)."""
+    for bad, name in [(np.zeros((1, 1, 2, 2)), "ndarray"), ([1.0], "list"), (None, "NoneType")]:
+        with pytest.raises(InvalidArgumentError, match=f"got {name};"):
+            reference(bad)
+
+
+def test_gamma_is_n_u_over_one_minus_n_u_and_inf_from_n_u_equal_one():
+    """bounds.gamma: n u / (1 - n u) while n u < 1, inf from n u = 1 on (exactly 1 included, and
+    between 1 and 2), elementwise over arrays of counts, in float64 whatever the counts' type
+    (integers, float32 or float16), no warning."""
+    from fa_verify.oracle.bounds import gamma
+    unit = 2.0 ** -10
+    counts = np.array([0, 1, 7, 512, 1000, 1023, 1024, 1025, 1536, 2047, 2048, 5000])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = gamma(counts, unit)
+        scalar = gamma(1024, unit)
+    assert got.dtype == np.float64 and got.shape == counts.shape
+    for n, g in zip(counts.tolist(), got.tolist(), strict=True):
+        nu = n * unit
+        assert (g == nu / (1 - nu)) if nu < 1 else g == math.inf, (n, g)
+    assert scalar == math.inf
+    assert gamma(3) == 3 * _U / (1 - 3 * _U)  # float64's u by default
+    # a count held in a narrower float type is the same count: the arithmetic stays float64
+    for dtype in (np.float32, np.float16):
+        g32 = gamma(np.array([3, 1000], dtype=dtype))
+        assert g32.dtype == np.float64 and g32.tolist() == [3 * _U / (1 - 3 * _U), 1000 * _U / (1 - 1000 * _U)]
+
+
+def _sink_far_above():
+    """A sink 600 above scores of a few units: at 15 digits the original shifts every score by
+    the sink (x = z - 600 rounds at 600 * 2^-53), the error mp_bound's sink term is there for."""
+    rng = np.random.default_rng(44)
+    return _problem(rng.standard_normal((1, 2, 3, 4)) * 2, rng.standard_normal((1, 1, 6, 4)) * 2,
+                    rng.standard_normal((1, 1, 6, 3)), "fp32", sinks=np.array([600.0, 300.0], np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(_MP_ROW_CASES) + ["sink_far_above"])
+def test_mpmath_at_15_digits_within_its_bound_of_60_digits(name):
+    """The other side of the mpmath rows' bound: at 15 digits (a coefficient of a few 1e-15) the
+    computed rows are within it of the 60-digit ones, variants and rows without keys included;
+    the bound stays below 1e-11 of the row scale (measured: the error reaches 0.2 % to 9 % of it)."""
+    problem = _sink_far_above() if name == "sink_far_above" else _MP_ROW_CASES[name]()
+    low, high = reference(problem, "mpmath", digits=15), reference(problem, "mpmath", digits=60)
+    _assert_within_bounds(low, high)
+    assert (low.out_bound <= 1e-11 * low.row_scale + 2.0 ** -52 * np.abs(low.out)).all()

@@ -8,6 +8,8 @@ from test_oracle import _assert_within_bounds
 
 from fa_verify import AttentionProblem
 from fa_verify.backends.numpy_ragged import NumpyRaggedBackend
+from fa_verify.error_model import error_bound
+from fa_verify.oracle import reference
 from fa_verify.oracle.ragged import ragged_error_bound, reference_ragged
 from fa_verify.precision import PrecisionModel
 from fa_verify.ragged import PageLayout, RaggedProblem
@@ -81,3 +83,38 @@ def test_a_correct_ragged_backend_is_within_the_error_model(name, layout):
     finite = np.isfinite(ref.lse)
     assert (np.abs(lse[finite] - ref.lse[finite]) <= bound.lse[finite]).all()
     assert (lse[~finite] == -np.inf).all()
+
+
+# --- What reference_ragged and ragged_error_bound pass to each sequence and keep ----------------
+
+def test_reference_ragged_passes_the_digits_to_every_sequence():
+    """reference_ragged(method="mpmath", digits=15) is reference(seq, "mpmath", 15) per sequence,
+    kept in `sequences`, and differs from the default 50 digits somewhere (else nothing is pinned)."""
+    problem = CASES["lengths_one"]
+    ref = reference_ragged(problem, method="mpmath", digits=15)
+    assert len(ref.sequences) == len(problem.sequences)
+    for seq, got in zip(problem.sequences, ref.sequences, strict=True):
+        want = reference(seq, "mpmath", 15)
+        for name in ("out", "lse", "out_bound", "lse_bound"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+    default = reference_ragged(problem, method="mpmath")
+    assert not np.array_equal(default.out_bound, ref.out_bound)
+
+
+def test_ragged_error_bound_passes_lambda_and_keeps_each_sequence_bound():
+    """ragged_error_bound(..., "probabilistic", lam) is error_bound of every sequence with that
+    lambda, each kept in `sequences`; lam = 2 against 33 keys gives another bound than the default
+    (n > lam^2: the probabilistic gamma is below the worst case)."""
+    problem = CASES["decode"]
+    precision = PrecisionModel.flash(problem.dtype)
+    ref = reference_ragged(problem)
+    bound = ragged_error_bound(problem, precision, ref, "probabilistic", 2.0)
+    assert len(bound.sequences) == len(problem.sequences)
+    for seq, r, got in zip(problem.sequences, ref.sequences, bound.sequences, strict=True):
+        want = error_bound(seq, precision, r, "probabilistic", 2.0)
+        np.testing.assert_array_equal(got.out, want.out)
+        np.testing.assert_array_equal(got.lse, want.lse)
+    for (out, lse), seq in zip(problem.split(bound.out, bound.lse), bound.sequences, strict=True):
+        assert np.array_equal(out, seq.out) and np.array_equal(lse, seq.lse)
+    default = ragged_error_bound(problem, precision, ref, "probabilistic")
+    assert not np.array_equal(default.out, bound.out)

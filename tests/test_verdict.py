@@ -12,6 +12,7 @@ from implementations import torch_math_public
 from fa_verify import AttentionMismatch, AttentionProblem, InvalidArgumentError, PrecisionModel
 from fa_verify.backends import naive_attention, tiled_attention
 from fa_verify.dtypes import numpy_dtype, round_to
+from fa_verify.error_model import error_bound
 from fa_verify.oracle import reference
 from fa_verify.verdict import (
     DEFAULT_ENSEMBLE_FACTOR,
@@ -422,7 +423,7 @@ def test_every_number_in_the_message_is_the_verdicts_own():
     assert summary, lines[-1]
     s = verdict.summary
     expected = (s.normalised.max, s.normalised.p99, s.normalised.median, s.abs.max, s.abs.rmse, s.abs.mean)
-    for shown, field in zip(summary.groups()[:6], expected):
+    for shown, field in zip(summary.groups()[:6], expected, strict=True):
         assert float(shown) == pytest.approx(field, rel=0.05)
     assert summary[7] == s.dtype and float(summary[8]) == pytest.approx(s.ulp.max, rel=5e-3)
 
@@ -509,3 +510,227 @@ def test_assert_attention_close_returns_the_passing_verdict_and_raises_with_the_
         assert_attention_close(out, problem, lse=lse, reference=ref, precision="fp32-accumulate",
                                ensemble_factor=None)
     assert "p=fp32" in str(strict.value)
+
+
+# --- each part of check_attention decides on an input made for it -----------------------------
+
+@lru_cache(maxsize=None)
+def _tiny(spec="flash,out=fp64", dtype="fp16"):
+    """B=1, H=2 (one K/V head), Nq=10 > Nk=8 bottom-right causal: rows 0 and 1 attend no key;
+    V's column 0 is 0, so the row scale is 0 there. out=fp64: outputs carry any error exactly."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 2, 10, 16))
+    k, v = rng.standard_normal((2, 1, 1, 8, 16))
+    v[..., 0] = 0.0
+    problem = AttentionProblem.from_float(q, k, v, dtype, causal=True)
+    precision = PrecisionModel.parse(spec, dtype)
+    ref = reference(problem)
+    return problem, precision, ref, error_bound(problem, precision, ref)
+
+
+def _exact(problem, precision, ref):
+    """The reference as the precision model stores the output (lse in fp32)."""
+    return round_to(ref.out, precision.output), ref.lse.astype(np.float32)
+
+
+def _fake_ensemble(errors, rows=20):
+    from fa_verify.honest_ensemble import EnsembleErrors
+    return EnsembleErrors(dict(errors), rows=rows, total_rows=20)
+
+
+def _allowance(problem, precision, ref, factor, e, ftz_part=0.0):
+    """(K E + floor) row scale + absolute floor, from the module doc's formula."""
+    from fa_verify.dtypes import finfo, unit_roundoff
+    floor = FLOOR_ROUNDINGS * (unit_roundoff(precision.output) + np.sqrt(problem.nk) * unit_roundoff(precision.pv_accumulation))
+    absolute = (problem.nk + 2) * float(finfo(precision.pv_accumulation).smallest_subnormal) + ftz_part
+    return (factor * e + floor) * np.broadcast_to(ref.row_scale, problem.out_shape) + absolute, floor, absolute
+
+
+@pytest.mark.parametrize("used", [0.9, 1.1])
+@pytest.mark.parametrize("e", [2e-5, 0.0], ids=["K*E-decides", "floor-decides"])
+def test_the_ensemble_rule_allows_k_e_plus_floor_per_element_and_no_more(e, used):
+    """One element off by 0.9 or 1.1 x (K E + floor) x its row scale + absolute floor (E = 2e-5:
+    K E is 200x the floor; E = 0: the floor alone): passes at 0.9 and fails the ensemble rule at
+    1.1 (the error-model bound, 5x wider here, passes both); every field of the rule is its
+    formula; E is the largest finite member error and K scales it."""
+    problem, precision, ref, bound = _tiny()
+    ensemble = _fake_ensemble({"a": e / 2, "b": e, "c": np.inf})
+    allowed, floor, absolute = _allowance(problem, precision, ref, DEFAULT_ENSEMBLE_FACTOR, e)
+    out, lse = _exact(problem, precision, ref)
+    index = (0, 1, 6, 5)
+    out[index] += used * allowed[index]
+    verdict = check_attention(out, problem, lse=lse, precision=precision, reference=ref, bound=bound, ensemble=ensemble)
+    assert verdict.bound_ratio < 0.5 and verdict.lse_bound_ratio < 1e-3
+    assert verdict.passed == (used < 1) and verdict.rule == (None if used < 1 else "ensemble"), verdict.message()
+    assert verdict.ensemble_ratio == pytest.approx(used, rel=1e-9) and verdict.ensemble_worst_index == index
+    assert verdict.ensemble_worst_error == abs(out[index] - ref.out[index])
+    assert verdict.ensemble_worst_row_scale == ref.row_scale[index]
+    assert verdict.ensemble_worst_allowed == pytest.approx(allowed[index], rel=1e-12)
+    assert (verdict.ensemble_factor, verdict.ensemble_error, verdict.ensemble_member) == (4.0, e, "b" if e else "a")
+    assert verdict.ensemble_errors == ensemble.errors and (verdict.ensemble_rows, verdict.total_rows) == (20, 20)
+    assert (verdict.floor_u_out, verdict.floor_sqrt_nk, verdict.floor_u_pv) == (2.0 ** -53, np.sqrt(8), 2.0 ** -24)
+    assert verdict.ensemble_floor == pytest.approx(floor, rel=1e-15) and verdict.absolute_floor == absolute
+    half = check_attention(out, problem, lse=lse, precision=precision, reference=ref, bound=bound, ensemble=ensemble,
+                           ensemble_factor=2)
+    expected = used * allowed[index] / _allowance(problem, precision, ref, 2.0, e)[0][index]
+    assert half.ensemble_ratio == pytest.approx(expected, rel=1e-9) and half.ensemble_factor == 2.0
+
+
+@pytest.mark.parametrize("ftz", [False, True])
+def test_where_the_row_scale_is_0_the_absolute_floor_decides(ftz):
+    """V's column 0 is 0: the allowance there is the absolute floor alone, (Nk + 2) subnormal
+    spacings of the P·V dtype, plus flushing V and the output when ftz is declared (fp16
+    same-precision: all three terms of comparable size)."""
+    from fa_verify.error_model import flushed_output_error
+
+    problem, precision, ref, bound = _tiny("same-precision")
+    if ftz:
+        precision = precision.replace(ftz=True)
+    flushed = flushed_output_error(precision) if ftz else 0.0
+    allowed, _, absolute = _allowance(problem, precision, ref, DEFAULT_ENSEMBLE_FACTOR, 0.0, flushed)
+    assert absolute == 10 * 2.0 ** -24 + (2 * 2.0 ** -14 if ftz else 0.0)
+    out, _ = _exact(problem, precision, ref)
+    index = (0, 0, 4, 0)
+    assert ref.row_scale[index] == 0
+    out[index] = 0.9 * absolute  # rounded to fp16
+    assert 0.85 < float(out[index]) / absolute < 0.95
+    verdict = check_attention(out, problem, precision=precision, reference=ref, bound=bound,
+                              ensemble=_fake_ensemble({"a": 0.0}))
+    assert verdict.absolute_floor == absolute and verdict.ensemble_worst_index == index
+    assert verdict.ensemble_ratio == pytest.approx(float(out[index]) / absolute, rel=1e-12)
+    assert verdict.ensemble_worst_row_scale == 0 and verdict.floor_u_out == verdict.floor_u_pv == 2.0 ** -11
+
+
+def test_without_a_precomputed_ensemble_the_rule_runs_it_on_the_rows_the_bound_picks(monkeypatch):
+    """ensemble=None: the members run on this problem and precision, against this reference, on
+    the rows the bound picks (FULL_WORK lowered so that 20 rows are a large problem)."""
+    from fa_verify import honest_ensemble
+    from fa_verify.honest_ensemble import ensemble_errors
+
+    monkeypatch.setattr(honest_ensemble, "FULL_WORK", 100)
+    monkeypatch.setattr(honest_ensemble, "MAX_ROWS", 8)
+    problem, precision, ref, bound = _tiny("flash")
+    out, lse = _exact(problem, precision, ref)
+    verdict = check_attention(out, problem, lse=lse, precision="flash", reference=ref, bound=bound)
+    expected = ensemble_errors(problem, precision, ref, bound)
+    assert verdict.ensemble_errors == expected.errors and verdict.ensemble_error == expected.max_error > 0
+    assert (verdict.ensemble_rows, verdict.total_rows) == (expected.rows, 20) and expected.rows < 20
+    assert expected.rows != ensemble_errors(problem, precision, ref).rows  # the bound's rows, not the spread alone
+    skipped = check_attention(out, problem, lse=lse, reference=ref, bound=bound, ensemble_factor=None)
+    assert skipped.passed and skipped.ensemble_ratio is None and skipped.ensemble_errors is None
+
+
+def _flash_tiny():
+    problem, precision, ref, bound = _tiny("flash")
+    out, lse = _exact(problem, precision, ref)
+    return problem, ref, bound, out, lse
+
+
+def _judge(out, lse=None, **kwargs):
+    problem, ref, bound, *_ = _flash_tiny()
+    return check_attention(out, problem, lse=lse, reference=ref, bound=bound, **kwargs)
+
+
+def test_the_rounded_reference_passes_every_rule_with_the_counts_over_live_rows():
+    """The reference rounded to fp16 passes; the counts are over the rows that attend a key
+    (8 of 10 per head: 8 x 2 x 16 outputs, 16 LSEs); nothing over, nothing unbounded, no cause."""
+    problem, ref, bound, out, lse = _flash_tiny()
+    verdict = _judge(out, lse)
+    assert verdict.passed and verdict.rule is None and verdict.detail == "" and verdict.cause == ""
+    assert (verdict.total, verdict.over_count, verdict.unbounded_count) == (256, 0, 0)
+    assert (verdict.lse_total, verdict.lse_over_count) == (16, 0)
+    assert verdict.summary is not None and verdict.summary.dtype == "fp16"
+    assert verdict.normalised_error == pytest.approx(np.max(np.where(
+        ref.row_scale > 0, np.abs(out - ref.out) / np.where(ref.row_scale > 0, ref.row_scale, 1), 0)), rel=1e-12)
+
+
+def test_one_element_over_the_bound_is_found_and_described():
+    """An error 3x the bound at one element: rule error_bound, 1 element over, and the worst
+    element's fields are that element's own numbers."""
+    problem, ref, bound, out, lse = _flash_tiny()
+    index = (0, 1, 7, 9)
+    out[index] = ref.out[index] + 3 * bound.out[index]
+    verdict = _judge(out, lse)
+    err = abs(float(out[index]) - ref.out[index])
+    assert verdict.rule == "error_bound" and not verdict.passed and verdict.over_count == 1
+    assert verdict.worst_index == index and verdict.bound_ratio == pytest.approx(err / bound.out[index], rel=1e-12)
+    assert 2.5 < verdict.bound_ratio < 3.5
+    assert (verdict.worst_value, verdict.worst_reference) == (float(out[index]), ref.out[index])
+    assert verdict.worst_reference_bound == ref.out_bound[index] and verdict.worst_bound == bound.out[index]
+    assert verdict.worst_error == err and verdict.dominant_term == bound.dominant_out_term(index)
+
+
+def test_one_lse_over_its_bound_is_found_and_described():
+    problem, ref, bound, out, lse = _flash_tiny()
+    row = (0, 0, 6)
+    lse[row] = ref.lse[row] + 4 * bound.lse[row]
+    verdict = _judge(out, lse)
+    err = abs(float(lse[row]) - ref.lse[row])
+    assert verdict.rule == "lse_bound" and verdict.lse_over_count == 1 and verdict.lse_worst_index == row
+    assert verdict.lse_bound_ratio == pytest.approx(err / bound.lse[row], rel=1e-9) and verdict.lse_bound_ratio > 3
+    assert (verdict.lse_worst_value, verdict.lse_worst_reference) == (float(lse[row]), ref.lse[row])
+    assert verdict.lse_worst_error == pytest.approx(err, rel=1e-12) and verdict.lse_worst_bound == bound.lse[row]
+    assert verdict.lse_dominant_term == bound.dominant_lse_term(row) and verdict.over_count == 0
+
+
+CONVENTION = " (convention: output 0, LSE -inf)"
+
+
+@pytest.mark.parametrize("where, value, rule, text", [
+    ("out", np.inf, "finite", "out holds 1 NaN/Inf values where the reference is finite (first inf at [0, 1, 4, 2])"),
+    ("out", np.nan, "finite", "out holds 1 NaN/Inf values where the reference is finite (first nan at [0, 1, 4, 2])"),
+    ("out-masked", 0.5, "masked_rows", "1 outputs of fully masked rows are not 0 (first 0.5 at [0, 1, 1, 2])" + CONVENTION),
+    ("lse", -np.inf, "finite", "lse holds 1 NaN/Inf values where the reference is finite (first -inf at [0, 1, 4])"),
+    ("lse", np.nan, "finite", "lse holds 1 NaN/Inf values where the reference is finite (first nan at [0, 1, 4])"),
+    ("lse-masked", np.nan, "finite", "lse holds 1 NaN/Inf values where the reference is finite (first nan at [0, 1, 1]); "
+                                     "1 LSEs of fully masked rows are not -inf (first nan at [0, 1, 1])" + CONVENTION),
+    ("lse-masked", np.inf, "masked_rows", "1 LSEs of fully masked rows are not -inf (first inf at [0, 1, 1])" + CONVENTION),
+    ("lse-masked", 0.0, "masked_rows", "1 LSEs of fully masked rows are not -inf (first 0.0 at [0, 1, 1])" + CONVENTION),
+])
+def test_each_non_finite_or_masked_row_value_names_its_rule_and_its_first_element(where, value, rule, text):
+    """NaN anywhere and ±inf where the reference is finite break "finite"; a masked row must be
+    exactly 0 with LSE -inf, and -inf there is right; each detail names the count and the first
+    element. Rows 0-1 attend no key; errors there do not count against the bound."""
+    problem, ref, bound, out, lse = _flash_tiny()
+    (out if where.startswith("out") else lse)[(0, 1, 1 if where.endswith("masked") else 4) + ((2,) if where.startswith("out") else ())] = value
+    verdict = _judge(out, lse)
+    assert (verdict.rule, verdict.passed) == (rule, False) and verdict.detail == text, verdict.detail
+    if where == "out-masked":
+        assert verdict.over_count == 0 and verdict.bound_ratio < 1 and verdict.total == 256
+    if where == "lse-masked":
+        assert verdict.lse_over_count == 0 and verdict.lse_total == 16
+    assert _judge(out).rule == (rule if where.startswith("out") else None)  # without the LSE: out alone
+
+
+def test_failures_are_reported_in_rule_order_with_every_detail():
+    """A masked-row output, an LSE -inf where finite and an element over its bound together: the
+    verdict names the first rule in RULES order and joins the details of all."""
+    problem, ref, bound, out, lse = _flash_tiny()
+    out[0, 0, 0, 3] = 0.25
+    out[0, 1, 7, 9] = ref.out[0, 1, 7, 9] + 3 * bound.out[0, 1, 7, 9]
+    lse[0, 0, 5] = -np.inf
+    verdict = _judge(out, lse)
+    assert verdict.rule == "finite" and verdict.over_count == 1
+    assert verdict.detail.startswith("lse holds 1 NaN/Inf") and "; 1 outputs of fully masked rows are not 0" in verdict.detail
+    assert verdict.lse_over_count == 1 and verdict.lse_bound_ratio == np.inf
+    without = _judge(out)  # no LSE: the masked row comes first
+    assert without.rule == "masked_rows" and without.detail.startswith("1 outputs of fully masked rows")
+
+
+def test_the_arguments_are_checked_before_anything_is_computed():
+    problem, ref, bound, out, lse = _flash_tiny()
+    for factor in (0, -1.0, np.inf, np.nan, "4"):
+        with pytest.raises(InvalidArgumentError, match="ensemble_factor"):
+            _judge(out, lse, ensemble_factor=factor)
+    assert _judge(out, lse, ensemble_factor=4).ensemble_factor == 4.0
+    assert _judge(out, lse, ensemble_factor=0.5).ensemble_factor == 0.5
+    with pytest.raises(InvalidArgumentError, match="out is None; pass the kernel's output"):
+        _judge(None, lse)
+    wide = _judge(out.astype(np.float32), lse)
+    assert wide.rule == "shape" and wide.detail.startswith("out.dtype=float32 but the precision model (") and not wide.passed
+    short = _judge(out[:, :, 1:], lse)
+    assert (short.rule, short.passed) == ("shape", False)
+    assert short.detail == "out.shape=(1, 2, 9, 16) but the problem needs [B, H, Nq, D] = (1, 2, 10, 16)"
+    bad_lse = _judge(out, lse[..., None])
+    assert bad_lse.rule == "shape" and bad_lse.detail == "lse.shape=(1, 2, 10, 1) but the problem needs [B, H, Nq] = (1, 2, 10)"
+    assert problem.describe() == short.problem and short.precision == PrecisionModel.flash("fp16").describe()
