@@ -762,11 +762,12 @@ def test_gamma_is_n_u_over_one_minus_n_u_and_inf_from_n_u_equal_one():
 
 
 def _sink_far_above():
-    """A sink 600 above scores of a few units: at 15 digits the original shifts every score by
-    the sink (x = z - 600 rounds at 600 * 2^-53), the error mp_bound's sink term is there for."""
+    """Sinks 700 and 690 above scores below 0.1: at 15 digits each x = z - sink rounds at
+    |sink| 2^-53 ~ 8e-14 (p ~ 1e-304 is still a normal float64), far above every other term of
+    the row's bound: only mp_bound's sink term covers it."""
     rng = np.random.default_rng(44)
-    return _problem(rng.standard_normal((1, 2, 3, 4)) * 2, rng.standard_normal((1, 1, 6, 4)) * 2,
-                    rng.standard_normal((1, 1, 6, 3)), "fp32", sinks=np.array([600.0, 300.0], np.float32))
+    return _problem(rng.standard_normal((1, 2, 3, 4)) * 0.15, rng.standard_normal((1, 1, 6, 4)) * 0.15,
+                    rng.standard_normal((1, 1, 6, 3)), "fp32", sinks=np.array([700.0, 690.0], np.float32))
 
 
 @pytest.mark.parametrize("name", sorted(_MP_ROW_CASES) + ["sink_far_above"])
