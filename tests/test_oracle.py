@@ -554,9 +554,10 @@ def test_wrong_problem_type_message_names_real_apis():
     assert "AttentionProblem(q, k, v, causal=" in message
 
 
-# --- The mpmath path's a-posteriori bound (mp_path.mp_bound) and its inputs per row ----------
-# (certified.mp_row_bounds), the tight |Q||K|^T magnitude, the mpmath rows' row scale and
-# sink: recomputed from mp_path's and certified's docstrings in plain floats / mpmath.
+# --- Mutation kills (helper B): the mpmath path's a-posteriori bound (mp_path.mp_bound) and its
+# inputs per row (certified.mp_row_bounds), both grades of A_i (_gemm_magnitude, _norm_magnitude),
+# bounds.gamma, the mpmath rows' row scale and rows without keys, the wrong-type message:
+# recomputed from mp_path's, certified's and bounds' docstrings in plain floats / mpmath.
 
 def _documented_mp_bound(nk, d, scale, magnitude, logit, digits):
     """mp_bound's docstring: unit = 2^-prec at `digits`, score error (D + 3) unit scale A +
