@@ -554,9 +554,10 @@ def test_wrong_problem_type_message_names_real_apis():
     assert "AttentionProblem(q, k, v, causal=" in message
 
 
-# --- The mpmath path's a-posteriori bound (mp_path.mp_bound) and its inputs per row ----------
-# (certified.mp_row_bounds), the tight |Q||K|^T magnitude, the mpmath rows' row scale and
-# sink: recomputed from mp_path's and certified's docstrings in plain floats / mpmath.
+# --- Mutation kills (helper B): the mpmath path's a-posteriori bound (mp_path.mp_bound) and its
+# inputs per row (certified.mp_row_bounds), both grades of A_i (_gemm_magnitude, _norm_magnitude),
+# bounds.gamma, the mpmath rows' row scale and rows without keys, the wrong-type message:
+# recomputed from mp_path's, certified's and bounds' docstrings in plain floats / mpmath.
 
 def _documented_mp_bound(nk, d, scale, magnitude, logit, digits):
     """mp_bound's docstring: unit = 2^-prec at `digits`, score error (D + 3) unit scale A +
@@ -762,11 +763,12 @@ def test_gamma_is_n_u_over_one_minus_n_u_and_inf_from_n_u_equal_one():
 
 
 def _sink_far_above():
-    """A sink 600 above scores of a few units: at 15 digits the original shifts every score by
-    the sink (x = z - 600 rounds at 600 * 2^-53), the error mp_bound's sink term is there for."""
+    """Sinks 700 and 690 above scores below 0.1: at 15 digits each x = z - sink rounds at
+    |sink| 2^-53 ~ 8e-14 (p ~ 1e-304 is still a normal float64), far above every other term of
+    the row's bound: only mp_bound's sink term covers it."""
     rng = np.random.default_rng(44)
-    return _problem(rng.standard_normal((1, 2, 3, 4)) * 2, rng.standard_normal((1, 1, 6, 4)) * 2,
-                    rng.standard_normal((1, 1, 6, 3)), "fp32", sinks=np.array([600.0, 300.0], np.float32))
+    return _problem(rng.standard_normal((1, 2, 3, 4)) * 0.15, rng.standard_normal((1, 1, 6, 4)) * 0.15,
+                    rng.standard_normal((1, 1, 6, 3)), "fp32", sinks=np.array([700.0, 690.0], np.float32))
 
 
 @pytest.mark.parametrize("name", sorted(_MP_ROW_CASES) + ["sink_far_above"])
