@@ -552,9 +552,18 @@ def _variant_cases():
     cases["ftz"] = (AttentionProblem.from_float(q, k, draw(1, 2, 4, 8), "fp16", causal=True),
                     PrecisionModel.flash("fp16").replace(ftz=True, input_rounding="fp16"), "worst-case", 9.0,
                     "scores")
-    # fp32 inputs rounded to fp16 inside, with a softcap: the scores' factor tanh' scales the term
-    cases["input_rounding"] = (AttentionProblem.from_float(draw(1, 2, 3, 8), draw(1, 2, 6, 8), draw(1, 2, 6, 8),
-                                                           "fp32", softcap=3.0),
+    # fp16 scores, so that their smallest normal (the absolute exp and q.k underflow terms) weighs:
+    # flush to zero adds to it; a sink adds one more exp
+    cases["ftz_fp16_scores"] = (AttentionProblem.from_float(q, k, draw(1, 2, 4, 8), "fp16"),
+                                PrecisionModel.input_scores("fp16").replace(ftz=True), "worst-case", 9.0, "scores")
+    cases["sinks_fp16_scores"] = (AttentionProblem.from_float(draw(1, 2, 3, 4, s=0.3), draw(1, 2, 4, 4, s=0.3),
+                                                              draw(1, 2, 4, 4), "fp16",
+                                                              sinks=np.array([0.5, -1.0], np.float32)),
+                                  PrecisionModel.input_scores("fp16"), "worst-case", 9.0, "softmax")
+    # fp32 inputs rounded to fp16 inside, with a softcap: the scores' factor tanh' scales the term;
+    # Nq > Nk, causal: two rows see no key (no term there)
+    cases["input_rounding"] = (AttentionProblem.from_float(draw(1, 2, 8, 8), draw(1, 2, 6, 8), draw(1, 2, 6, 8),
+                                                           "fp32", softcap=3.0, causal=True),
                                PrecisionModel.fp32_accumulate("fp32").replace(input_rounding="fp16"),
                                "worst-case", 9.0, "input_rounding")
     # ... and at fp16's subnormal scale: q = 0 in one row, tiny k, where h_r (half fp16's smallest
@@ -586,7 +595,8 @@ def _variant_cases():
 
 
 @pytest.mark.parametrize("case", ["masked", "softcap_approx", "softcap_absolute_fp16_scores",
-                                  "softcap_approx_bf16_scores", "alibi_sinks", "ftz", "input_rounding",
+                                  "softcap_approx_bf16_scores", "alibi_sinks", "ftz", "ftz_fp16_scores", "sinks_fp16_scores",
+                                  "input_rounding",
                                   "input_rounding_subnormal", "probabilistic", "probabilistic_default_lambda",
                                   "worst_case_long", "narrow_scores", "same_precision_fp16",
                                   "second_order_infinite"])
