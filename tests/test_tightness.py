@@ -591,6 +591,11 @@ def _variant_cases():
     cases["second_order_infinite"] = (
         AttentionProblem.from_float(np.zeros((1, 1, 2, 4)), draw(1, 1, 67, 4), draw(1, 1, 67, 4), "bf16"),
         PrecisionModel(input="bf16", p_rounding="bf16", pv_accumulation="bf16"), "worst-case", 9.0, "second_order")
+    # ... and 37 keys: gamma_n = 0.18, so the second-order term is 0.58 of the first-order sum and
+    # half an ulp of |O| + first + second is not that of |O| + first - second
+    cases["second_order_large"] = (
+        AttentionProblem.from_float(np.zeros((1, 1, 2, 4)), draw(1, 1, 37, 4), draw(1, 1, 37, 4), "bf16"),
+        PrecisionModel(input="bf16", p_rounding="bf16", pv_accumulation="bf16"), "worst-case", 9.0, "second_order")
     return cases
 
 
@@ -599,7 +604,7 @@ def _variant_cases():
                                   "input_rounding",
                                   "input_rounding_subnormal", "probabilistic", "probabilistic_default_lambda",
                                   "worst_case_long", "narrow_scores", "same_precision_fp16",
-                                  "second_order_infinite"])
+                                  "second_order_infinite", "second_order_large"])
 def test_every_error_model_term_follows_its_formula_with_masks_variants_and_declarations(case):
     """The same recomputation as above, on the branches the dense cases leave out: fully masked
     rows (every term 0), softcap (tanh' on the scores' terms, the declared tanh accuracy),
