@@ -624,6 +624,29 @@ def test_every_error_model_term_follows_its_formula_with_masks_variants_and_decl
     np.testing.assert_allclose(bound.lse, sum(lse.values()) * (1 + 1e-9), rtol=1e-12)
 
 
+
+def test_a_loose_references_bound_enters_the_reference_terms_and_the_output_rounding():
+    """A reference whose bounds are 0.3 of the row scale and 0.1 (a coarse oracle, not the
+    certified one's 1e-13): the reference terms are exactly its bounds, and the output is
+    rounded at |O| + first-order + second-order + the reference's bound (module doc,
+    "output_rounding"), which here is another binade than |O| + ... - that bound."""
+    import dataclasses
+
+    problem, precision, _ = _term_cases()["p_rounding"]
+    exact = reference(problem)
+    ref = dataclasses.replace(exact, out_bound=0.3 * exact.row_scale, lse_bound=np.full_like(exact.lse, 0.1))
+    bound = error_bound(problem, precision, ref)
+    out, lse = _terms_by_hand(problem, precision, ref)
+    for name in OUT_TERMS:
+        np.testing.assert_allclose(bound.out_terms[name], out[name], rtol=1e-9, atol=0, err_msg=f"out term {name}")
+    for name in LSE_TERMS:
+        np.testing.assert_allclose(bound.lse_terms[name], lse[name], rtol=1e-9, atol=0, err_msg=f"LSE term {name}")
+    np.testing.assert_array_equal(bound.out_terms["reference"], ref.out_bound)
+    first = sum(out[name] for name in OUT_TERMS[:7])
+    other = [_half_ulp(abs(o) + f - r, precision.output)
+             for o, f, r in zip(ref.out.ravel(), first.ravel(), ref.out_bound.ravel(), strict=True)]
+    assert np.any(out["output_rounding"].ravel() != other)
+
 #: error / bound of _fp16_accumulating_kernel on _accumulation_case, measured: 0.799 for the
 #: output (60.3 of 75.5; the accumulation term is 70.0 of it), 0.763 for the LSE. Without the
 #: |O| part the accumulation term would be 35.1 and the error 1.6x the bound; the lower limits
