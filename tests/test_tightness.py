@@ -8,8 +8,8 @@ attained approximately, and is held between two limits:
     the gradient oracle's likewise, also below the normal range and with exp as far off as the
     oracle assumes it may be;
   * each error-model term against the formula of fa_verify/error_model.py's derivation, on a
-    case where that term dominates, and the accumulation term against a correct kernel that
-    nearly attains it;
+    case where that term dominates and on every mask, variant and declaration it has a branch
+    for, and the accumulation term against a correct kernel that nearly attains it;
   * the ensemble rule at its boundary: K x E + floor with K = 4;
   * the null-model guard: every trivial output is tried and rejected where it should be.
 The limits are measured (each says where); a bound moved by 2x either way fails.
