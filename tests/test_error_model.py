@@ -5,7 +5,9 @@ The measured largest error / bound of each correct implementation is attached to
 report (record_property) and printed with `pytest -s`.
 """
 
+import math
 import time
+import warnings
 from functools import lru_cache
 
 import numpy as np
@@ -323,3 +325,127 @@ def test_a_declared_flush_to_zero_covers_flushed_subnormal_inputs_and_outputs():
     assert passed and dominant == "flush_to_zero" and 0.2 <= ratio <= 0.3, ratios
     bound = error_bound(problem, replace(PrecisionModel.flash("fp16"), ftz=True), ref)
     np.testing.assert_array_equal(bound.out_terms["flush_to_zero"], 2 * 2.0 ** -14)
+
+
+# --- the helpers against their contracts -----------------------------------------------------
+
+def test_gamma_probabilistic_is_higham_and_marys_formula():
+    """exp(lam sqrt(n) u + n u^2 / (1 - u)) - 1, as the module doc states, wherever it is below
+    the worst case: at fp16's u and n = 10^4 (n u = 4.9: no worst-case bound at all) the
+    n u^2 / (1 - u) part is 0.5 % of the exponent, so each of its parts shows at 1e-12."""
+    u = 2.0 ** -11
+    for n, lam in ((10_000, 9.0), (10_000, 3.0), (400, 9.0)):
+        expected = math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u))
+        assert expected < (n * u / (1 - n * u) if n * u < 1 else math.inf)
+        assert float(gamma(n, u, "probabilistic", lam)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_any_positive_lambda_is_accepted_and_a_mismatched_reference_is_named():
+    """lam is validated as a positive number (0.5 included: a looser failure probability, still
+    a bound); a reference of another problem's shape is refused with both shapes in the message."""
+    problem, ref = _case("normal", "fp16", False, n=64)
+    precision = PrecisionModel.flash("fp16")
+    half = error_bound(problem, precision, ref, accumulation="probabilistic", lam=0.5)
+    nine = error_bound(problem, precision, ref, accumulation="probabilistic")
+    assert np.isfinite(half.out).all() and np.all(half.out <= nine.out)
+    _, other = _case("normal", "fp16", False, n=32)
+    with pytest.raises(InvalidArgumentError,
+                       match=r"reference\.out\.shape=\(1, 2, 32, 64\) is not the problem's \(1, 2, 64, 64\)"):
+        error_bound(problem, precision, other)
+
+
+def test_error_bound_fills_every_row_once_in_chunks_of_bounded_size(monkeypatch):
+    """Rows reach _chunk in blocks of max(1, _CHUNK_ENTRIES // Nk) consecutive rows (the size of
+    its [rows, Nk] temporaries), every row of every head exactly once, and the blocking does not
+    change the bound."""
+    import fa_verify.error_model as em
+
+    problem, ref = _case("normal", "fp16", True, n=64)
+    precision = PrecisionModel.flash("fp16")
+    whole = error_bound(problem, precision, ref)
+    original = em._chunk
+    for entries, rows in ((5 * 64, 5), (63, 1)):
+        blocks = []
+
+        def spy(units, q, *args, _blocks=blocks):
+            _blocks.append(q.shape[0])
+            return original(units, q, *args)
+
+        monkeypatch.setattr(em, "_CHUNK_ENTRIES", entries)
+        monkeypatch.setattr(em, "_chunk", spy)
+        bound = error_bound(problem, precision, ref)
+        per_head = [rows] * (64 // rows) + ([64 % rows] if 64 % rows else [])
+        assert blocks == per_head * 2, (entries, blocks[:20])  # B * H = 2 heads
+        np.testing.assert_array_equal(bound.out, whole.out)
+        np.testing.assert_array_equal(bound.lse, whole.lse)
+
+
+def _records_by_hand(t, allowed):
+    """R_j for one row: attended records after j (ascending) or before j (descending), the
+    larger, plus the split-KV combine (module doc, "online_rescale")."""
+    keys = [j for j in range(len(t)) if allowed[j]]
+    ascending = [j for j in keys if all(t[j] > t[i] for i in keys if i < j)]
+    descending = [j for j in keys if all(t[j] > t[i] for i in keys if i > j)]
+    return [max(sum(r > j for r in ascending), sum(r < j for r in descending)) + 1 for j in range(len(t))]
+
+
+def test_rescale_counts_of_a_stack_of_rows_are_each_rows_own():
+    """_rescale_counts works along the last axis whatever the leading ones: a [2, 3, 7] stack of
+    masked rows gives, row by row, the counts of the derivation's rule."""
+    rng = np.random.default_rng(3)
+    t = rng.standard_normal((2, 3, 7))
+    allowed = rng.random((2, 3, 7)) < 0.75
+    got = _rescale_counts(t, allowed)
+    assert got.shape == t.shape
+    for index in np.ndindex(2, 3):
+        np.testing.assert_array_equal(got[index], _records_by_hand(t[index], allowed[index]), err_msg=str(index))
+
+
+def test_where_no_first_order_bound_exists_the_bound_is_inf_not_nan_and_no_warning_is_raised():
+    """Every stage in bf16 with D = 256 and 260 keys: D u and n u >= 1, so gamma_D and gamma_n
+    have no finite value. Every term that holds them is +inf (not NaN, which compares as
+    passing nothing and failing nothing), also on a row of q that is 0 (A = 0: 0 x inf), and
+    error_bound gets there without a floating-point warning, also on a row that sees no key.
+    The scores' term stays +inf on a column of V that is 0 (inf weights times |v| = |O| = 0)."""
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((1, 1, 3, 256))
+    q[0, 0, 1] = 0
+    k, v = rng.standard_normal((2, 1, 1, 260, 256))
+    problem = AttentionProblem.from_float(q, k, v, "bf16")
+    masked = AttentionProblem.from_float(q, k[:, :, :2], v[:, :, :2], "bf16", causal=True)
+    precision = PrecisionModel.same_precision("bf16")
+    refs = [reference(p) for p in (problem, masked)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bound, masked_bound = (error_bound(p, precision, r) for p, r in zip((problem, masked), refs, strict=True))
+    assert np.isposinf(bound.out).all() and np.isposinf(bound.lse).all()
+    for name in ("scores", "accumulation", "second_order", "output_rounding"):
+        assert np.isposinf(bound.out_terms[name]).all(), name
+    for name in ("scores", "row_sum", "second_order", "lse_rounding"):
+        assert np.isposinf(bound.lse_terms[name]).all(), name
+    live = ~masked.masked_rows
+    assert live.tolist() == [False, True, True]
+    assert np.isposinf(masked_bound.out[:, :, live]).all() and np.isposinf(masked_bound.lse[:, :, live]).all()
+    v[..., 0] = 0
+    zero_column = problem.replace(v=v.astype(problem.v.dtype))
+    with np.errstate(invalid="ignore"):
+        bound = error_bound(zero_column, precision, reference(zero_column))
+    assert np.isposinf(bound.out_terms["scores"]).all() and np.isposinf(bound.lse_terms["scores"]).all()
+
+
+def test_underflowing_exps_are_expected_whatever_the_callers_error_state():
+    """A logit gap of 800 and a sink 790 below the largest logit: exp underflows to 0, which the
+    bound expects (those keys weigh nothing); error_bound shields it from a caller who made
+    underflow an error (np.errstate(under="raise"))."""
+    q = np.zeros((1, 1, 2, 4))
+    q[..., 0] = 40
+    k = np.zeros((1, 1, 3, 4))
+    k[0, 0, 0, 0], k[0, 0, 1, 0] = 40, 1  # logits 800, 20, 0
+    v = np.random.default_rng(0).standard_normal((1, 1, 3, 4))
+    problem = AttentionProblem.from_float(q, k, v, "fp32", sinks=np.array([10.0], np.float32))
+    ref = reference(problem)
+    plain = error_bound(problem, PrecisionModel.flash("fp32"), ref)
+    with np.errstate(under="raise"):
+        shielded = error_bound(problem, PrecisionModel.flash("fp32"), ref)
+    np.testing.assert_array_equal(shielded.out, plain.out)
+    assert np.isfinite(plain.out).all() and plain.out.max() < 1e-3

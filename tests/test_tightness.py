@@ -8,8 +8,8 @@ attained approximately, and is held between two limits:
     the gradient oracle's likewise, also below the normal range and with exp as far off as the
     oracle assumes it may be;
   * each error-model term against the formula of fa_verify/error_model.py's derivation, on a
-    case where that term dominates, and the accumulation term against a correct kernel that
-    nearly attains it;
+    case where that term dominates and on every mask, variant and declaration it has a branch
+    for, and the accumulation term against a correct kernel that nearly attains it;
   * the ensemble rule at its boundary: K x E + floor with K = 4;
   * the null-model guard: every trivial output is tried and rejected where it should be.
 The limits are measured (each says where); a bound moved by 2x either way fails.
@@ -253,90 +253,168 @@ def test_gradient_oracle_bound_holds_for_an_exp_off_by_what_it_assumes(monkeypat
 #: change to the module's value must show here): exp within 20 ulp (torch's exp_u20), log within
 #: 4 ulp, a 16-bit P's fast exp within 2^-12, one split-KV combine.
 EXP_ULPS, LOG_ULPS, FAST_EXP_ERROR, SPLIT_COMBINES = 20.0, 4.0, 2.0 ** -12, 1
-#: unit roundoff, smallest normal and spacing at 1 of each dtype.
+#: tanh declared "absolute": (EXP_ULPS + 5) u_fp32 absolute; "approx": tanh.approx.f32's documented
+#: relative 2^-10.987 (PTX ISA). The module doc's lambda of the probabilistic mode.
+TANH_ABSOLUTE_UNITS, TANH_APPROX_ERROR, DEFAULT_LAMBDA = EXP_ULPS + 5, 2.0 ** -10.987, 9.0
+#: unit roundoff, smallest normal and smallest subnormal of each dtype.
 UNIT = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8, "fp32": 2.0 ** -24}
 TINY = {"fp16": 2.0 ** -14, "bf16": 2.0 ** -126, "fp32": 2.0 ** -126}
+SUBNORMAL = {"fp16": 2.0 ** -24, "bf16": 2.0 ** -133, "fp32": 2.0 ** -149}
 
 
-def _gamma(n, u):
-    return n * u / (1 - n * u) if n * u < 1 else math.inf
+def _gamma(n, u, accumulation="worst-case", lam=DEFAULT_LAMBDA):
+    """gamma_n: n u / (1 - n u) (inf from n u >= 1); probabilistic: Higham & Mary's
+    exp(lam sqrt(n) u + n u^2 / (1 - u)) - 1 where that is smaller."""
+    worst = n * u / (1 - n * u) if n * u < 1 else math.inf
+    if accumulation == "worst-case":
+        return worst
+    return min(worst, math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u)))
 
 
 def _half_ulp(x, dtype):
     """Half the spacing of `dtype` at |x| (the subnormal spacing below the smallest normal)."""
+    if math.isinf(x):
+        return math.inf
     exponent = math.frexp(max(abs(x), TINY[dtype]))[1] - 1
     return 0.5 * 2.0 ** exponent * 2 * UNIT[dtype]
 
 
-def _rescales(t):
-    """R_j of the derivation for one row's attended scores t: records after j in ascending key
-    order or before j in descending order, the larger, plus the split-KV combine."""
+def _rescales(t, allowed=None):
+    """R_j of the derivation for one row's scores t (keys where `allowed` is False are no
+    records): records after j in ascending key order or before j in descending order, the
+    larger, plus the split-KV combine."""
     n = len(t)
-    ascending = [j for j in range(n) if all(t[j] > t[i] for i in range(j))]
-    descending = [j for j in range(n) if all(t[j] > t[i] for i in range(j + 1, n))]
+    keys = [j for j in range(n) if allowed is None or allowed[j]]
+    ascending = [j for j in keys if all(t[j] > t[i] for i in keys if i < j)]
+    descending = [j for j in keys if all(t[j] > t[i] for i in keys if i > j)]
     return [max(sum(r > j for r in ascending), sum(r < j for r in descending)) + SPLIT_COMBINES
             for j in range(n)]
 
 
-def _terms_by_hand(problem, precision, ref):
+def _l1(x):
+    return math.fsum(abs(float(e)) for e in x)
+
+
+def _logits(problem, b, h, i, s):
+    """(z, tanh'(s / c), own roundings in units of u_s, |z| of tanh) per key from the scores s of
+    row i: softcap c tanh(s / c) (the quotient u_s |s|, the product u_s |z|), then ALiBi's
+    -slope |i + o - j| (2 u_s |bias| for its product, u_s |z| for the addition)."""
+    out = []
+    for j, sj in enumerate(s):
+        z, slope, own, tanh_part = sj, 1.0, 0.0, 0.0
+        if problem.softcap > 0:
+            z = problem.softcap * math.tanh(sj / problem.softcap)
+            slope = 1.0 / math.cosh(min(abs(sj / problem.softcap), 350.0)) ** 2
+            own, tanh_part = abs(sj) + abs(z), abs(z)
+        if problem.alibi_slopes is not None:
+            slopes = problem.alibi_slopes
+            bias = -float(slopes[h] if slopes.ndim == 1 else slopes[b, h]) * abs(i + problem.diagonal_offset - j)
+            z += bias
+            own += 2 * abs(bias) + abs(z)
+        out.append((z, slope, own, tanh_part))
+    return out
+
+
+def _terms_by_hand(problem, precision, ref, accumulation="worst-case", lam=DEFAULT_LAMBDA):
     """Every term of the output and LSE bounds, element by element from the module doc's
-    formulas, in plain float64 loops (dense, non-causal problems, no variants, no ftz,
-    worst-case accumulation)."""
-    assert not problem.is_masked and not problem.features and not precision.ftz
+    formulas (and `_chunk`'s for the variants), in plain float64 loops: masks, softcap, ALiBi,
+    sinks, flush to zero, rounded inputs, the tanh declarations and both accumulation modes."""
     u_in, u_s = UNIT[precision.input], UNIT[precision.score_accumulation]
     u_p, u_pv, u_lse = UNIT[precision.p_rounding], UNIT[precision.pv_accumulation], UNIT[precision.lse]
-    tiny_s, tiny_p, tiny_pv = (TINY[precision.score_accumulation], TINY[precision.p_rounding],
-                               TINY[precision.pv_accumulation])
+    u_32 = UNIT["fp32"]
+    tiny_s, tiny_pv = TINY[precision.score_accumulation], TINY[precision.pv_accumulation]
+    tiny_p = TINY[precision.p_rounding] * 2.0 ** -precision.p_offset
     p_rounds = u_p > u_s
-    eps_exp = 2 * EXP_ULPS * min(u_s, UNIT["fp32"]) + (u_s if u_s > UNIT["fp32"] else 0.0)
+    eps_exp = 2 * EXP_ULPS * min(u_s, u_32) + (u_s if u_s > u_32 else 0.0)
     eps_exp_p = eps_exp + (FAST_EXP_ERROR if p_rounds and u_p >= FAST_EXP_ERROR else 0.0)
-    D, scale = problem.head_dim, problem.scale_value
-    g_d = _gamma(D, u_s) + (2 * u_s if u_s > u_in else 0.0)
-    t_abs = (D * scale + 1) * tiny_s
+    narrow = u_s if u_s > u_32 else 0.0  # tanh in fp32, rounded to a 16-bit score dtype
+    eps_tanh = {"accurate": eps_exp, "absolute": narrow, "approx": TANH_APPROX_ERROR + narrow}[precision.tanh]
+    tanh_abs = TANH_ABSOLUTE_UNITS * u_32 if precision.tanh == "absolute" else 0.0
+    D, scale, cap = problem.head_dim, problem.scale_value, problem.softcap
+    g_d = _gamma(D, u_s, accumulation, lam) + (2 * u_s if u_s > u_in else 0.0)
     q, (k, v) = problem.q64(), problem.kv64()
-    B, H, Nq, _ = problem.out_shape
+    t_abs = (D * scale + 1) * tiny_s
+    if precision.ftz:  # flushed q, k entries: scale tiny_in (max |q_i|_1 + max |k_j|_1 + D tiny_in)
+        tiny_in = TINY[precision.input]
+        t_abs += scale * tiny_in * (max(_l1(row) for row in q.reshape(-1, D))
+                                    + max(_l1(row) for row in k.reshape(-1, D)) + D * tiny_in)
+    rounding = precision.input_rounding
+    u_r = UNIT[rounding] if rounding and UNIT[rounding] > u_in else 0.0
+    h_r = SUBNORMAL[rounding] / 2 if u_r else 0.0
+    B, H, Nq, Dv = problem.out_shape
+    Nk = problem.nk
     out = {name: np.zeros(problem.out_shape) for name in OUT_TERMS}
     lse = {name: np.zeros((B, H, Nq)) for name in LSE_TERMS}
     for b in range(B):
         for h in range(H):
-            kv = h // problem.group_size
+            sink = None if problem.sinks is None else float(problem.sinks[h])
             for i in range(Nq):
-                qi, keys, values = q[b, h, i], k[b, kv], v[b, kv]
+                qi, keys, values = q[b, h, i], k[b, h], v[b, h]
                 L, O, Dc = ref.lse[b, h, i], ref.out[b, h, i], ref.row_scale[b, h, i]
-                t = [scale * math.fsum(qi * key) for key in keys]
-                a = [scale * math.fsum(np.abs(qi) * np.abs(key)) for key in keys]
-                m, M = max(t), max(abs(x) for x in t)
-                p = [math.exp(min(x - L, 0.0)) for x in t]
-                R = _rescales(t)
+                live = math.isfinite(L)
+                if not live:
+                    L = 0.0
+                allowed = [live and bool(problem.mask[i, j]) for j in range(Nk)]
+                keys_in = [j for j in range(Nk) if allowed[j]]
+                s = [scale * math.fsum(qi * key) for key in keys]
+                logits = _logits(problem, b, h, i, s)
+                z = [lg[0] for lg in logits]
+                a = [scale * math.fsum(np.abs(qi) * np.abs(key)) * lg[1] for key, lg in zip(keys, logits, strict=True)]
+                p = [math.exp(min(z[j] - L, 0.0)) if allowed[j] else 0.0 for j in range(Nk)]
+                m = max((z[j] for j in keys_in), default=-math.inf)
+                M = max((abs(z[j]) for j in keys_in), default=0.0)
+                if sink is not None:
+                    m, M = max(m, sink), max(M, abs(sink))
+                m = m if live else 0.0
+                R = _rescales(z, allowed)
                 rel_scores = [g_d * aj + t_abs for aj in a]
-                rel_softmax = [u_s * (abs(tj) + 3 * abs(tj - m) + M) + eps_exp_p for tj in t]
+                rel_softmax = [u_s * (abs(z[j]) + 3 * abs(z[j] - m) + M + logits[j][2])
+                               + eps_tanh * logits[j][3] + tanh_abs * cap + eps_exp_p for j in range(Nk)]
                 rel_rescale = [r * (eps_exp + 4 * u_s * M) for r in R]
-                weights = {"scores": [pj * e for pj, e in zip(p, rel_scores)],
-                           "softmax": [max(pj * e, tiny_s) for pj, e in zip(p, rel_softmax)],
-                           "online_rescale": [pj * e for pj, e in zip(p, rel_rescale)],
-                           "p_rounding": [u_p * max(pj, tiny_p) if p_rounds else 0.0 for pj in p]}
+                rel_inputs = [scale * ((2 * u_r + u_r ** 2) * math.fsum(np.abs(qi) * np.abs(key))
+                                       + h_r * (1 + u_r) * (_l1(qi) + _l1(key)) + D * h_r ** 2) * lg[1]
+                              if u_r else 0.0 for key, lg in zip(keys, logits, strict=True)]
+                weights = {"scores": [pj * e for pj, e in zip(p, rel_scores, strict=True)],
+                           "softmax": [max(p[j] * rel_softmax[j], tiny_s) if allowed[j] else 0.0 for j in range(Nk)],
+                           "online_rescale": [pj * e for pj, e in zip(p, rel_rescale, strict=True)],
+                           "p_rounding": [u_p * max(p[j], tiny_p) if allowed[j] and p_rounds else 0.0
+                                          for j in range(Nk)],
+                           "input_rounding": [pj * e for pj, e in zip(p, rel_inputs, strict=True)]}
                 for name, w in weights.items():
-                    for c in range(D):  # sum_j w_j (|v_jc| + |O_c|)
+                    for c in range(Dv):  # sum_j w_j (|v_jc| + |O_c|)
                         out[name][b, h, i, c] = math.fsum(wj * (abs(values[j, c]) + abs(O[c]))
                                                           for j, wj in enumerate(w))
                     lse[name][b, h, i] = math.fsum(w)
-                n = len(keys) + max(R) + 1  # keys, rescale multiplies, the division
-                g_n = _gamma(n, u_pv)
-                out["accumulation"][b, h, i] = g_n * (Dc + np.abs(O)) + u_pv * np.abs(O) + (n + 1) * tiny_pv
-                lse["row_sum"][b, h, i] = -math.log1p(-min(g_n, 1.0))
-                lse["log"][b, h, i] = u_s * (2 * LOG_ULPS * max(1.0, L - m) + 2 * M + abs(L))
-                eps = (max(x + y + z for x, y, z in zip(rel_scores, rel_softmax, rel_rescale))
-                       + (u_p if p_rounds else 0.0) + g_n)
+                eps_sink = 0.0
+                if sink is not None:  # one more term of the row sum, rescaled like any key
+                    p_sink = math.exp(min(sink - L, 0.0)) if live else 0.0
+                    eps_sink = (u_s * (abs(sink) + 2 * abs(m) + M) + eps_exp
+                                + (max(R) + 1) * (eps_exp + 4 * u_s * M))
+                    out["softmax"][b, h, i] += p_sink * eps_sink * np.abs(O) + tiny_s
+                    lse["softmax"][b, h, i] += p_sink * eps_sink + tiny_s
+                n = len(keys_in) + max(R) + 1 + (sink is not None)  # keys, rescales, division, sink
+                g_n = _gamma(n, u_pv, accumulation, lam)
+                eps = (max(max((rel_scores[j] + rel_softmax[j] + rel_rescale[j] + rel_inputs[j]
+                                for j in keys_in), default=0.0), eps_sink) + (u_p if p_rounds else 0.0) + g_n)
                 factor = 2 * eps / (1 - 2 * eps) if eps < 0.25 else math.inf
-                first = sum(out[name][b, h, i] for name in ("scores", "softmax", "online_rescale", "p_rounding",
-                                                            "accumulation"))
-                out["second_order"][b, h, i] = factor * first
+                if live:
+                    out["accumulation"][b, h, i] = g_n * (Dc + np.abs(O)) + u_pv * np.abs(O) + (n + 1) * tiny_pv
+                    out["input_rounding"][b, h, i] += u_r * Dc + h_r if u_r else 0.0
+                    lse["row_sum"][b, h, i] = -math.log1p(-min(g_n, 1.0)) if g_n < 1 else math.inf
+                    lse["log"][b, h, i] = u_s * (2 * LOG_ULPS * max(1.0, L - m) + 2 * M + abs(L))
+                else:
+                    factor = 0.0
+                first = sum(out[name][b, h, i] for name in OUT_TERMS[:6])
+                out["second_order"][b, h, i] = np.where(first == 0, 0.0, factor * first)
+                lse_first = sum(lse[name][b, h, i] for name in LSE_TERMS[:7])
+                lse["second_order"][b, h, i] = 0.0 if lse_first == 0 else factor * lse_first
+                if not live:
+                    continue
                 out["reference"][b, h, i] = ref.out_bound[b, h, i]
                 pre = first + out["second_order"][b, h, i] + ref.out_bound[b, h, i]
-                out["output_rounding"][b, h, i] = [_half_ulp(abs(o) + e, precision.output) for o, e in zip(O, pre)]
-                lse_first = sum(lse[name][b, h, i] for name in ("scores", "softmax", "online_rescale", "p_rounding",
-                                                                "row_sum", "log"))
-                lse["second_order"][b, h, i] = factor * lse_first
+                out["output_rounding"][b, h, i] = [_half_ulp(abs(o) + e, precision.output) for o, e in zip(O, pre, strict=True)]
+                if precision.ftz:  # flushed V entries and a flushed output
+                    out["flush_to_zero"][b, h, i] = TINY[precision.input] + TINY[precision.output]
                 lse["lse_rounding"][b, h, i] = u_lse * (abs(L) + lse_first)
                 lse["reference"][b, h, i] = ref.lse_bound[b, h, i]
     return out, lse
@@ -432,6 +510,144 @@ def test_every_error_model_term_follows_its_formula_where_it_dominates(case):
     np.testing.assert_allclose(bound.out, sum(out.values()) * slack, rtol=1e-12)
     np.testing.assert_allclose(bound.lse, sum(lse.values()) * slack, rtol=1e-12)
 
+
+def _variant_cases():
+    """name -> (problem, precision, accumulation, lam, the term or the feature the case reaches):
+    every branch of the error model that the dense cases above leave out, each on a few rows
+    built so that the branch moves the bound by far more than the comparison's 1e-9."""
+    rng = np.random.default_rng(1)
+
+    def draw(*shape, s=1.0):
+        return s * rng.standard_normal(shape)
+
+    cases = {}
+    # Bottom-right causal with Nq > Nk: two rows see no key (every term 0 there), GQA, two batch
+    # entries; logits below 1 in magnitude, so that M (max |z| over the attended keys) is < 1.
+    cases["masked"] = (AttentionProblem.from_float(draw(2, 2, 6, 8, s=0.3), draw(2, 1, 4, 8, s=0.3),
+                                                   draw(2, 1, 4, 8), "fp16", causal=True),
+                       PrecisionModel.flash("fp16"), "worst-case", 9.0, "softmax")
+    # softcap below 1 with the hardware tanh; fp32 scores (no rounding of tanh to a narrow dtype)
+    cases["softcap_approx"] = (AttentionProblem.from_float(draw(1, 2, 3, 8), draw(1, 2, 5, 8), draw(1, 2, 5, 8),
+                                                           "fp32", softcap=0.8),
+                               PrecisionModel.flash("fp32").replace(tanh="approx"), "worst-case", 9.0, "softmax")
+    # 16-bit scores: exp and tanh rounded to them; tanh "absolute" (25 u_fp32 c) and "approx"
+    cases["softcap_absolute_fp16_scores"] = (
+        AttentionProblem.from_float(draw(1, 1, 3, 4), draw(1, 1, 5, 4), draw(1, 1, 5, 4), "fp16", softcap=2.0),
+        PrecisionModel.input_scores("fp16").replace(tanh="absolute"), "worst-case", 9.0, "softmax")
+    cases["softcap_approx_bf16_scores"] = (
+        AttentionProblem.from_float(draw(1, 1, 3, 4), draw(1, 1, 5, 4), draw(1, 1, 5, 4), "bf16", softcap=1.5),
+        PrecisionModel.input_scores("bf16").replace(tanh="approx"), "worst-case", 9.0, "softmax")
+    # ALiBi slopes per batch entry and head, sinks per head (head 0's above every logit: the
+    # running max starts there; head 1's below them all but the largest |logit|), causal with
+    # Nq > Nk: the first row sees only its sink
+    cases["alibi_sinks"] = (AttentionProblem.from_float(
+        draw(2, 2, 5, 8, s=0.3), draw(2, 2, 4, 8, s=0.3), draw(2, 2, 4, 8), "fp16", causal=True,
+        alibi_slopes=np.array([[0.5, 0.25], [0.125, 0.75]], np.float32), sinks=np.array([1.5, -2.5], np.float32)),
+        PrecisionModel.flash("fp16"), "worst-case", 9.0, "softmax")
+    # flush to zero: fp16 rows of unequal l1 norms, dead rows; inputs=fp16 on fp16 inputs rounds nothing
+    q = draw(1, 2, 6, 8)
+    q[0, 1, 2] *= 8  # the largest |q_i|_1, in one row of one head
+    k = draw(1, 2, 4, 8)
+    k[0, 0, 3] *= 5
+    cases["ftz"] = (AttentionProblem.from_float(q, k, draw(1, 2, 4, 8), "fp16", causal=True),
+                    PrecisionModel.flash("fp16").replace(ftz=True, input_rounding="fp16"), "worst-case", 9.0,
+                    "scores")
+    # fp16 scores, so that their smallest normal (the absolute exp and q.k underflow terms) weighs:
+    # flush to zero adds to it; a sink adds one more exp
+    cases["ftz_fp16_scores"] = (AttentionProblem.from_float(q, k, draw(1, 2, 4, 8), "fp16"),
+                                PrecisionModel.input_scores("fp16").replace(ftz=True), "worst-case", 9.0, "scores")
+    cases["sinks_fp16_scores"] = (AttentionProblem.from_float(draw(1, 2, 3, 4, s=0.3), draw(1, 2, 4, 4, s=0.3),
+                                                              draw(1, 2, 4, 4), "fp16",
+                                                              sinks=np.array([0.5, -1.0], np.float32)),
+                                  PrecisionModel.input_scores("fp16"), "worst-case", 9.0, "softmax")
+    # fp32 inputs rounded to fp16 inside, with a softcap: the scores' factor tanh' scales the term;
+    # Nq > Nk, causal: two rows see no key (no term there)
+    cases["input_rounding"] = (AttentionProblem.from_float(draw(1, 2, 8, 8), draw(1, 2, 6, 8), draw(1, 2, 6, 8),
+                                                           "fp32", softcap=3.0, causal=True),
+                               PrecisionModel.fp32_accumulate("fp32").replace(input_rounding="fp16"),
+                               "worst-case", 9.0, "input_rounding")
+    # ... and at fp16's subnormal scale: q = 0 in one row, tiny k, where h_r (half fp16's smallest
+    # subnormal) makes the term: h_r (1 + u_r) |k_j|_1 and D h_r^2 of the same order
+    q = draw(1, 1, 2, 16)
+    q[0, 0, 0] = 0
+    cases["input_rounding_subnormal"] = (AttentionProblem.from_float(q, draw(1, 1, 3, 16, s=1e-7), draw(1, 1, 3, 16),
+                                                                     "fp32"),
+                                         PrecisionModel.fp32_accumulate("fp32").replace(input_rounding="fp16"),
+                                         "worst-case", 9.0, "input_rounding")
+    # D = 128 and 100 keys: gamma_D and gamma_n of the probabilistic mode are below the worst case
+    long = AttentionProblem.from_float(draw(1, 1, 2, 128), draw(1, 1, 100, 128), draw(1, 1, 100, 128), "fp32")
+    cases["probabilistic"] = (long, PrecisionModel.flash("fp32"), "probabilistic", 5.0, "accumulation")
+    cases["probabilistic_default_lambda"] = (long, PrecisionModel.flash("fp32"), "probabilistic", 9.0,
+                                             "accumulation")
+    cases["worst_case_long"] = (long, PrecisionModel.flash("fp32"), "worst-case", 9.0, "accumulation")
+    # q and k rounded to a score dtype narrower than the input: 2 u_s more per score
+    cases["narrow_scores"] = (AttentionProblem.from_float(draw(1, 1, 3, 4), draw(1, 1, 5, 4), draw(1, 1, 5, 4), "fp32"),
+                              PrecisionModel(input="fp32", score_accumulation="fp16"), "worst-case", 9.0, "scores")
+    # every stage in fp16: P is not rounded again (no fast-exp allowance although P is 16-bit)
+    cases["same_precision_fp16"] = (AttentionProblem.from_float(draw(1, 1, 3, 4), draw(1, 1, 6, 4), draw(1, 1, 6, 4),
+                                                                "fp16"),
+                                    PrecisionModel.same_precision("fp16"), "worst-case", 9.0, "softmax")
+    # P.V in bf16 over 67 keys (q = 0: uniform): gamma_n = 0.37, so eps >= 1/4 and no finite bound
+    cases["second_order_infinite"] = (
+        AttentionProblem.from_float(np.zeros((1, 1, 2, 4)), draw(1, 1, 67, 4), draw(1, 1, 67, 4), "bf16"),
+        PrecisionModel(input="bf16", p_rounding="bf16", pv_accumulation="bf16"), "worst-case", 9.0, "second_order")
+    # ... and 37 keys: gamma_n = 0.18, so the second-order term is 0.58 of the first-order sum and
+    # half an ulp of |O| + first + second is not that of |O| + first - second
+    cases["second_order_large"] = (
+        AttentionProblem.from_float(np.zeros((1, 1, 2, 4)), draw(1, 1, 37, 4), draw(1, 1, 37, 4), "bf16"),
+        PrecisionModel(input="bf16", p_rounding="bf16", pv_accumulation="bf16"), "worst-case", 9.0, "second_order")
+    return cases
+
+
+@pytest.mark.parametrize("case", ["masked", "softcap_approx", "softcap_absolute_fp16_scores",
+                                  "softcap_approx_bf16_scores", "alibi_sinks", "ftz", "ftz_fp16_scores", "sinks_fp16_scores",
+                                  "input_rounding",
+                                  "input_rounding_subnormal", "probabilistic", "probabilistic_default_lambda",
+                                  "worst_case_long", "narrow_scores", "same_precision_fp16",
+                                  "second_order_infinite", "second_order_large"])
+def test_every_error_model_term_follows_its_formula_with_masks_variants_and_declarations(case):
+    """The same recomputation as above, on the branches the dense cases leave out: fully masked
+    rows (every term 0), softcap (tanh' on the scores' terms, the declared tanh accuracy),
+    ALiBi, sinks, flush to zero, inputs rounded inside the kernel (normal and subnormal scale),
+    the probabilistic mode (and its lambda), q and k rounded to narrower scores, no P rounding
+    in a 16-bit P, and rows with no finite bound (eps >= 1/4: inf, not a number)."""
+    problem, precision, accumulation, lam, term = _variant_cases()[case]
+    ref = reference(problem)
+    bound = error_bound(problem, precision, ref, accumulation=accumulation, lam=lam)
+    out, lse = _terms_by_hand(problem, precision, ref, accumulation, lam)
+    live = np.isfinite(ref.lse)
+    assert np.all(bound.out_terms[term][live] > 0), f"{term} does not reach every live element"
+    assert live.all() != (case in ("masked", "ftz", "input_rounding")), "dead rows where the case has them"
+    for name in OUT_TERMS:
+        np.testing.assert_allclose(bound.out_terms[name], out[name], rtol=1e-9, atol=0, err_msg=f"out term {name}")
+    for name in LSE_TERMS:
+        np.testing.assert_allclose(bound.lse_terms[name], lse[name], rtol=1e-9, atol=0, err_msg=f"LSE term {name}")
+    np.testing.assert_allclose(bound.out, sum(out.values()) * (1 + 1e-9), rtol=1e-12)
+    np.testing.assert_allclose(bound.lse, sum(lse.values()) * (1 + 1e-9), rtol=1e-12)
+
+
+
+def test_a_loose_references_bound_enters_the_reference_terms_and_the_output_rounding():
+    """A reference whose bounds are 0.3 of the row scale and 0.1 (a coarse oracle, not the
+    certified one's 1e-13): the reference terms are exactly its bounds, and the output is
+    rounded at |O| + first-order + second-order + the reference's bound (module doc,
+    "output_rounding"), which here is another binade than |O| + ... - that bound."""
+    import dataclasses
+
+    problem, precision, _ = _term_cases()["p_rounding"]
+    exact = reference(problem)
+    ref = dataclasses.replace(exact, out_bound=0.3 * exact.row_scale, lse_bound=np.full_like(exact.lse, 0.1))
+    bound = error_bound(problem, precision, ref)
+    out, lse = _terms_by_hand(problem, precision, ref)
+    for name in OUT_TERMS:
+        np.testing.assert_allclose(bound.out_terms[name], out[name], rtol=1e-9, atol=0, err_msg=f"out term {name}")
+    for name in LSE_TERMS:
+        np.testing.assert_allclose(bound.lse_terms[name], lse[name], rtol=1e-9, atol=0, err_msg=f"LSE term {name}")
+    np.testing.assert_array_equal(bound.out_terms["reference"], ref.out_bound)
+    first = sum(out[name] for name in OUT_TERMS[:7])
+    other = [_half_ulp(abs(o) + f - r, precision.output)
+             for o, f, r in zip(ref.out.ravel(), first.ravel(), ref.out_bound.ravel(), strict=True)]
+    assert np.any(out["output_rounding"].ravel() != other)
 
 #: error / bound of _fp16_accumulating_kernel on _accumulation_case, measured: 0.799 for the
 #: output (60.3 of 75.5; the accumulation term is 70.0 of it), 0.763 for the LSE. Without the
