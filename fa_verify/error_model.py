@@ -406,7 +406,7 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
 
     Variants: the scores t become logits z (softcap, ALiBi) before the softmax; the scores'
     error reaches z times tanh'(t / c) <= 1, the logits' own roundings (u_s |t| for the
-    quotient, u_s |z| per product or sum, u_s |bias| for the ALiBi product, tanh's declared
+    quotient, u_s |z| per product or sum, 2 u_s |bias| + u_s |z| for the ALiBi product and sum, tanh's declared
     accuracy: eps_tanh |z| relative, tanh_abs c absolute) join the softmax term. A sink is one
     more term of the row sum only: its weight p_s = e^{sink - LSE} with relative error eps_s
     moves O by p_s eps_s |O| and the LSE by p_s eps_s (softmax term), and adds one rounding to
@@ -435,7 +435,8 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
     rel_softmax = (U.u_s * (np.abs(t) + 3 * np.abs(x) + M + own) + U.tanh_error(tanh_part, variants.softcap)
                    + U.eps_exp_p)
     rel_rescale = R * (U.eps_exp + 4 * U.u_s * M)
-    w_scores[np.isnan(w_scores)] = np.inf  # no bound is no bound, even for a masked entry
+    # no bound is no bound, even for a masked entry of a live row; a row without keys has no terms
+    w_scores = np.where(np.isnan(w_scores), np.where(live[:, None], np.inf, 0.0), w_scores)
     # Below the smallest normal an exp result's error is absolute (tiny_s with flush to zero).
     w_softmax = np.where(allowed, np.maximum(p * rel_softmax, U.tiny_s), 0.0)
     w_rescale = p * rel_rescale
@@ -466,8 +467,11 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
     # normal range carry an absolute error up to tiny_pv each (p <= 1 after the max shift).
     n = allowed.sum(axis=-1) + R.max(axis=-1, initial=0) + 1 + (variants.sink is not None)
     g_n = gamma(n, U.u_pv, U.accumulation, U.lam)[:, None]
+    with np.errstate(invalid="ignore"):  # inf * 0: no finite gamma_n over a zero column is no bound too
+        g_n_terms = g_n * (row_scale + abs_o)
+    g_n_terms[np.isnan(g_n_terms)] = np.inf
     out_terms["accumulation"][...] = np.where(
-        live[:, None], g_n * (row_scale + abs_o) + U.u_pv * abs_o + (n[:, None] + 1) * U.tiny_pv, 0.0)
+        live[:, None], g_n_terms + U.u_pv * abs_o + (n[:, None] + 1) * U.tiny_pv, 0.0)
     if U.u_r:  # the values' own rounding: sum_j p_ij (u_r |v_jc| + h_r)
         out_terms["input_rounding"][...] += np.where(live[:, None], U.u_r * row_scale + U.h_r, 0.0)
     # |log(1 + theta)| <= -log(1 - |theta|) for the row sum's relative error theta

@@ -3,6 +3,7 @@ dtype, variant and honest order passes with room to spare, yet uses a measured s
 bound (so it cannot loosen silently); each term follows its formula where it dominates (4x off
 either way fails); simple wrong gradients fail check_gradients."""
 
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -499,3 +500,28 @@ def test_a_declared_flush_to_zero_bounds_what_flushing_costs_and_no_more():
     assert ratios[False][0] > 100 and not ratios[False][1]
     ratio, passed, dominant = ratios[True]
     assert passed and dominant == "flush_to_zero" and 0.35 <= ratio <= 0.7, ratios
+
+
+@pytest.mark.parametrize("nk", [20, 300], ids=["short", "gamma_n_infinite"])
+def test_no_bound_is_inf_never_nan_also_on_zero_operands(nk):
+    """bf16 throughout, causal, a sink; a column of q, k, v and dO each 0. Where a gamma or the
+    second order has no finite value (n u_bf16 >= 1 at 300 keys; rel >= 1/4 at 20), inf times a
+    zero |k|, |q| or |dO| was NaN (with a RuntimeWarning): |err| > NaN is False, so a wrong
+    gradient there passed the bound rule. Every bound and term is a number or +inf now, and
+    nothing warns."""
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal((1, 1, nk, 4)) for _ in range(4))
+    q[..., 1], k[..., 2], v[..., 0], dout[..., 3] = 0, 0, 0, 0
+    problem = AttentionProblem.from_float(q, k, v, "bf16", causal=True, sinks=np.array([0.5]))
+    dout = round_to(dout, "bf16")
+    ref = gradient_reference(problem, dout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bound = gradient_error_bound(problem, dout, PrecisionModel.same_precision("bf16"), ref,
+                                     out_given=round_to(ref.forward.out, "bf16"),
+                                     lse_given=ref.forward.lse.astype(np.float32))
+    for tensor in ("dq", "dk", "dv", "dsinks"):
+        assert not np.isnan(getattr(bound, tensor)).any(), tensor
+        for name, term in bound.terms[tensor].items():
+            assert not np.isnan(term).any(), (tensor, name)
+    assert np.isposinf(bound.dk).any() and np.isposinf(bound.dv).any()

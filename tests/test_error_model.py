@@ -428,9 +428,16 @@ def test_where_no_first_order_bound_exists_the_bound_is_inf_not_nan_and_no_warni
     assert np.isposinf(masked_bound.out[:, :, live]).all() and np.isposinf(masked_bound.lse[:, :, live]).all()
     v[..., 0] = 0
     zero_column = problem.replace(v=v.astype(problem.v.dtype))
-    with np.errstate(invalid="ignore"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         bound = error_bound(zero_column, precision, reference(zero_column))
     assert np.isposinf(bound.out_terms["scores"]).all() and np.isposinf(bound.lse_terms["scores"]).all()
+    # gamma_n = inf over |v| = |O| = 0: inf, not NaN (a NaN bound passed any error there)
+    assert np.isposinf(bound.out_terms["accumulation"]).all()
+    # a row without keys has no error to bound, whatever gamma_D: 0, not inf x 0 = NaN
+    assert (masked_bound.out[:, :, ~live] == 0).all() and (masked_bound.lse[:, :, ~live] == 0).all()
+    for name, term in masked_bound.out_terms.items():
+        assert (term[:, :, ~live] == 0).all(), name
 
 
 def test_underflowing_exps_are_expected_whatever_the_callers_error_state():
@@ -449,3 +456,24 @@ def test_underflowing_exps_are_expected_whatever_the_callers_error_state():
         shielded = error_bound(problem, PrecisionModel.flash("fp32"), ref)
     np.testing.assert_array_equal(shielded.out, plain.out)
     assert np.isfinite(plain.out).all() and plain.out.max() < 1e-3
+
+
+def test_an_error_on_a_zero_column_of_v_without_a_finite_gamma_n_is_unbounded_not_passed():
+    """bf16 throughout, 300 keys: n u_bf16 >= 1, so P.V's accumulation has no finite bound. On a
+    column of V that is 0 (so |v| = |O| = 0 there) the term was inf x 0 = NaN, and |err| > NaN
+    is False: an output 5 where the answer is 0 passed the bound rule and was not counted among
+    the elements without a finite bound. It is counted now (the bound rule cannot judge it)."""
+    from fa_verify.verdict import check_attention
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 1, n, 4)) for n in (8, 300, 300))
+    v[..., 0] = 0
+    problem = AttentionProblem.from_float(q, k, v, "bf16")
+    out = reference(problem).out.copy()
+    out[..., 0] = 5.0
+    out = round_to(out, "bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        verdict = check_attention(out, problem, precision=PrecisionModel.same_precision("bf16"),
+                                  ensemble_factor=None)
+    assert verdict.unbounded_count == verdict.total == out.size
