@@ -318,3 +318,34 @@ def test_an_fp8_trivial_output_is_the_right_answer_only_where_it_is_in_every_gro
     alone = _fp8_nulls(_fp8_problem(np.zeros((1, 2, 3, 4)), k[:1], v[:1], dv[:1]))
     assert list(alone) == ["zeros", "uniform attention", "queries shifted by one row", "another q"]
     assert alone["uniform attention"].exact_lse is True and alone["zeros"].exact_lse is False
+
+
+def _judged_against(c, out_bound, lse, lse_bound):
+    """The zeros output of a fixed problem judged against a made-up reference: O = c and
+    LSE = `lse` everywhere, with these bounds. Non-causal, Nk = 3, D = 2: slack = 9 u64; the
+    largest attended |v| is 4 in both heads, at key 0 in d = 0 in head 0, at key 2 (the last)
+    in d = 0 in head 1; d = 1 and the other keys stay at or below 1."""
+    from fa_verify import AttentionProblem
+    from fa_verify.oracle.result import Reference
+
+    v = np.array([[[4, 0.25], [0.5, 1], [1, 0.5]], [[0.5, 1], [1, 0.5], [4, 0.25]]], np.float32)[None]
+    p = AttentionProblem(np.ones((1, 2, 2, 2), np.float32), np.ones((1, 2, 3, 2), np.float32), v)
+    ones = np.ones(p.out_shape)
+    ref = Reference(out=c * ones, lse=lse * ones[..., 0], out_bound=out_bound * ones,
+                    lse_bound=lse_bound * ones[..., 0], row_scale=ones, method="certified")
+    return {n.name: n for n in null_outputs(p, ref, "fp32")}["zeros"]
+
+
+def test_a_trivial_output_is_exact_up_to_the_bound_plus_nk_plus_d_plus_4_float64_roundings():
+    """O: |out - ref.out| <= out_bound + (Nk + D + 4) u64 max attended |v| (the largest over
+    every attended key and coordinate: 4 here, not the last key's or one coordinate's 1); LSE:
+    <= lse_bound + (Nk + D + 4) u64 (1 + |ref.lse|). At equality (all exact in float64) it is
+    the right answer; a quarter of the slack further on O, one ulp further on the LSE, or the
+    LSE's slack term alone at 1.5 slack, it is not."""
+    slack = (3 + 2 + 4) * 2.0 ** -53
+    b = 2.0 ** -40
+    assert _judged_against(b + 4 * slack, b, 0.0, 0.0).exact_out
+    assert not _judged_against(b + 4.25 * slack, b, 0.0, 0.0).exact_out
+    assert _judged_against(0.0, 0.0, 1.0, 1 - 2 * slack).exact_lse  # 1 <= (1 - 2 slack) + slack (1 + 1)
+    assert not _judged_against(0.0, 0.0, 1.0, 1 - 2 * slack - 2.0 ** -53).exact_lse
+    assert not _judged_against(0.0, 0.0, 1.5 * slack, 0.0).exact_lse  # 1.5 slack > slack (1 + 1.5 slack)
