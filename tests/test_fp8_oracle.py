@@ -257,3 +257,22 @@ def test_the_bounds_float64_slack_lifts_the_real_formula_by_1e_9_per_step():
                     bound = f(ref.out_bound[0, h, i, d])
                     assert real <= bound <= real * (1 + f("4e-9"))
                     assert abs(bound / slacked - 1) <= 1e-12
+
+
+def test_the_mpmath_method_runs_each_group_at_the_digits_given_default_50():
+    """Query row 0 is 0: both logits are 0, O = (v_0 + v_1) / 2 = 0 exactly in column 0 (v = +-1),
+    row scale 1, no scale-error term (max |t| = 0) and no u |O| term, so the bound there is the
+    mpmath path's own, times dv (and the 1 + 1e-9 slack): mp_bound's 2 (2 alpha / (1 - alpha) +
+    unit) with r = expm1((4 + 2) unit) (a logit of magnitude <= 1, the exp) and alpha = r +
+    gamma_{N+4} = 12 unit (N = 2 keys): 50 unit, unit = 2^-prec(digits). Pins that `digits`
+    reaches the groups' references and that its default is 50 (oracle.reference's)."""
+    from mpmath.libmp import dps_to_prec
+
+    p = FP8Problem.from_float([[[[0, 0], [1, 0.5]]]], [[[[1, 0], [0, 1]]]], [[[[1, 1], [-1, 1]]]], "e4m3",
+                              q_descale=[0.75], k_descale=[1.25], v_descale=[0.3])
+    dv = float(np.float32(0.3))
+    for digits, ref in ((15, reference_fp8(p, "mpmath", 15)), (30, reference_fp8(p, "mpmath", 30)),
+                        (50, reference_fp8(p, "mpmath"))):
+        assert ref.method == "mpmath" and ref.out[0, 0, 0, 0] == 0
+        unit = 2.0 ** -dps_to_prec(digits)
+        assert ref.out_bound[0, 0, 0, 0] == pytest.approx(50 * unit * dv, rel=1e-6, abs=0)
