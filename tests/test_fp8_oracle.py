@@ -222,8 +222,8 @@ def test_the_bounds_float64_slack_lifts_the_real_formula_by_1e_9_per_step():
     formula, LSE too) and within 4e-9 of it; and equal, to 1e-12, to the formula with _SLACK =
     1 + 1e-9 where its doc puts it: on |t|'s maximum (delta, which max_abs_scores already lifts
     by 1e-12), on the exponential term, and on the whole output bound. Large logits (up to ~90)
-    give the scale-error term a tenth of the bound, so a slack dropped or inverted anywhere
-    moves the bound by >= 2e-10 relative, 20x the tolerance."""
+    make the scale-error term 9 % to 13 % of the output bound (8 % of the LSE's), so a slack
+    inverted anywhere moves a bound by >= 1.6e-10 relative, over 100x the tolerance."""
     import mpmath
 
     from fa_verify.oracle import reference
