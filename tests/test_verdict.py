@@ -830,3 +830,17 @@ def test_a_failure_in_a_row_below_the_normal_range_gets_its_cause_and_a_pass_doe
     assert verdict.cause == tiny_scale_note(errors, flushed.astype(np.float64), ref.out, "fp16")
     assert "below the fp16 normal range" in verdict.cause and "a flush-to-zero target?" in verdict.cause
     assert verdict.cause in verdict.message()
+
+
+def test_ratio_is_err_over_bound_with_0_over_0_as_0_and_x_over_0_as_inf_silently():
+    import warnings
+
+    from fa_verify.verdict import _ratio
+
+    err = np.array([0.0, 1.0, 0.0, 2.0, np.inf, 3.0])
+    bound = np.array([0.0, 0.0, 1.0, 4.0, 1.0, 1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = _ratio(err, bound)
+    assert r.dtype == np.float64
+    np.testing.assert_array_equal(r, [0.0, np.inf, 0.0, 0.5, np.inf, 3.0])
