@@ -170,7 +170,8 @@ def test_gemm_in_blocks_gives_the_bits_of_one_explicit_sum_per_element(member):
     a = stage(rng.standard_normal((5, 4)))  # more rows than columns
     wide = stage(rng.standard_normal((4, BLOCK // 4 + 5)))  # K x N > BLOCK: blocks of one row
     narrow = stage(rng.standard_normal((4, 6)))
-    for b in (wide, narrow):
+    few = stage(rng.standard_normal((4, 3)))  # K > N
+    for b in (wide, narrow, few):
         whole = rounded_dot(a[:, :, None], b[None], member, stage)
         got = gemm(a, b, member, stage)
         assert got.shape == (5, b.shape[1]) and got.dtype == np.float32
@@ -540,3 +541,15 @@ def test_the_ensemble_error_is_each_members_max_normalised_error_over_the_rows_c
         expected = max(abs(o - r) / s if o != r else 0.0  # fully masked rows: 0 = 0, error 0
                        for o, r, s in zip(out.ravel(), flat_ref.ravel(), flat_scale.ravel(), strict=True))
         assert ens.errors[name] == pytest.approx(expected, rel=1e-15) and expected > 0
+
+
+def test_tanh_at_the_end_of_the_direct_polynomial_is_correctly_rounded():
+    """y = 2|x| = ln 2 / 2, the largest argument of the direct polynomial (the branch includes its
+    end): tanh64 is the correctly rounded tanh there, in both signs."""
+    from fa_verify.honest_ensemble import _LN2
+
+    x = _LN2 / 4
+    assert 2 * x == _LN2 / 2
+    with mpmath.workdps(40):
+        exact = float(mpmath.tanh(mpmath.mpf(x)))
+    assert tanh64(x) == exact and tanh64(-x) == -exact
