@@ -366,6 +366,8 @@ def _loop_outputs(problem, precision, members):
 #: 64-key tile and the 16-key tiles split the row (three 16-key tiles and a part one).
 LOOP_CASES = {
     "fp16-flash-causal": ("large_logits", (1, 2, 1, 3, 70, 3), "fp16", {}, "flash"),
+    "bf16-input-scores-alibi": ("large_logits", (1, 2, 1, 3, 70, 3), "bf16", dict(alibi_slopes=[0.5, 0.125]),
+                                "input-scores"),
     "fp32-variants": ("large_logits", (1, 2, 1, 3, 70, 3), "fp32",
                       dict(softcap=3.0, alibi_slopes=[0.5, 0.125], sinks=[2.5, -1.0]), "flash"),
     "fp16-same-precision-window": ("normal", (1, 2, 2, 3, 70, 3), "fp16", dict(window_size=(40, 5), sinks=[1.0, 9.0]),
