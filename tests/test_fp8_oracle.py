@@ -196,7 +196,7 @@ def test_groups_are_the_kv_heads_with_their_query_heads_and_the_problems_mask():
     dense = [reference(g.dense) for g in found]
     assert ref.method == "certified" and ref.gemm_rows == sum(r.gemm_rows for r in dense)
     assert ref.mpmath_rows == sum(r.mpmath_rows for r in dense)
-    for g, r in zip(found, dense):
+    for g, r in zip(found, dense, strict=True):
         np.testing.assert_allclose(ref.row_scale[g.b, g.heads], r.row_scale[0] * g.v_descale, rtol=1e-15)
     masked = ~np.isfinite(ref.lse)
     assert masked.any() and (ref.lse_bound[masked] == 0).all()
@@ -215,3 +215,64 @@ def test_the_record_adds_up_the_rows_each_group_computed_otherwise(monkeypatch):
     p = make_fp8_problem((2, 4, 2, 3, 8, 8), "e4m3", 0)
     ref = reference_fp8(p)
     assert (ref.mpmath_rows, ref.gemm_rows) == (4, 12)  # 2 batches x 2 kv heads
+
+
+def test_the_bounds_float64_slack_lifts_the_real_formula_by_1e_9_per_step():
+    """The bound against its formula in real arithmetic (mpmath, 40 digits): sound (>= the
+    formula, LSE too) and within 4e-9 of it; and equal, to 1e-12, to the formula with _SLACK =
+    1 + 1e-9 where its doc puts it: on |t|'s maximum (delta, which max_abs_scores already lifts
+    by 1e-12), on the exponential term, and on the whole output bound. Large logits (up to ~90)
+    make the scale-error term 9 % to 13 % of the output bound (8 % of the LSE's), so a slack
+    inverted anywhere moves a bound by >= 1.6e-10 relative, over 100x the tolerance."""
+    import mpmath
+
+    from fa_verify.oracle import reference
+    from fa_verify.oracle.bounds import U64
+    from fa_verify.oracle.fp8 import groups
+
+    p = make_fp8_problem((1, 2, 1, 3, 20, 8), "e4m3", 5, logit_spread=30.0)
+    ref = reference_fp8(p)
+    (g,) = groups(p)
+    dense = reference(g.dense)
+    q, k = g.dense.q64()[0], g.dense.kv64()[0][0, 0]
+    f = mpmath.mpf
+    with mpmath.workdps(40):
+        u = f(U64)
+        gamma3 = 3 * u / (1 - 3 * u)  # D = 8: 1/sqrt(8) is rounded, 3 roundings
+        slack = 1 + f("1e-9")
+        for h in range(2):
+            for i in range(3):
+                top = max(abs(f(g.dense.scale_value) * mpmath.fdot([f(x) for x in q[h, i]], [f(x) for x in kj]))
+                          for kj in k)
+                delta = gamma3 * top
+                lse_real = f(dense.lse_bound[0, h, i]) + delta
+                lse_slacked = f(dense.lse_bound[0, h, i]) + delta * (1 + f("1e-12")) * slack
+                assert ref.lse_bound[0, h, i] >= lse_real
+                assert abs(ref.lse_bound[0, h, i] / lse_slacked - 1) <= 1e-12
+                for d in range(8):
+                    ob, rs, out = (f(a[0, h, i, d]) for a in (dense.out_bound, dense.row_scale, ref.out))
+                    real = (ob + mpmath.expm1(2 * delta) * rs) * f(g.v_descale) + u * abs(out)
+                    moved = mpmath.expm1(2 * delta * (1 + f("1e-12")) * slack) * rs * slack
+                    slacked = ((ob + moved) * f(g.v_descale) + u * abs(out)) * slack
+                    bound = f(ref.out_bound[0, h, i, d])
+                    assert real <= bound <= real * (1 + f("4e-9"))
+                    assert abs(bound / slacked - 1) <= 1e-12
+
+
+def test_the_mpmath_method_runs_each_group_at_the_digits_given_default_50():
+    """Query row 0 is 0: both logits are 0, O = (v_0 + v_1) / 2 = 0 exactly in column 0 (v = +-1),
+    row scale 1, no scale-error term (max |t| = 0) and no u |O| term, so the bound there is the
+    mpmath path's own, times dv (and the 1 + 1e-9 slack): mp_bound's 2 (2 alpha / (1 - alpha) +
+    unit) with r = expm1((4 + 2) unit) (a logit of magnitude <= 1, the exp) and alpha = r +
+    gamma_{N+4} = 12 unit (N = 2 keys): 50 unit, unit = 2^-prec(digits). Pins that `digits`
+    reaches the groups' references and that its default is 50 (oracle.reference's)."""
+    from mpmath.libmp import dps_to_prec
+
+    p = FP8Problem.from_float([[[[0, 0], [1, 0.5]]]], [[[[1, 0], [0, 1]]]], [[[[1, 1], [-1, 1]]]], "e4m3",
+                              q_descale=[0.75], k_descale=[1.25], v_descale=[0.3])
+    dv = float(np.float32(0.3))
+    for digits, ref in ((15, reference_fp8(p, "mpmath", 15)), (30, reference_fp8(p, "mpmath", 30)),
+                        (50, reference_fp8(p, "mpmath"))):
+        assert ref.method == "mpmath" and ref.out[0, 0, 0, 0] == 0
+        unit = 2.0 ** -dps_to_prec(digits)
+        assert ref.out_bound[0, 0, 0, 0] == pytest.approx(50 * unit * dv, rel=1e-6, abs=0)

@@ -170,7 +170,8 @@ def test_gemm_in_blocks_gives_the_bits_of_one_explicit_sum_per_element(member):
     a = stage(rng.standard_normal((5, 4)))  # more rows than columns
     wide = stage(rng.standard_normal((4, BLOCK // 4 + 5)))  # K x N > BLOCK: blocks of one row
     narrow = stage(rng.standard_normal((4, 6)))
-    for b in (wide, narrow):
+    few = stage(rng.standard_normal((4, 3)))  # K > N
+    for b in (wide, narrow, few):
         whole = rounded_dot(a[:, :, None], b[None], member, stage)
         got = gemm(a, b, member, stage)
         assert got.shape == (5, b.shape[1]) and got.dtype == np.float32
@@ -365,6 +366,8 @@ def _loop_outputs(problem, precision, members):
 #: 64-key tile and the 16-key tiles split the row (three 16-key tiles and a part one).
 LOOP_CASES = {
     "fp16-flash-causal": ("large_logits", (1, 2, 1, 3, 70, 3), "fp16", {}, "flash"),
+    "bf16-input-scores-alibi": ("large_logits", (1, 2, 1, 3, 70, 3), "bf16", dict(alibi_slopes=[0.5, 0.125]),
+                                "input-scores"),
     "fp32-variants": ("large_logits", (1, 2, 1, 3, 70, 3), "fp32",
                       dict(softcap=3.0, alibi_slopes=[0.5, 0.125], sinks=[2.5, -1.0]), "flash"),
     "fp16-same-precision-window": ("normal", (1, 2, 2, 3, 70, 3), "fp16", dict(window_size=(40, 5), sinks=[1.0, 9.0]),
@@ -540,3 +543,15 @@ def test_the_ensemble_error_is_each_members_max_normalised_error_over_the_rows_c
         expected = max(abs(o - r) / s if o != r else 0.0  # fully masked rows: 0 = 0, error 0
                        for o, r, s in zip(out.ravel(), flat_ref.ravel(), flat_scale.ravel(), strict=True))
         assert ens.errors[name] == pytest.approx(expected, rel=1e-15) and expected > 0
+
+
+def test_tanh_at_the_end_of_the_direct_polynomial_is_correctly_rounded():
+    """y = 2|x| = ln 2 / 2, the largest argument of the direct polynomial (the branch includes its
+    end): tanh64 is the correctly rounded tanh there, in both signs."""
+    from fa_verify.honest_ensemble import _LN2
+
+    x = _LN2 / 4
+    assert 2 * x == _LN2 / 2
+    with mpmath.workdps(40):
+        exact = float(mpmath.tanh(mpmath.mpf(x)))
+    assert tanh64(x) == exact and tanh64(-x) == -exact

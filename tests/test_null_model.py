@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fa_verify.backends import get_backend
+from fa_verify.dtypes import numpy_dtype, round_to
 from fa_verify.null_model import NullGuard, guard, null_outputs
 from fa_verify.oracle import reference
 from fa_verify.properties import (
@@ -229,3 +230,122 @@ def test_a_batch_passes_a_trivial_output_only_if_every_part_that_tried_it_does()
     assert whole.tried == ("zeros", "uniform attention", "another q")
     assert whole.passing == ("uniform attention", "another q")  # zeros fails the second part
     assert batch_guard([second]).passing == ("another q",) and batch_guard([]).informative
+
+
+def _fp8_problem(q, k, v, dv, **kwargs):
+    """An e4m3 problem of these stored values, q and k descales 0.75 and 1.25, v descales `dv`
+    ([B, Hkv]): none a power of two, so a descale applied twice or divided shows."""
+    from fa_verify.fp8 import FP8Problem
+
+    B, Hkv = np.shape(dv)
+    return FP8Problem.from_float(q, k, v, "e4m3", q_descale=np.full((B, Hkv), 0.75),
+                                 k_descale=np.full((B, Hkv), 1.25), v_descale=dv, **kwargs)
+
+
+def _fp8_nulls(p, out_dtype="fp32"):
+    from fa_verify.null_model import fp8_null_outputs
+    from fa_verify.oracle.fp8 import reference_fp8
+
+    return {n.name: n for n in fp8_null_outputs(p, reference_fp8(p), out_dtype)}
+
+
+def test_fp8_trivial_outputs_are_the_groups_fp32_trivial_outputs_times_their_v_descale():
+    """Per (batch, kv head) group with its G query heads: uniform attention is fl32(mean of the
+    attended stored v rows) x dv (the group's trivial output as an fp32 kernel returns it, then
+    descaled), LSE log(n) in float32; zeros are 0 with LSE 0; shifted rows are the reference's
+    rows moved by one; a row that sees no key is (0, -inf) in all; O in `out_dtype`."""
+    from fa_verify.oracle import reference
+    from fa_verify.oracle.fp8 import groups, reference_fp8
+
+    rng = np.random.default_rng(3)
+    B, H, Hkv, Nq, Nk, D = 2, 4, 2, 4, 3, 4
+    dv = np.array([[0.3, 1.7], [5.5, 0.09]], np.float32)
+    # bottom-right causal, Nq > Nk: row 0 sees no key, row i sees keys 0..i-1
+    p = _fp8_problem(rng.uniform(-2, 2, (B, H, Nq, D)), rng.uniform(-2, 2, (B, Hkv, Nk, D)),
+                     rng.uniform(-2, 2, (B, Hkv, Nk, D)), dv, causal=True)
+    nulls = _fp8_nulls(p, "fp64")
+    assert list(nulls) == ["zeros", "uniform attention", "queries shifted by one row", "another q"]
+    ref = reference_fp8(p)
+    v = p.v.astype(np.float64)
+    uniform, unrounded = np.zeros(p.out_shape), np.zeros(p.out_shape)
+    for b in range(B):
+        for h in range(H):
+            kh = h // 2
+            for i in range(1, Nq):
+                mean = v[b, kh, :i].sum(axis=0) / i
+                uniform[b, h, i] = np.float32(mean).astype(np.float64) * float(dv[b, kh])
+                unrounded[b, h, i] = mean * float(dv[b, kh])
+    np.testing.assert_array_equal(nulls["uniform attention"].out, uniform)
+    assert not np.array_equal(uniform, unrounded)  # the fp32 step shows in float64
+    log_n = np.array([-np.inf, 0.0, np.log(2), np.log(3)], np.float32)
+    np.testing.assert_array_equal(nulls["uniform attention"].lse, np.broadcast_to(log_n, (B, H, Nq)))
+    assert (nulls["zeros"].out == 0).all() and (nulls["zeros"].lse[..., 1:] == 0).all()
+    shifted = nulls["queries shifted by one row"]
+    np.testing.assert_allclose(shifted.out[:, :, 2:], ref.out[:, :, 1:-1], rtol=2e-7, atol=0)
+    np.testing.assert_allclose(shifted.lse[:, :, 2:], ref.lse[:, :, 1:-1], rtol=2e-7)
+    another = nulls["another q"]
+    for g in groups(p):
+        dense = {n.name: n for n in null_outputs(g.dense, reference(g.dense), "fp32")}["another q"]
+        np.testing.assert_array_equal(another.out[g.b, g.heads], dense.out[0].astype(np.float64) * g.v_descale)
+        np.testing.assert_array_equal(another.lse[g.b, g.heads], dense.lse[0])
+    for null in nulls.values():
+        assert null.out.dtype == np.float64 and null.lse.dtype == np.float32
+        assert (null.out[:, :, 0] == 0).all() and (null.lse[:, :, 0] == -np.inf).all()
+        assert not null.exact_out and not null.exact_lse
+    bf16 = _fp8_nulls(p, "bf16")["uniform attention"]
+    assert bf16.out.dtype == numpy_dtype("bf16")
+    np.testing.assert_array_equal(bf16.out, round_to(uniform, "bf16"))
+
+
+def test_an_fp8_trivial_output_is_the_right_answer_only_where_it_is_in_every_group():
+    """Exactness of an FP8 trivial output is the AND over the (batch, kv head) groups: one key
+    makes uniform attention exact in O everywhere; v = 0 makes zeros exact in O and q = 0
+    uniform attention exact in the LSE, but only if every group has it (here, with two groups,
+    only the first or both); a lone group (B = Hkv = 1) is judged alone."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.uniform(-2, 2, shape) for shape in ((2, 2, 3, 4), (2, 1, 3, 4), (2, 1, 3, 4)))
+    dv = np.array([[0.3], [1.7]], np.float32)
+    one_key = _fp8_nulls(_fp8_problem(q, k[:, :, :1], v[:, :, :1], dv))
+    assert one_key["uniform attention"].exact_out is True and one_key["zeros"].exact_out is False
+    assert one_key["uniform attention"].exact_lse is False  # log 1 = 0 is not the score
+    for both in (False, True):
+        first = slice(None) if both else slice(0, 1)
+        v0, q0 = v.copy(), q.copy()
+        v0[first], q0[first] = 0, 0
+        assert _fp8_nulls(_fp8_problem(q, k, v0, dv))["zeros"].exact_out is both
+        uniform = _fp8_nulls(_fp8_problem(q0, k, v, dv))["uniform attention"]
+        assert uniform.exact_lse is both and uniform.exact_out is both
+    alone = _fp8_nulls(_fp8_problem(np.zeros((1, 2, 3, 4)), k[:1], v[:1], dv[:1]))
+    assert list(alone) == ["zeros", "uniform attention", "queries shifted by one row", "another q"]
+    assert alone["uniform attention"].exact_lse is True and alone["zeros"].exact_lse is False
+
+
+def _judged_against(c, out_bound, lse, lse_bound):
+    """The zeros output of a fixed problem judged against a made-up reference: O = c and
+    LSE = `lse` everywhere, with these bounds. Non-causal, Nk = 3, D = 2: slack = 9 u64; the
+    largest attended |v| is 4 in both heads, at key 0 in d = 0 in head 0, at key 2 (the last)
+    in d = 0 in head 1; d = 1 and the other keys stay at or below 1."""
+    from fa_verify import AttentionProblem
+    from fa_verify.oracle.result import Reference
+
+    v = np.array([[[4, 0.25], [0.5, 1], [1, 0.5]], [[0.5, 1], [1, 0.5], [4, 0.25]]], np.float32)[None]
+    p = AttentionProblem(np.ones((1, 2, 2, 2), np.float32), np.ones((1, 2, 3, 2), np.float32), v)
+    ones = np.ones(p.out_shape)
+    ref = Reference(out=c * ones, lse=lse * ones[..., 0], out_bound=out_bound * ones,
+                    lse_bound=lse_bound * ones[..., 0], row_scale=ones, method="certified")
+    return {n.name: n for n in null_outputs(p, ref, "fp32")}["zeros"]
+
+
+def test_a_trivial_output_is_exact_up_to_the_bound_plus_nk_plus_d_plus_4_float64_roundings():
+    """O: |out - ref.out| <= out_bound + (Nk + D + 4) u64 max attended |v| (the largest over
+    every attended key and coordinate: 4 here, not the last key's or one coordinate's 1); LSE:
+    <= lse_bound + (Nk + D + 4) u64 (1 + |ref.lse|). At equality (all exact in float64) it is
+    the right answer; a quarter of the slack further on O, one ulp further on the LSE, or the
+    LSE's slack term alone at 1.5 slack, it is not."""
+    slack = (3 + 2 + 4) * 2.0 ** -53
+    b = 2.0 ** -40
+    assert _judged_against(b + 4 * slack, b, 0.0, 0.0).exact_out
+    assert not _judged_against(b + 4.25 * slack, b, 0.0, 0.0).exact_out
+    assert _judged_against(0.0, 0.0, 1.0, 1 - 2 * slack).exact_lse  # 1 <= (1 - 2 slack) + slack (1 + 1)
+    assert not _judged_against(0.0, 0.0, 1.0, 1 - 2 * slack - 2.0 ** -53).exact_lse
+    assert not _judged_against(0.0, 0.0, 1.5 * slack, 0.0).exact_lse  # 1.5 slack > slack (1 + 1.5 slack)

@@ -550,8 +550,8 @@ def _allowance(problem, precision, ref, factor, e, ftz_part=0.0):
 @pytest.mark.parametrize("e", [2e-5, 0.0], ids=["K*E-decides", "floor-decides"])
 def test_the_ensemble_rule_allows_k_e_plus_floor_per_element_and_no_more(e, used):
     """One element off by 0.9 or 1.1 x (K E + floor) x its row scale + absolute floor (E = 2e-5:
-    K E is 200x the floor; E = 0: the floor alone): passes at 0.9 and fails the ensemble rule at
-    1.1 (the error-model bound, 5x wider here, passes both); every field of the rule is its
+    K E is over 200x the floor; E = 0: the floor alone): passes at 0.9 and fails the ensemble rule
+    at 1.1 (the error-model bound, over 2x wider here, passes both); every field of the rule is its
     formula; E is the largest finite member error and K scales it."""
     problem, precision, ref, bound = _tiny()
     ensemble = _fake_ensemble({"a": e / 2, "b": e, "c": np.inf})
@@ -580,7 +580,7 @@ def test_the_ensemble_rule_allows_k_e_plus_floor_per_element_and_no_more(e, used
 def test_where_the_row_scale_is_0_the_absolute_floor_decides(ftz):
     """V's column 0 is 0: the allowance there is the absolute floor alone, (Nk + 2) subnormal
     spacings of the P·V dtype, plus flushing V and the output when ftz is declared (fp16
-    same-precision: all three terms of comparable size)."""
+    same-precision: P·V in fp16, so the subnormal part, 1 % of the flush terms, still shows)."""
     from fa_verify.error_model import flushed_output_error
 
     problem, precision, ref, bound = _tiny("same-precision")
@@ -639,7 +639,8 @@ def test_the_rounded_reference_passes_every_rule_with_the_counts_over_live_rows(
     assert verdict.passed and verdict.rule is None and verdict.detail == "" and verdict.cause == ""
     assert (verdict.total, verdict.over_count, verdict.unbounded_count) == (256, 0, 0)
     assert (verdict.lse_total, verdict.lse_over_count) == (16, 0)
-    assert verdict.summary is not None and verdict.summary.dtype == "fp16"
+    assert verdict.summary is not None and verdict.summary.dtype == "fp16" and verdict.summary.lse_abs is not None
+    assert _judge(out).summary.lse_abs is None
     assert verdict.normalised_error == pytest.approx(np.max(np.where(
         ref.row_scale > 0, np.abs(out - ref.out) / np.where(ref.row_scale > 0, ref.row_scale, 1), 0)), rel=1e-12)
 
@@ -699,6 +700,8 @@ def test_each_non_finite_or_masked_row_value_names_its_rule_and_its_first_elemen
         assert verdict.over_count == 0 and verdict.bound_ratio < 1 and verdict.total == 256
     if where == "lse-masked":
         assert verdict.lse_over_count == 0 and verdict.lse_total == 16
+    if where == "lse":  # a NaN or -inf LSE is an infinite error, over any bound
+        assert verdict.lse_over_count == 1 and verdict.lse_bound_ratio == np.inf and verdict.lse_worst_index == (0, 1, 4)
     assert _judge(out).rule == (rule if where.startswith("out") else None)  # without the LSE: out alone
 
 
@@ -715,6 +718,13 @@ def test_failures_are_reported_in_rule_order_with_every_detail():
     assert verdict.lse_over_count == 1 and verdict.lse_bound_ratio == np.inf
     without = _judge(out)  # no LSE: the masked row comes first
     assert without.rule == "masked_rows" and without.detail.startswith("1 outputs of fully masked rows")
+    out[0, 1, 4, 2], lse[0, 0, 1] = np.nan, 0.0  # two parts within "finite" and within "masked_rows"
+    both = _judge(out, lse)
+    assert both.detail == (
+        "out holds 1 NaN/Inf values where the reference is finite (first nan at [0, 1, 4, 2]); "
+        "lse holds 1 NaN/Inf values where the reference is finite (first -inf at [0, 0, 5]); "
+        "1 outputs of fully masked rows are not 0 (first 0.25 at [0, 0, 0, 3]); "
+        "1 LSEs of fully masked rows are not -inf (first 0.0 at [0, 0, 1]) (convention: output 0, LSE -inf)")
 
 
 def test_the_arguments_are_checked_before_anything_is_computed():
@@ -724,13 +734,113 @@ def test_the_arguments_are_checked_before_anything_is_computed():
             _judge(out, lse, ensemble_factor=factor)
     assert _judge(out, lse, ensemble_factor=4).ensemble_factor == 4.0
     assert _judge(out, lse, ensemble_factor=0.5).ensemble_factor == 0.5
-    with pytest.raises(InvalidArgumentError, match="out is None; pass the kernel's output"):
+    with pytest.raises(InvalidArgumentError, match=r"^out is None; pass the kernel's output \[B, H, Nq, D\]$"):
         _judge(None, lse)
+    with pytest.raises(InvalidArgumentError, match="^problem must be an AttentionProblem, got str$"):
+        check_attention(out, "problem")
+
+    class NotAnArray:
+        def __array__(self, *args, **kwargs):
+            raise ValueError("no")
+
+    with pytest.raises(InvalidArgumentError, match="^out of type NotAnArray is not an array$"):
+        _judge(NotAnArray(), lse)
+    with pytest.raises(InvalidArgumentError, match="^lse of type NotAnArray is not an array$"):
+        _judge(out, NotAnArray())
     wide = _judge(out.astype(np.float32), lse)
-    assert wide.rule == "shape" and wide.detail.startswith("out.dtype=float32 but the precision model (") and not wide.passed
+    assert (wide.rule, wide.passed) == ("shape", False) and wide.detail == (
+        "out.dtype=float32 but the precision model (" + PrecisionModel.flash("fp16").describe() + ") stores the output "
+        "in fp16: pass the output as the kernel stores it, or declare the dtype it stores in the model "
+        "(precision='...,out=fp32' for an fp32 output)")
     short = _judge(out[:, :, 1:], lse)
     assert (short.rule, short.passed) == ("shape", False)
     assert short.detail == "out.shape=(1, 2, 9, 16) but the problem needs [B, H, Nq, D] = (1, 2, 10, 16)"
     bad_lse = _judge(out, lse[..., None])
-    assert bad_lse.rule == "shape" and bad_lse.detail == "lse.shape=(1, 2, 10, 1) but the problem needs [B, H, Nq] = (1, 2, 10)"
+    assert (bad_lse.rule, bad_lse.passed) == ("shape", False)
+    assert bad_lse.detail == "lse.shape=(1, 2, 10, 1) but the problem needs [B, H, Nq] = (1, 2, 10)"
     assert problem.describe() == short.problem and short.precision == PrecisionModel.flash("fp16").describe()
+
+
+def test_an_error_equal_to_its_allowance_passes_every_rule():
+    """Each rule fails only above its allowance: an error exactly equal to the element's bound,
+    to the row's LSE bound, or to the ensemble allowance (the absolute floor where the row scale
+    is 0) passes; an element with an infinite bound is counted as unbounded."""
+    from dataclasses import replace
+
+    from fa_verify.metrics import lse_errors
+
+    problem, precision, ref, bound = _tiny()
+    out, lse = _exact(problem, precision, ref)
+    index, row, zero = (0, 1, 6, 5), (0, 0, 7), (0, 1, 3, 0)
+    out[index] += 0.5 * bound.out[index]
+    lse[row] += np.float32(0.5 * bound.lse[row])
+    absolute = 10 * 2.0 ** -149
+    out[zero] = absolute  # row scale 0: allowed exactly the absolute floor
+    bound_out, bound_lse = bound.out.copy(), bound.lse.copy()
+    bound_out[index] = abs(out[index] - ref.out[index])
+    bound_lse[row] = abs(lse_errors(lse, ref.lse)[row])
+    bound_out[0, 0, 9, 11] = np.inf
+    tight = replace(bound, out=bound_out, lse=bound_lse)
+    verdict = check_attention(out, problem, lse=lse, precision=precision, reference=ref, bound=tight,
+                              ensemble=_fake_ensemble({"a": 1e-3}))  # K E ~ 7x the error at `index`
+    assert verdict.passed, verdict.message()
+    assert (verdict.over_count, verdict.bound_ratio, verdict.worst_index) == (0, 1.0, index)
+    assert (verdict.lse_over_count, verdict.lse_bound_ratio, verdict.lse_worst_index) == (0, 1.0, row)
+    assert (verdict.ensemble_ratio, verdict.ensemble_worst_index) == (1.0, zero) and verdict.absolute_floor == absolute
+    assert verdict.unbounded_count == 1
+
+
+def test_without_a_reference_or_a_bound_they_are_computed_with_the_arguments_given():
+    """reference=None and bound=None: the oracle's reference and `error_bound` with the given
+    accumulation and lam (the verdict's numbers are theirs)."""
+    problem, precision, ref, bound = _tiny("flash")
+    out, lse = _exact(problem, precision, ref)
+    index = (0, 1, 7, 9)
+    out[index] = ref.out[index] + 3 * bound.out[index]
+    alone = check_attention(out, problem, lse=lse, ensemble=_fake_ensemble({"a": 1e-3}))
+    given = _judge(out, lse, ensemble=_fake_ensemble({"a": 1e-3}))
+    assert alone.as_dict() == given.as_dict() and alone.worst_bound == bound.out[index]
+    for accumulation, lam in (("probabilistic", 1.0), ("worst-case", 0.5)):
+        other = error_bound(problem, precision, ref, accumulation=accumulation, lam=lam)
+        verdict = check_attention(out, problem, lse=lse, reference=ref, ensemble=_fake_ensemble({"a": 1e-3}),
+                                  accumulation=accumulation, lam=lam)
+        assert verdict.worst_bound == other.out[verdict.worst_index]
+        assert verdict.lse_worst_bound == other.lse[verdict.lse_worst_index]
+
+
+def test_a_failure_in_a_row_below_the_normal_range_gets_its_cause_and_a_pass_does_not():
+    """V's column 1 of size 1e-6 (fp16 subnormal): the rounded reference passes with no cause; an
+    output flushed to 0 there fails, and the verdict says where, how large, and "flush-to-zero?"."""
+    from fa_verify.causes import tiny_scale_note
+    from fa_verify.metrics import OutputErrors
+
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((3, 1, 1, 6, 8))
+    v[..., 1] = 1e-6 * (1 + rng.random((1, 1, 6)))
+    problem = AttentionProblem.from_float(q, k, v, "fp16")
+    ref = reference(problem)
+    out = round_to(ref.out, "fp16")
+    passed = check_attention(out, problem, reference=ref)
+    assert passed.passed and passed.cause == ""
+    flushed = out.copy()
+    flushed[..., 1] = 0
+    verdict = check_attention(flushed, problem, reference=ref)
+    assert not verdict.passed and verdict.rule == "error_bound"
+    errors = OutputErrors.compute(flushed, ref.out, ref.row_scale, "fp16")
+    assert verdict.cause == tiny_scale_note(errors, flushed.astype(np.float64), ref.out, "fp16")
+    assert "below the fp16 normal range" in verdict.cause and "a flush-to-zero target?" in verdict.cause
+    assert verdict.cause in verdict.message()
+
+
+def test_ratio_is_err_over_bound_with_0_over_0_as_0_and_x_over_0_as_inf_silently():
+    import warnings
+
+    from fa_verify.verdict import _ratio
+
+    err = np.array([0.0, 1.0, 0.0, 2.0, np.inf, 3.0])
+    bound = np.array([0.0, 0.0, 1.0, 4.0, 1.0, 1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = _ratio(err, bound)
+    assert r.dtype == np.float64
+    np.testing.assert_array_equal(r, [0.0, np.inf, 0.0, 0.5, np.inf, 3.0])
