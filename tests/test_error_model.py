@@ -22,6 +22,7 @@ from fa_verify.error_model import (
     OUT_TERMS,
     LSE_TERMS,
     _rescale_counts,
+    _scaled,
     error_bound,
     gamma,
 )
@@ -477,3 +478,15 @@ def test_an_error_on_a_zero_column_of_v_without_a_finite_gamma_n_is_unbounded_no
         verdict = check_attention(out, problem, precision=PrecisionModel.same_precision("bf16"),
                                   ensemble_factor=None)
     assert verdict.unbounded_count == verdict.total == out.size
+
+
+def test_scaled_keeps_a_zero_term_zero_and_multiplies_the_rest_without_a_warning():
+    """_scaled(first_order, factor): 0 stays 0 whatever the factor (inf, NaN: no second order
+    exists), any other term is the product; an infinite term with a zero factor is inf x 0 = NaN,
+    which it returns without a floating-point warning (the backward's dead rows reach it)."""
+    first = np.array([0.0, 0.0, 2.0, np.inf, 3.0])
+    factor = np.array([np.inf, np.nan, 0.25, 0.0, np.inf])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _scaled(first, factor)
+    np.testing.assert_array_equal(got, [0.0, 0.0, 0.5, np.nan, np.inf])
