@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fa_verify.dtypes import finfo, ulp
-from fa_verify.error_model import DEFAULT_LAMBDA, _RowVariants, _scaled, _Units, gamma
+from fa_verify.error_model import DEFAULT_LAMBDA, _RowVariants, _scaled, _Units, gamma, gamma_times
 from fa_verify.errors import InvalidArgumentError
 from fa_verify.oracle.backward import GradientReference, checked_upstream
 from fa_verify.precision import PrecisionModel
@@ -186,7 +186,7 @@ def gradient_error_bound(problem: AttentionProblem, dout, precision: PrecisionMo
     if sinks:  # per row -> per head, then the sum's own rounding
         n = B * Nq
         summed = {name: a.sum(axis=(0, 2)) for name, a in sink_terms.items()}
-        summed["accumulation"] = _gamma_times(float(gamma(n, U.u_pv, accumulation, lam)), summed["accumulation"]) + (
+        summed["accumulation"] = gamma_times(float(gamma(n, U.u_pv, accumulation, lam)), summed["accumulation"]) + (
             (n + 1) * U.tiny_pv)
         terms["dsinks"] = summed
     references = {"dq": reference.dq_bound, "dk": reference.dk_bound, "dv": reference.dv_bound,
@@ -212,12 +212,6 @@ def gradient_error_bound(problem: AttentionProblem, dout, precision: PrecisionMo
         bounds[tensor] = sum(named.values()) * _SLACK
     return GradientBound(dq=bounds["dq"], dk=bounds["dk"], dv=bounds["dv"], dsinks=bounds.get("dsinks"),
                          terms=terms, precision=precision, accumulation=accumulation)
-
-
-def _gamma_times(g: float, x) -> np.ndarray:
-    """g x for a gamma g: where g has no finite value there is no bound, also where x = 0 (not
-    inf x 0 = NaN, which fails no error)."""
-    return np.full(np.shape(x), np.inf) if np.isinf(g) else g * x
 
 
 def _has_key(problem) -> np.ndarray:
@@ -307,13 +301,13 @@ def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up,
         through_q = scale * (stack.swapaxes(-1, -2) @ abs_q)
     dq = dict(zip(_DS_TERMS, through_k[:-1]))
     dk = dict(zip(_DS_TERMS, through_q[:-1]))
-    dq["accumulation"] = _gamma_times(g_q, through_k[-1]) + (Nk + 1) * U.tiny_pv
+    dq["accumulation"] = gamma_times(g_q, through_k[-1]) + (Nk + 1) * U.tiny_pv
     # k (for dQ), q (for dK) read as 0 where subnormal: scale tiny_in per |dS|
     dq["flush_to_zero"] = dq["flush_to_zero"] + (scale * tiny_in * ds.sum(-1))[:, None]
     dk["flush_to_zero"] = dk["flush_to_zero"] + (scale * tiny_in * ds.sum(0))[:, None]
-    dk["accumulation"] = _gamma_times(g_k, through_q[-1]) + (len(L) + 1) * U.tiny_pv
+    dk["accumulation"] = gamma_times(g_k, through_q[-1]) + (len(L) + 1) * U.tiny_pv
     dq["second_order"] = _scaled(sum(dq.values()), factor[:, None])
-    first_dk = np.stack([sum(e[name] for name in _DS_TERMS), _gamma_times(g_k, ds)])
+    first_dk = np.stack([sum(e[name] for name in _DS_TERMS), gamma_times(g_k, ds)])
     with np.errstate(invalid="ignore"):
         dk["second_order"] = scale * (_scaled(first_dk, factor[:, None]).swapaxes(-1, -2) @ abs_q).sum(0)
 
@@ -321,9 +315,9 @@ def _chunk(problem, U, gammas, allowed, variants: _RowVariants, q, k, v, do, up,
     with np.errstate(invalid="ignore"):
         through_do = stack.swapaxes(-1, -2) @ abs_do
     dv = dict(zip(_P_TERMS, through_do[:-1]))
-    dv["accumulation"] = _gamma_times(g_v, through_do[-1]) + (len(L) + 1) * U.tiny_pv
+    dv["accumulation"] = gamma_times(g_v, through_do[-1]) + (len(L) + 1) * U.tiny_pv
     dv["flush_to_zero"] = np.broadcast_to((tiny_in * np.where(allowed, p, 0.0).sum(0))[:, None], dv["accumulation"].shape)
-    first_dv = sum(w[name] for name in _P_TERMS) + _gamma_times(g_v, p)
+    first_dv = sum(w[name] for name in _P_TERMS) + gamma_times(g_v, p)
     with np.errstate(invalid="ignore"):
         dv["second_order"] = _scaled(first_dv, factor[:, None]).T @ abs_do
 

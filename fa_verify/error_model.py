@@ -192,6 +192,13 @@ def _scaled(first_order, factor):
         return np.where(first_order == 0, 0.0, first_order * factor)
 
 
+def gamma_times(g, x) -> np.ndarray:
+    """g x for gammas g: where g has no finite value there is no bound, also where x = 0 (inf x 0
+    would be NaN, and an error compared with a NaN bound fails nowhere)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isinf(g), np.inf, g * x)
+
+
 def gamma(n, unit: float, mode: str = "worst-case", lam: float = DEFAULT_LAMBDA) -> np.ndarray:
     """Relative error bound of n accumulated roundings of size `unit`.
 
@@ -467,11 +474,8 @@ def _chunk(units: _Units, q, k, abs_v, allowed, variants: _RowVariants, lse, abs
     # normal range carry an absolute error up to tiny_pv each (p <= 1 after the max shift).
     n = allowed.sum(axis=-1) + R.max(axis=-1, initial=0) + 1 + (variants.sink is not None)
     g_n = gamma(n, U.u_pv, U.accumulation, U.lam)[:, None]
-    with np.errstate(invalid="ignore"):  # inf * 0: no finite gamma_n over a zero column is no bound too
-        g_n_terms = g_n * (row_scale + abs_o)
-    g_n_terms[np.isnan(g_n_terms)] = np.inf
     out_terms["accumulation"][...] = np.where(
-        live[:, None], g_n_terms + U.u_pv * abs_o + (n[:, None] + 1) * U.tiny_pv, 0.0)
+        live[:, None], gamma_times(g_n, row_scale + abs_o) + U.u_pv * abs_o + (n[:, None] + 1) * U.tiny_pv, 0.0)
     if U.u_r:  # the values' own rounding: sum_j p_ij (u_r |v_jc| + h_r)
         out_terms["input_rounding"][...] += np.where(live[:, None], U.u_r * row_scale + U.h_r, 0.0)
     # |log(1 + theta)| <= -log(1 - |theta|) for the row sum's relative error theta
