@@ -25,6 +25,7 @@ from fa_verify.error_model import (
     _scaled,
     error_bound,
     gamma,
+    gamma_times,
 )
 from fa_verify.oracle import reference
 from fa_verify.strategies import DISTRIBUTION_NAMES, make_problem
@@ -490,3 +491,16 @@ def test_scaled_keeps_a_zero_term_zero_and_multiplies_the_rest_without_a_warning
         warnings.simplefilter("error")
         got = _scaled(first, factor)
     np.testing.assert_array_equal(got, [0.0, 0.0, 0.5, np.nan, np.inf])
+
+
+def test_gamma_times_is_inf_wherever_gamma_has_no_finite_value_even_times_zero():
+    """gamma_times(g, x) = g x where g is finite, +inf where it is not, also at x = 0 (inf x 0
+    would be NaN: a bound that fails no error), broadcasting g over x, without a warning."""
+    g = np.array([[0.5], [np.inf]])
+    x = np.array([[0.0, 2.0, np.inf], [0.0, 2.0, 3.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = gamma_times(g, x)
+        scalar = gamma_times(np.inf, np.zeros(3))
+    np.testing.assert_array_equal(got, [[0.0, 1.0, np.inf], [np.inf, np.inf, np.inf]])
+    np.testing.assert_array_equal(scalar, [np.inf] * 3)
